@@ -1,0 +1,38 @@
+# Every target creates the environment it needs, so a fresh machine runs either one directly.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL ?= .models/demo
+# torch is pinned here (not in pyproject) so a CPU machine gets the local 2.13.0 build
+# instead of the multi-GB CUDA one; GPU users install kvmesh with their own torch.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv run test test-slow bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(MODEL)/config.json: $(VENV)/.installed
+	$(BIN)/kvmesh demo-model $(MODEL)
+
+run: $(VENV)/.installed $(MODEL)/config.json
+	$(BIN)/kvmesh up --model $(MODEL)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+test-slow: $(VENV)/.installed
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(VENV)/.installed
+	$(BIN)/kvmesh bench offline --json loadtest/results/offline.json
+	$(BIN)/kvmesh bench prefix --json loadtest/results/prefix.json
+
+clean:
+	rm -rf $(VENV) .models .pytest_cache

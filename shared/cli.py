@@ -1,0 +1,50 @@
+"""The one `kvmesh` command. Each subcommand lives in its own module with add_arguments/run."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help). Modules are imported lazily so `kvmesh --help` stays fast.
+COMMANDS = {
+    "demo-model": ("shared.models.demo", "write the small built-in demo checkpoint"),
+    "generate": ("shared.engine.interactive", "offline interactive generation with the engine"),
+}
+BENCH = {
+    "offline": ("loadtest.offline", "engine throughput vs transformers, same process"),
+    "prefix": ("loadtest.prefix", "time to first token, cold vs prefix-cache warm"),
+}
+
+
+def _add(sub, name: str, module: str, help_: str) -> None:
+    mod = importlib.import_module(module)
+    p = sub.add_parser(name, help=help_, description=help_)
+    mod.add_arguments(p)
+    p.set_defaults(_run=mod.run)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh")
+    sub = parser.add_subparsers(dest="command", required=True)
+    wanted = argv[0] if argv else None
+    for name, (module, help_) in COMMANDS.items():
+        if wanted in (None, name, "-h", "--help"):
+            _add(sub, name, module, help_)
+        else:
+            sub.add_parser(name, help=help_)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_) in BENCH.items():
+        if wanted == "bench":
+            _add(bsub, name, module, help_)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Engine configuration. The only process-wide state kvmesh keeps is what lives here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str  # a Hugging Face checkpoint directory (config.json alone with load_format="dummy")
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    device: str = "auto"
+    load_format: str = "auto"  # "auto": safetensors from the directory; "dummy": random weights
+    seed: int = 0  # for dummy weights
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # byte budget for the KV pool; default: 1 GiB on CPU
+    gpu_memory_utilization: float = 0.85  # fraction of free device memory for the KV pool on CUDA
+    num_kv_blocks: int | None = None  # overrides the byte budget (tests use it to force preemption)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048  # per-step token budget; prompts are chunked to fit
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    enable_prefix_caching: bool = True
+    cache_salt: str = ""
+    model_id: str | None = None  # name folded into block hashes; default: the directory name
+
+    def __post_init__(self) -> None:
+        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of 2"
+        assert self.max_num_seqs > 0
+        assert self.max_num_batched_tokens > 0
+        assert self.load_format in ("auto", "dummy"), f"unknown load_format {self.load_format!r}"
+        assert 0 < self.gpu_memory_utilization <= 1
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")

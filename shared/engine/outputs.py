@@ -1,0 +1,28 @@
+"""What the engine hands back per request, per step (streaming) or at the end (offline)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives, from the raw model distribution."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new_token_ids: list[int]  # tokens produced by the step that built this output
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
