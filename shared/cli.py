@@ -13,6 +13,9 @@ COMMANDS = {
 BENCH = {
     "offline": ("loadtest.offline", "engine throughput vs transformers, same process"),
     "prefix": ("loadtest.prefix", "time to first token, cold vs prefix-cache warm"),
+    "serve": ("loadtest.serve.cli", "serving benchmark against any OpenAI-compatible server"),
+    "compare": ("loadtest.serve.compare", "same workload against two servers, side by side"),
+    "baseline": ("loadtest.serve.baseline", "start `transformers serve --continuous-batching` on a model dir"),
 }
 
 
@@ -34,9 +37,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             sub.add_parser(name, help=help_)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    which = argv[1] if wanted == "bench" and len(argv) > 1 else None
     for name, (module, help_) in BENCH.items():
-        if wanted == "bench":
+        if wanted == "bench" and which in (None, name, "-h", "--help"):
             _add(bsub, name, module, help_)
+        else:
+            bsub.add_parser(name, help=help_)
     return parser
 
 
