@@ -1,0 +1,114 @@
+"""A small byte-level BPE tokenizer trained offline, and the files that make it a HF tokenizer.
+
+Shaped like Llama 3 / Qwen2: byte-level BPE with no prefix space (so decode(encode(s)) == s for any
+UTF-8 text), special tokens placed after the learned vocabulary, BOS added by the post-processor,
+and a ChatML chat template that starts with the BOS token (chat templates are tokenized without
+special tokens, so the template must write BOS itself).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from shared.models.demo_corpus import TEXT
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END, PAD)
+MODEL_MAX_LENGTH = 2048
+
+# ChatML. `bos_token` comes from the tokenizer's special tokens map, which transformers passes to
+# every template render.
+DEFAULT_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+
+def train_byte_bpe(vocab_size: int = 2048) -> Tokenizer:
+    """Train on the shipped corpus; `vocab_size` counts the special tokens. Deterministic.
+
+    A corpus too small for `vocab_size` merges gives a smaller vocabulary, never an error:
+    read `get_vocab_size()` rather than assuming.
+    """
+    assert vocab_size > 256 + len(SPECIAL_TOKENS), "vocab_size must exceed the 256 byte tokens + specials"
+    tok = Tokenizer(models.BPE())
+    # No prefix space: a leading space would be invented on encode and kept on decode.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable, seen or not
+    )
+    tok.train_from_iterator(_paragraphs(TEXT), trainer=trainer)
+    # Added after training so they get the highest ids, as in Llama 3 and Qwen2.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, tok.token_to_id(BOS))],
+    )
+    return tok
+
+
+@functools.lru_cache(maxsize=8)
+def cached_byte_bpe(vocab_size: int = 512) -> Tokenizer:
+    """`train_byte_bpe` once per process per size, for tests that build many tiny checkpoints.
+
+    Callers share the returned object: do not mutate it (write_tokenizer_files does not).
+    """
+    return train_byte_bpe(vocab_size)
+
+
+def write_tokenizer_files(
+    tok: Tokenizer,
+    out_dir: str | Path,
+    *,
+    chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
+    template_in_jinja_file: bool = False,
+) -> None:
+    """Write tokenizer.json + tokenizer_config.json (+ chat_template.jinja) into `out_dir`.
+
+    Real checkpoints carry the chat template either inline in tokenizer_config.json (older) or in
+    chat_template.jinja (transformers >= 4.50); `template_in_jinja_file` picks which to imitate.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    config: dict[str, object] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "model_max_length": MODEL_MAX_LENGTH,
+        # The default would turn " ." into "." on decode and break byte-exact round trips.
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    jinja = out / "chat_template.jinja"
+    if jinja.exists():
+        jinja.unlink()  # a stale file would win over the inline template on load
+    if chat_template is not None and template_in_jinja_file:
+        jinja.write_text(chat_template, encoding="utf-8")
+    elif chat_template is not None:
+        config["chat_template"] = chat_template
+    text = json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n"
+    (out / "tokenizer_config.json").write_text(text, encoding="utf-8")
+
+
+def _paragraphs(text: str) -> list[str]:
+    # Fixed-order chunks: training sees the same sequences every run.
+    return [p for p in text.split("\n\n") if p.strip()]

@@ -1,0 +1,51 @@
+"""Load a checkpoint's tokenizer offline, and turn chat messages into prompt token ids."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of the HF checkpoint in `model_dir`, never touching the network.
+
+    The chat template is picked up from tokenizer_config.json or chat_template.jinja, whichever
+    the checkpoint has. Only fast (tokenizer.json) tokenizers are supported: the gateway, the
+    tokenizer service and the reference must all tokenize exactly alike.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(
+            f"no tokenizer.json in {str(path)!r}: kvmesh needs a fast (tokenizers) tokenizer; "
+            f"found {sorted(p.name for p in path.iterdir())}"
+        )
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+
+
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, object]],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Prompt ids for `messages` ({"role", "content"} dicts) through the checkpoint's chat template.
+
+    The template writes any BOS itself; no special tokens are added on top.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat template")
+    # return_dict=False: transformers 5 defaults to a BatchEncoding, 4.x to a list.
+    out = tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
+    )
+    if isinstance(out, Mapping):  # a BatchEncoding, should a version ignore return_dict
+        out = out["input_ids"]
+    ids = list(out)
+    if ids and isinstance(ids[0], list):  # a batch of one
+        (ids,) = ids
+    return [int(i) for i in ids]
