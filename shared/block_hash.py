@@ -1,0 +1,41 @@
+"""Chained content hashes of full KV blocks, identical in every process and on every machine.
+
+h_0 = H(root, tokens of block 0), h_i = H(h_{i-1}, tokens of block i), where the root folds in the
+model id, block size, KV dtype and an optional cache salt, so blocks of different models or tenants
+never collide. blake2b, never Python's salted hash().
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+DIGEST_SIZE = 16
+BlockHash = bytes
+
+
+def root_hash(model_id: str, block_size: int, kv_dtype: str, salt: str = "") -> BlockHash:
+    seed = f"kvmesh-v1|{model_id}|{block_size}|{kv_dtype}|{salt}".encode()
+    return hashlib.blake2b(seed, digest_size=DIGEST_SIZE).digest()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
+    # Fixed-width little-endian ids: the byte string is the same on every platform.
+    ids = array("q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    h.update(ids.tobytes())
+    return h.digest()
+
+
+def hash_blocks(root: BlockHash, token_ids: Sequence[int], block_size: int, start_parent: BlockHash | None = None,
+                start_block: int = 0) -> list[BlockHash]:
+    """Hashes of every full block of token_ids from block start_block on (earlier ones chained into start_parent)."""
+    hashes: list[BlockHash] = []
+    parent = root if start_parent is None else start_parent
+    for i in range(start_block, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes

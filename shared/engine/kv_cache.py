@@ -1,0 +1,34 @@
+"""The paged KV pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim]."""
+from __future__ import annotations
+
+import torch
+
+from shared.models.model_config import ModelConfig
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.kv_size * torch.tensor([], dtype=dtype).element_size()
+
+
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: str,
+                   kv_cache_bytes: int | None, gpu_memory_utilization: float) -> int:
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    if kv_cache_bytes is None:
+        if device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            kv_cache_bytes = int(free * gpu_memory_utilization)
+        else:
+            kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+    n = kv_cache_bytes // per_block
+    if n < 1:
+        raise ValueError(f"KV budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes)")
+    return n
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)]

@@ -1,0 +1,77 @@
+"""A request inside the engine: its tokens, progress counters and the blocks it holds."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from shared.block_hash import BlockHash
+from shared.engine.outputs import TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                 arrival_time: float | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_order = next(_arrivals)  # FIFO tie-break that survives preemption
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at (last) admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[BlockHash] = []  # hashes of the leading full blocks, filled lazily
+        self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprobs] = []
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.num_preemptions = 0
+        # A per-request generator keeps a seeded request's samples independent of the batch it runs in.
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Admission order: higher priority first, FIFO within a priority."""
+        return (-self.priority, self.arrival_order)

@@ -1,0 +1,182 @@
+"""Load a Hugging Face checkpoint directory into the model, or fail with one clear error.
+
+Every header is validated (shards present, dtypes known, shapes right, nothing missing) before
+any tensor data is read, and the model object is returned only when all of it loaded.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.models.errors import CheckpointError
+from shared.models.llama import LlamaFamilyForCausalLM
+from shared.models.model_config import ModelConfig, load_model_config
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+SAFETENSORS_KNOWN_DTYPES = SAFETENSORS_FLOAT_DTYPES | {
+    "BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F8_E4M3", "F8_E5M2",
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter, at a row offset (fused weights)."""
+
+    param: str
+    row_offset: int
+    shape: tuple[int, ...]
+
+
+def weight_plan(cfg: ModelConfig) -> dict[str, Target]:
+    plan: dict[str, Target] = {}
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    plan["model.embed_tokens.weight"] = Target("embed_tokens.weight", 0, (cfg.vocab_size, h))
+    plan["model.norm.weight"] = Target("norm.weight", 0, (h,))
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = Target("lm_head.weight", 0, (cfg.vocab_size, h))
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}", f"layers.{i}"
+        plan[f"{src}.input_layernorm.weight"] = Target(f"{dst}.input_layernorm.weight", 0, (h,))
+        plan[f"{src}.post_attention_layernorm.weight"] = Target(f"{dst}.post_attention_layernorm.weight", 0, (h,))
+        for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+            plan[f"{src}.self_attn.{name}.weight"] = Target(f"{dst}.self_attn.qkv_proj.weight", off, (rows, h))
+            if cfg.qkv_bias:
+                plan[f"{src}.self_attn.{name}.bias"] = Target(f"{dst}.self_attn.qkv_proj.bias", off, (rows,))
+        plan[f"{src}.self_attn.o_proj.weight"] = Target(f"{dst}.self_attn.o_proj.weight", 0, (h, q))
+        if cfg.o_bias:
+            plan[f"{src}.self_attn.o_proj.bias"] = Target(f"{dst}.self_attn.o_proj.bias", 0, (h,))
+        if cfg.qk_norm:
+            plan[f"{src}.self_attn.q_norm.weight"] = Target(f"{dst}.self_attn.q_norm.weight", 0, (cfg.head_dim,))
+            plan[f"{src}.self_attn.k_norm.weight"] = Target(f"{dst}.self_attn.k_norm.weight", 0, (cfg.head_dim,))
+        for name, off in (("gate_proj", 0), ("up_proj", inter)):
+            plan[f"{src}.mlp.{name}.weight"] = Target(f"{dst}.mlp.gate_up_proj.weight", off, (inter, h))
+            if cfg.mlp_bias:
+                plan[f"{src}.mlp.{name}.bias"] = Target(f"{dst}.mlp.gate_up_proj.bias", off, (inter,))
+        plan[f"{src}.mlp.down_proj.weight"] = Target(f"{dst}.mlp.down_proj.weight", 0, (h, inter))
+        if cfg.mlp_bias:
+            plan[f"{src}.mlp.down_proj.bias"] = Target(f"{dst}.mlp.down_proj.bias", 0, (h,))
+    return plan
+
+
+def _shard_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(index, "weight_map", f"unreadable index: {e}") from None
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (model_dir / shard).exists():
+                raise CheckpointError(index, "weight_map", f"shard {shard} is listed but the file is missing")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise CheckpointError(model_dir, "model.safetensors", "no model.safetensors or model.safetensors.index.json found")
+
+
+def _read_header(path: Path) -> dict[str, dict]:
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(path, "header", f"not a safetensors file: {e}") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def _validate(files: list[Path], plan: dict[str, Target], model_dir: Path) -> dict[str, Path]:
+    """Map every planned tensor to its file, checking dtypes and shapes from the headers alone."""
+    located: dict[str, Path] = {}
+    for path in files:
+        for name, info in _read_header(path).items():
+            dtype = info.get("dtype")
+            if dtype not in SAFETENSORS_KNOWN_DTYPES:
+                raise CheckpointError(path, name, f"unknown dtype {dtype!r}")
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            target = plan.get(name)
+            if target is None:
+                log.warning("%s: ignoring unexpected tensor %s", path, name)
+                continue
+            if dtype not in SAFETENSORS_FLOAT_DTYPES:
+                raise CheckpointError(path, name, f"dtype {dtype} is not a floating-point weight dtype")
+            shape = tuple(info.get("shape", ()))
+            if shape != target.shape:
+                raise CheckpointError(path, name, f"shape {list(shape)} does not match the config's {list(target.shape)}")
+            located[name] = path
+    missing = [n for n in plan if n not in located]
+    if missing:
+        raise CheckpointError(model_dir, missing[0], f"tensor missing from the checkpoint ({len(missing)} missing in all)")
+    return located
+
+
+def resolve_dtype(requested: str, cfg: ModelConfig, device: str) -> torch.dtype:
+    from shared.config import DTYPES
+
+    if requested == "auto":
+        return torch.float32 if device == "cpu" else DTYPES[cfg.dtype]
+    return DTYPES[requested]
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+    max_positions: int | None = None,
+) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
+    model_dir = Path(model_dir)
+    cfg = load_model_config(model_dir)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    plan = None if load_format == "dummy" else weight_plan(cfg)
+    located = None if plan is None else _validate(_shard_files(model_dir), plan, model_dir)
+
+    with torch.device("meta"):
+        model = LlamaFamilyForCausalLM(cfg, max_positions or cfg.max_position_embeddings)
+    model = model.to_empty(device=device).to(torch_dtype)
+    # The rope table is a computed buffer (to_empty left it uninitialised) and stays float32.
+    if cfg.tie_word_embeddings:  # to_empty/to re-create parameters one module at a time, untying them
+        model.lm_head.weight = model.embed_tokens.weight
+    model.cos_sin = LlamaFamilyForCausalLM.rope_table(cfg, max_positions or cfg.max_position_embeddings).to(device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        if plan is None:
+            _init_random(model, seed)
+        else:
+            by_file: dict[Path, list[str]] = {}
+            for name, path in located.items():
+                by_file.setdefault(path, []).append(name)
+            for path, names in by_file.items():
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for name in names:
+                        t = plan[name]
+                        dst = params[t.param]
+                        dst[t.row_offset : t.row_offset + t.shape[0]].copy_(f.get_tensor(name))
+    model.eval()
+    return model, cfg
+
+
+def _init_random(model: LlamaFamilyForCausalLM, seed: int) -> None:
+    """Dummy weights for benchmarking real sizes: normal(0, 0.02) like transformers' init, norms at one."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen))
