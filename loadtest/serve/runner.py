@@ -1,0 +1,50 @@
+"""Glue shared by serve and compare: measure one level, probe EOS under the deadline, plot series."""
+from __future__ import annotations
+
+import asyncio
+import time
+from argparse import Namespace
+
+from .datasets import Workload
+from .eos import EosProbe
+from .load import resolve_eos, run_level
+from .metrics import summarize
+from .options import build_load
+from .payload import Endpoint, EosMode
+from .plots import Series
+from .report import LevelReport
+
+# Exit codes of `bench serve` / `bench compare`, documented in their --help.
+EXIT_OK = 0  # the run finished; some requests may have failed (see the report)
+EXIT_ALL_FAILED = 1  # not a single request succeeded: server down, wrong model name, ...
+EXIT_BAD_ARGS = 2
+
+
+async def prepare(ep: Endpoint, args: Namespace, deadline: float) -> tuple[Endpoint, EosProbe]:
+    cfg = build_load(args, None)
+    try:
+        return await asyncio.wait_for(resolve_eos(ep, args.eos_mode, cfg), timeout=max(0.1, deadline - time.perf_counter()))
+    except asyncio.TimeoutError:
+        from dataclasses import replace
+
+        return replace(ep, eos_mode=EosMode.OFF), EosProbe(EosMode.OFF, "probe hit the time limit; EOS not forced")
+
+
+async def measure(ep: Endpoint, workload: Workload, args: Namespace, level: int | None, deadline: float,
+                  slo: dict[str, float], label: str) -> LevelReport:
+    run = await run_level(ep, workload, build_load(args, level), deadline, label)
+    return LevelReport(run, summarize(run.results, run.duration, run.planned, slo))
+
+
+def series(label: str, levels: list[LevelReport]) -> Series:
+    return Series(
+        label=label,
+        concurrency=[lv.run.max_concurrency or lv.run.planned for lv in levels],
+        summaries=[lv.summary for lv in levels],
+        ttft_ms=[[r.ttft * 1000 for r in lv.run.results if r.ok and r.ttft is not None] for lv in levels],
+        itl_ms=[[g * 1000 for r in lv.run.results if r.ok for g in r.itl] for lv in levels],
+    )
+
+
+def exit_code(levels: list[LevelReport]) -> int:
+    return EXIT_OK if any(lv.summary.completed for lv in levels) else EXIT_ALL_FAILED
