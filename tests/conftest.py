@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.checkpoints import ARCHS, Checkpoint, build_checkpoint, hf_greedy
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Checkpoint]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: build_checkpoint(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Memoised transformers greedy output: (arch checkpoint, prompt, max_new) -> (tokens, logprobs)."""
+
+    @functools.lru_cache(maxsize=None)
+    def run(ckpt_key: tuple[str, int], prompt: tuple[int, ...], max_new: int):
+        return hf_greedy(_models[ckpt_key], list(prompt), max_new)
+
+    _models: dict[tuple[str, int], torch.nn.Module] = {}
+
+    def reference(ckpt: Checkpoint, prompt: list[int], max_new: int):
+        key = (ckpt.arch, id(ckpt.hf_model))
+        _models[key] = ckpt.hf_model
+        return run(key, tuple(prompt), max_new)
+
+    return reference
