@@ -1,0 +1,53 @@
+"""gateway <-> tokenizer: prompt to token ids, token ids back to text."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import model_validator
+
+from shared.wire import Message, WireModel
+
+
+class ChatMessage(WireModel):
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str
+
+
+class EncodeRequest(Message):
+    """Exactly one of prompt, token_ids (passed through, validated) or messages (chat template)."""
+
+    KIND: ClassVar[str] = "tokenizer.encode"
+
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # only with messages
+    add_special_tokens: bool = True  # only with prompt
+
+    @model_validator(mode="after")
+    def _one_input(self) -> EncodeRequest:
+        given = sum(x is not None for x in (self.prompt, self.token_ids, self.messages))
+        if given != 1:
+            raise ValueError("exactly one of prompt, token_ids, messages must be set")
+        return self
+
+
+class EncodeReply(Message):
+    KIND: ClassVar[str] = "tokenizer.encode.reply"
+
+    token_ids: list[int]
+
+
+class DecodeRequest(Message):
+    """Batch detokenization, one text per sequence."""
+
+    KIND: ClassVar[str] = "tokenizer.decode"
+
+    sequences: list[list[int]]
+    skip_special_tokens: bool = True
+
+
+class DecodeReply(Message):
+    KIND: ClassVar[str] = "tokenizer.decode.reply"
+
+    texts: list[str]

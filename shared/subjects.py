@@ -1,0 +1,79 @@
+"""Every NATS subject and queue group kvmesh uses, in one place.
+
+Subjects follow `kvmesh.<service>.<endpoint>`. Endpoints served by a pool of interchangeable
+workers use a queue group (NATS hands each message to one member); fan-out subjects (events,
+load beats, cancels) have none, so every subscriber sees every message. Per-worker subjects end
+in the worker id, which must be a single subject token.
+"""
+from __future__ import annotations
+
+import re
+
+PREFIX = "kvmesh"
+
+# nats.micro service names (`$SRV.PING.<name>`); also the OpenTelemetry service.name.
+SERVICE_GATEWAY = "kvmesh-gateway"
+SERVICE_TOKENIZER = "kvmesh-tokenizer"
+SERVICE_DECODE = "kvmesh-decode"
+SERVICE_PREFILL = "kvmesh-prefill"
+SERVICE_KVSTORE = "kvmesh-kvstore"
+
+# --- tokenizer: stateless, load balanced
+TOKENIZER_ENCODE = "kvmesh.tokenizer.encode"
+TOKENIZER_DECODE = "kvmesh.tokenizer.decode"
+QUEUE_TOKENIZER = "kvmesh.tokenizer"
+
+# --- decode
+# Any decode worker (used when the router has no affinity information yet).
+DECODE_GENERATE = "kvmesh.decode.generate"
+QUEUE_DECODE = "kvmesh.decode"
+# Cancels fan out: only the worker holding the request acts, the others ignore it.
+DECODE_CANCEL = "kvmesh.decode.cancel"
+DECODE_EVENTS_ALL = "kvmesh.decode.events.*"
+DECODE_LOAD_ALL = "kvmesh.decode.load.*"
+
+# --- prefill
+PREFILL_PREFILL = "kvmesh.prefill.prefill"
+QUEUE_PREFILL = "kvmesh.prefill"
+PREFILL_CANCEL = "kvmesh.prefill.cancel"  # fan-out, like DECODE_CANCEL
+
+# --- kvstore: any replica may answer (they share the disk tier)
+KVSTORE_PUT = "kvmesh.kvstore.put"
+KVSTORE_GET = "kvmesh.kvstore.get"
+KVSTORE_CONTAINS = "kvmesh.kvstore.contains"
+KVSTORE_STATS = "kvmesh.kvstore.stats"
+QUEUE_KVSTORE = "kvmesh.kvstore"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def worker_token(worker_id: str) -> str:
+    """Checks that a worker id is usable as one subject token (no dots, spaces or wildcards)."""
+    if not isinstance(worker_id, str) or not _TOKEN.match(worker_id):
+        raise ValueError(f"worker id must match {_TOKEN.pattern}, got {worker_id!r}")
+    return worker_id
+
+
+def decode_generate(worker_id: str) -> str:
+    """Generate requests routed by the gateway to one decode worker (cache affinity)."""
+    return f"kvmesh.decode.generate.{worker_token(worker_id)}"
+
+
+def decode_kv_push(worker_id: str) -> str:
+    """Inbox where prefill workers push KV blocks for one decode worker."""
+    return f"kvmesh.decode.kv.push.{worker_token(worker_id)}"
+
+
+def decode_events(worker_id: str) -> str:
+    """BlockStored / BlockRemoved events of one decode worker (ordered, fan-out)."""
+    return f"kvmesh.decode.events.{worker_token(worker_id)}"
+
+
+def decode_load(worker_id: str) -> str:
+    """Periodic LoadBeat of one decode worker (fan-out)."""
+    return f"kvmesh.decode.load.{worker_token(worker_id)}"
+
+
+def worker_from_subject(subject: str) -> str:
+    """The worker id at the end of a per-worker subject (events, load beats, pushes)."""
+    return worker_token(subject.rsplit(".", 1)[-1])
