@@ -43,7 +43,9 @@ class BaselineConfig:
     host: str = "127.0.0.1"
     device: str = "cpu"
     dtype: str = "float32"
-    cb_num_blocks: int | None = None  # let transformers size the paged cache unless told
+    # Unset, transformers sizes the paged cache from free memory on the first request, which took
+    # ~14 s on a CPU box; a fixed small cache (tests) makes that first request take well under 1 s.
+    cb_num_blocks: int | None = None
     cb_max_batch_tokens: int | None = None
     extra_args: tuple[str, ...] = ()
 
@@ -91,7 +93,9 @@ class BaselineServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)  # uvicorn's graceful path
+            # SIGTERM, not SIGINT: both are uvicorn's graceful path, but after SIGINT the CB worker
+            # thread kept the process alive for over 10 s here; SIGTERM exits in about a second.
+            self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

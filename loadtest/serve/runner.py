@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 from argparse import Namespace
+from dataclasses import replace
 
 from .datasets import Workload
 from .eos import EosProbe
@@ -19,15 +20,20 @@ EXIT_OK = 0  # the run finished; some requests may have failed (see the report)
 EXIT_ALL_FAILED = 1  # not a single request succeeded: server down, wrong model name, ...
 EXIT_BAD_ARGS = 2
 
+# The EOS probe is one 2-token request; a server needing longer than this is loading the model,
+# and the warm-up requests will wait for it instead.
+PROBE_TIMEOUT_S = 60.0
+
 
 async def prepare(ep: Endpoint, args: Namespace, deadline: float) -> tuple[Endpoint, EosProbe]:
     cfg = build_load(args, None)
+    # Bounded on its own: a server that accepts connections but never answers must not eat the
+    # whole run's time limit before a single measured request is sent.
+    budget = min(PROBE_TIMEOUT_S, args.request_timeout, max(0.1, deadline - time.perf_counter()))
     try:
-        return await asyncio.wait_for(resolve_eos(ep, args.eos_mode, cfg), timeout=max(0.1, deadline - time.perf_counter()))
+        return await asyncio.wait_for(resolve_eos(ep, args.eos_mode, cfg), timeout=budget)
     except asyncio.TimeoutError:
-        from dataclasses import replace
-
-        return replace(ep, eos_mode=EosMode.OFF), EosProbe(EosMode.OFF, "probe hit the time limit; EOS not forced")
+        return replace(ep, eos_mode=EosMode.OFF), EosProbe(EosMode.OFF, f"probe got no answer in {budget:g}s; EOS not forced")
 
 
 async def measure(ep: Endpoint, workload: Workload, args: Namespace, level: int | None, deadline: float,
