@@ -1,0 +1,184 @@
+"""`kvmesh bench offline`: output tokens/s of kvmesh's engine vs three transformers baselines.
+
+Same process, same weights, same threads, same workload. Throughput everywhere is
+sum(requested output tokens) / wall-clock seconds, so a static batch's overrun is not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import torch
+
+from loadtest import hf_baselines as hf
+from loadtest.workload import (ModelShape, RunResult, Workload, build_bench_model, machine_info, make_workload,
+                               read_shape, warn_if_busy)
+
+BASELINES = ("batched", "unbatched", "continuous")
+TOK_S_DEFINITION = ("sum of requested output tokens / wall-clock seconds; tokens a static batch generates past a "
+                    "request's requested length are not counted (see runs.*.generated_tokens)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    p.add_argument("--model", metavar="DIR", help="HF checkpoint dir (default: build the benchmark model in a temp dir)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len-min", type=int, default=32)
+    p.add_argument("--input-len-max", type=int, default=512)
+    p.add_argument("--output-len-min", type=int, default=32)
+    p.add_argument("--output-len-max", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="workload seed (the model is always built from seed 0)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda; both systems run there")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="kvmesh max_num_seqs; also transformers CB's cap")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="kvmesh per-step token budget; also transformers CB's max_batch_tokens")
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV budget, the same for kvmesh and transformers CB")
+    p.add_argument("--skip-hf", action="store_true", help="run kvmesh only")
+    p.add_argument("--skip-kvmesh", action="store_true", help="run the transformers baselines only")
+    p.add_argument("--baselines", default=",".join(BASELINES), help=f"comma list out of {','.join(BASELINES)}")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-unbatched-requests", type=int, default=8, help="requests timed one by one, then scaled")
+    p.add_argument("--hf-attn", default="sdpa", help="attn_implementation for transformers (sdpa, eager -> paged|eager)")
+    p.add_argument("--hf-page-size", type=int, default=256, help="transformers CB page size (its default)")
+    p.add_argument("--hf-continuous-api", choices=("per-request", "generate_batch"), default="per-request",
+                   help="per-request: the manager under generate_batch with each request's own max_new_tokens; "
+                        "generate_batch: the one-call API, every request runs to the workload's longest output")
+    p.add_argument("--progress", action="store_true", help="show kvmesh's progress bar (off: it is not timed free)")
+
+
+@contextlib.contextmanager
+def model_dir(args: argparse.Namespace) -> Iterator[str]:
+    if args.model:
+        yield args.model
+        return
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
+        print(f"building the benchmark model ({ModelShape()}) in {tmp}", file=sys.stderr)
+        yield build_bench_model(tmp, ModelShape(), seed=0)
+
+
+def engine_config(model: str, args: argparse.Namespace):
+    from shared.config import EngineConfig
+
+    return EngineConfig(model=model, dtype="float32", device=args.device, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=args.kv_cache_bytes)
+
+
+def greedy(max_tokens: int):
+    from shared.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_kvmesh(model: str, wl: Workload, args: argparse.Namespace) -> RunResult:
+    from shared.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(model, args))
+    engine.generate([[5, 6, 7, 8]], greedy(4), use_tqdm=False)  # warm-up, before the clock
+    start = time.perf_counter()
+    outs = engine.generate(wl.prompts, [greedy(n) for n in wl.output_lens], use_tqdm=args.progress)
+    seconds = time.perf_counter() - start
+    outputs = [o.output_token_ids for o in outs]
+    short = [i for i, (o, n) in enumerate(zip(outputs, wl.output_lens)) if len(o) != n]
+    if short:
+        print(f"WARNING: kvmesh returned the wrong number of tokens for requests {short[:8]}", file=sys.stderr)
+    details = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "kv_cache_bytes": args.kv_cache_bytes}
+    del engine
+    gc.collect()  # free its KV pool before transformers allocates its own
+    return RunResult("kvmesh", seconds, wl.total_output_tokens, sum(map(len, outputs)), outputs, details)
+
+
+def run_hf(model: str, wl: Workload, args: argparse.Namespace, which: list[str]) -> dict[str, RunResult]:
+    hf_model = hf.load_hf_model(model, args.hf_attn, args.device)
+    settings = hf.ContinuousSettings(args.kv_cache_bytes, args.max_num_batched_tokens, args.max_num_seqs,
+                                     args.hf_page_size, args.hf_continuous_api == "per-request")
+    runners = {
+        "batched": lambda: hf.run_static_batched(hf_model, wl, args.hf_batch_size),
+        "unbatched": lambda: hf.run_unbatched(hf_model, wl, args.hf_unbatched_requests),
+        "continuous": lambda: hf.run_continuous(hf_model, wl, settings),
+    }
+    results = {}
+    for name in which:
+        print(f"transformers {name} ...", file=sys.stderr)
+        results[f"hf_{name}"] = runners[name]()
+    return results
+
+
+def check_outputs(runs: dict[str, RunResult]) -> dict:
+    """Greedy tokens of every run against transformers one-request-at-a-time generate(), the oracle."""
+    oracle = runs.get("hf_unbatched")
+    if oracle is None:
+        return {"oracle": None}
+    report: dict = {"oracle": "hf_unbatched", "requests_compared": len(oracle.outputs)}
+    for name, run in runs.items():
+        if name != oracle.name:
+            pairs = list(zip(run.outputs, oracle.outputs))
+            report[f"{name}_equal"] = sum(a == b for a, b in pairs)
+            report[f"{name}_first_request_equal"] = bool(pairs) and pairs[0][0] == pairs[0][1]
+    if report.get("kvmesh_first_request_equal") is False:
+        print("WARNING: kvmesh's greedy output for request 0 differs from transformers generate()", file=sys.stderr)
+    return report
+
+
+def summarize(runs: dict[str, RunResult]) -> dict:
+    tok_s = {f"{name}_tok_s": run.tok_s for name, run in runs.items()}
+    out: dict = {k: tok_s.get(k) for k in ("kvmesh_tok_s", "hf_batched_tok_s", "hf_unbatched_tok_s", "hf_continuous_tok_s")}
+    hf_runs = {n: r.tok_s for n, r in runs.items() if n.startswith("hf_")}
+    best = max(hf_runs, key=hf_runs.__getitem__) if hf_runs else None
+    kv = out["kvmesh_tok_s"]
+    for name in ("hf_batched", "hf_unbatched", "hf_continuous"):
+        base = out[f"{name}_tok_s"]
+        out[f"ratio_vs_{name}"] = kv / base if kv and base else None
+    out["best_hf"] = best
+    out["ratio_vs_best_hf"] = kv / hf_runs[best] if kv and best else None
+    return out
+
+
+def print_table(runs: dict[str, RunResult], summary: dict) -> None:
+    for name, run in runs.items():
+        print(f"{name:<14} {run.tok_s:9.1f} tok/s  {run.seconds:8.2f} s  ({run.useful_tokens} useful tokens)")
+    for key in ("ratio_vs_hf_batched", "ratio_vs_hf_unbatched", "ratio_vs_hf_continuous", "ratio_vs_best_hf"):
+        if summary.get(key) is not None:
+            print(f"{key:<24} {summary[key]:.2f}x")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    which = [] if args.skip_hf else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    unknown = set(which) - set(BASELINES)
+    if unknown:
+        raise SystemExit(f"unknown baselines {sorted(unknown)}; choose from {', '.join(BASELINES)}")
+    machine = machine_info(args.device)  # before anything runs: its load average is other people's work
+    warn_if_busy()
+    with model_dir(args) as model:
+        shape = read_shape(model)
+        wl = make_workload(args.num_prompts, (args.input_len_min, args.input_len_max),
+                           (args.output_len_min, args.output_len_max), shape["vocab_size"], args.seed)
+        runs: dict[str, RunResult] = {}
+        if not args.skip_kvmesh:
+            print("kvmesh ...", file=sys.stderr)
+            runs["kvmesh"] = run_kvmesh(model, wl, args)
+        runs |= run_hf(model, wl, args, which) if which else {}
+    summary = summarize(runs)
+    report = summary | {
+        "tok_s_definition": TOK_S_DEFINITION,
+        "workload": wl.description,
+        "model": shape | {"dir": args.model or "(temp dir, seed 0)", "dtype": "float32"},
+        "machine": machine,
+        "runs": {name: run.to_json() for name, run in runs.items()},
+        "correctness": check_outputs(runs),
+    }
+    print_table(runs, summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
