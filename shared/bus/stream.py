@@ -1,0 +1,179 @@
+"""Streamed replies: many ordered messages to one reply inbox, then an end marker.
+
+Item k carries `Kvmesh-Seq: k`; the stream ends with a message carrying `Kvmesh-End: <count>`
+whose body is empty or an encoded ErrorReply. Items may be chunked (direct framing); the
+sender sends one item at a time so chunks of different items never interleave. The receiver
+checks the sequence, so a lost message (slow consumer) raises instead of silently dropping
+tokens. A reply without `Kvmesh-Seq` (a plain request/reply answer) is a one-item stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Generic, TypeVar
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from shared import wire
+from shared.bus import headers as H
+from shared.bus.chunks import Envelope, Reassembler, send_direct, unsubscribe_quietly
+from shared.bus.errors import BusError, BusTimeout, NoRespondersError, RemoteError, StreamGapError
+from shared.bus.limits import DEFAULT_LIMITS, BusLimits
+from shared.protocol.errors import ErrorReply
+
+M = TypeVar("M", bound=wire.Message)
+
+
+class StreamReply:
+    """The sending side. Captures the trace context it was created in, for every item."""
+
+    def __init__(self, nc: Client, subject: str, ctx: otel_context.Context | None = None) -> None:
+        if not subject:
+            raise BusError("cannot stream a reply: the request has no reply subject")
+        self.subject = subject
+        self._nc = nc
+        self._ctx = ctx if ctx is not None else otel_context.get_current()
+        self._lock = asyncio.Lock()
+        self._seq = 0
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def count(self) -> int:
+        return self._seq
+
+    async def send(self, msg: wire.Message) -> None:
+        data = wire.encode(msg)
+        async with self._lock:
+            if self._closed:
+                raise BusError(f"stream to {self.subject!r} already ended")
+            await send_direct(self._nc, self.subject, data, H.with_trace({H.SEQ: str(self._seq)}, self._ctx))
+            self._seq += 1
+
+    async def end(self, error: ErrorReply | None = None) -> None:
+        """Sends the end marker; idempotent, so every exit path may call it."""
+        async with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            body = wire.encode(error) if error is not None else b""
+            await send_direct(self._nc, self.subject, body, H.with_trace({H.END: str(self._seq)}, self._ctx))
+
+
+class ReplyStream(Generic[M]):
+    """The receiving side, over a private inbox subscription: `async for msg in stream`.
+
+    Closes its subscription when the stream ends or fails; use `async with` (or `aclose()`)
+    to release it when leaving early. Raises NoRespondersError, BusTimeout (nothing arrived
+    for `idle_timeout` seconds), RemoteError, StreamGapError, ChunkError or wire.WireError.
+    """
+
+    def __init__(
+        self,
+        sub: Subscription,
+        target: str,
+        idle_timeout: float,
+        expect: type[M] | None = None,
+        limits: BusLimits = DEFAULT_LIMITS,
+        span: trace.Span | None = None,
+    ) -> None:
+        self._sub = sub
+        self._target = target
+        self._idle_timeout = idle_timeout
+        self._expect = expect
+        self._assembler = Reassembler(limits)
+        self._span = span
+        self._seq = 0
+        self._done = False  # no more items will be returned
+        self._closed = False  # subscription and span released
+
+    @property
+    def inbox(self) -> str:
+        return self._sub.subject
+
+    def __aiter__(self) -> AsyncIterator[M]:
+        return self
+
+    async def __anext__(self) -> M:
+        if self._done:
+            await self._finish(None)
+            raise StopAsyncIteration
+        try:
+            item = await self._next_item()
+        except BaseException as e:
+            await self._finish(e)
+            raise
+        if item is None:
+            await self._finish(None)
+            raise StopAsyncIteration
+        return item
+
+    async def __aenter__(self) -> ReplyStream[M]:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._finish(None)
+
+    async def _next_item(self) -> M | None:
+        env = await self._next_envelope()
+        hdrs = env.headers
+        if H.END in hdrs:
+            if hdrs[H.END] != str(self._seq):
+                raise StreamGapError(f"stream from {self._target!r} ended after {hdrs[H.END]} items, got {self._seq}")
+            if env.data:
+                self._raise_remote(wire.decode(env.data, ErrorReply))
+            return None
+        seq = hdrs.get(H.SEQ)
+        if seq is None:
+            self._done = True  # a plain reply: the whole "stream"
+        elif seq != str(self._seq):
+            raise StreamGapError(f"stream from {self._target!r}: expected item {self._seq}, got {seq!r}")
+        self._seq += 1
+        expect = (self._expect, ErrorReply) if self._expect is not None else None
+        msg = wire.decode(env.data, expect)
+        if isinstance(msg, ErrorReply) and self._expect is not ErrorReply:
+            self._raise_remote(msg)
+        return msg  # type: ignore[return-value]
+
+    async def _next_envelope(self) -> Envelope:
+        deadline = time.monotonic() + self._idle_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BusTimeout(self._target, self._idle_timeout)
+            try:
+                msg = await self._sub.next_msg(timeout=remaining)
+            except nats.errors.TimeoutError:
+                continue
+            if (msg.headers or {}).get(H.STATUS) == "503":
+                raise NoRespondersError(self._target)
+            env = self._assembler.feed(msg)
+            if env is not None:
+                return env
+
+    def _raise_remote(self, err: ErrorReply) -> None:
+        raise RemoteError(err.code, err.message, self._target)
+
+    async def _finish(self, error: BaseException | None) -> None:
+        self._done = True
+        if self._closed:
+            return
+        self._closed = True
+        await unsubscribe_quietly(self._sub)
+        if self._span is not None:
+            if error is not None and not isinstance(error, (StopAsyncIteration, GeneratorExit)):
+                self._span.record_exception(error)
+                self._span.set_status(trace.StatusCode.ERROR, str(error))
+            self._span.end()
+            self._span = None
