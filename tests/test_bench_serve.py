@@ -21,7 +21,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from loadtest.serve.arrivals import arrival_offsets
 from loadtest.serve.baseline import BaselineConfig, start_baseline
 from loadtest.serve.client import RequestResult
-from loadtest.serve.datasets import PromptMaker, parse_len, shared_prefix_dataset
+from loadtest.serve.datasets import PromptMaker, id_pool, parse_len, random_dataset, shared_prefix_dataset
+from loadtest.serve.payload import Endpoint, EosMode, Message, build_body
 from loadtest.serve.metrics import parse_goodput, summarize
 from shared.cli import main
 from shared.models.demo_tokenizer import BOS, EOS, PAD, cached_byte_bpe, write_tokenizer_files
@@ -151,7 +152,8 @@ def test_chat_multi_turn_resends_history(server, tmp_path, capsys):
     rc, text = run_cli([
         "bench", "serve", "--base-url", server.base_url + "/v1", "--model", server.model_name,
         "--endpoint", "chat", "--dataset", "multi-turn", "--num-prompts", "4", "--turns", "2",
-        "--input-len", "6", "--output-len", "5", "--max-concurrency", "2", "--json", str(out_json), *LIGHT,
+        "--input-len", "6", "--output-len", "5", "--max-concurrency", "2", "--request-rate", "20", "--burstiness", "0.5",
+        "--json", str(out_json), *LIGHT,
     ], capsys)
     assert rc == 0, text
     run = json.loads(out_json.read_text())["runs"][0]
@@ -281,7 +283,7 @@ def test_arrivals_poisson_and_unbounded():
 
 def test_datasets_lengths_and_shared_prefix():
     assert parse_len("100", 0.5) == (50, 150) and parse_len("32:512", 0.9) == (32, 512)
-    maker = PromptMaker("ids", vocab_size=300)
+    maker = PromptMaker("ids", id_pool(300))
     w = shared_prefix_dataset(maker, 8, 3, 20, 5, (4, 4), seed=1)
     assert w.num_requests == 8
     prompts = [j.turns[0].prompt for j in w.jobs]
@@ -316,7 +318,33 @@ def test_metrics_definitions():
         assert d.min <= d.median <= d.p90 <= d.p99 <= d.max
 
 
-@pytest.mark.slow
+def test_prompts_from_a_tokenizer_have_exact_lengths_and_no_specials():
+    tok = cached_byte_bpe(512)
+    text = random_dataset(PromptMaker("text", tokenizer=tok), 5, (10, 30), (4, 4), seed=3)
+    for job in text.jobs:
+        turn = job.turns[0]
+        assert len(tok.encode(turn.prompt, add_special_tokens=False).ids) == turn.prompt_len
+    pool = id_pool(None, tok)
+    specials = {tok.token_to_id(t) for t in (BOS, EOS, PAD)}
+    assert pool and not specials & set(pool)
+    ids = random_dataset(PromptMaker("ids", pool), 5, (10, 30), (4, 4), seed=3)
+    assert all(len(j.turns[0].prompt) == j.turns[0].prompt_len for j in ids.jobs)
+
+
+def test_request_bodies():
+    ep = Endpoint("http://h:1", "m", api_key="k", eos_mode=EosMode.IGNORE_EOS)
+    body = build_body(ep, [1, 2, 3], [], 7)
+    assert ep.url == "http://h:1/v1/completions" and ep.headers()["Authorization"] == "Bearer k"
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 7 and body["ignore_eos"] is True
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    chat = Endpoint("http://h:1/v1/", "m", chat=True, stream=False, eos_mode=EosMode.HF_GENERATION_CONFIG)
+    body = build_body(chat, "next", [Message("user", "q"), Message("assistant", "a")], 5)
+    assert chat.url == "http://h:1/v1/chat/completions" and "stream_options" not in body
+    assert [m["content"] for m in body["messages"]] == ["q", "a", "next"]
+    assert json.loads(body["generation_config"]) == {"eos_token_id": -1, "max_new_tokens": 5}
+    assert "ignore_eos" not in build_body(Endpoint("u", "m", eos_mode=EosMode.OFF), "x", [], 1)
+
+
 def test_baseline_cli_starts_and_stops_on_ctrl_c(model_dir):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "bench", "baseline", "--model", str(model_dir),

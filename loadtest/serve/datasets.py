@@ -19,7 +19,7 @@ Prompt = Union[str, list[int]]
 class TextTokenizer(Protocol):
     """The part of a `tokenizers.Tokenizer` we use to make text of an exact token length."""
 
-    def encode(self, text: str): ...
+    def encode(self, text: str, add_special_tokens: bool = True): ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -75,20 +75,36 @@ class PromptMaker:
     """Makes prompts of a target token length, as token ids or as text."""
 
     kind: str = "text"  # "text" or "ids"
-    vocab_size: int | None = None
+    id_pool: tuple[int, ...] = ()  # token ids random prompts draw from (ids kind)
     tokenizer: TextTokenizer | None = None
-    id_low: int = 4  # skip the first ids: tiny vocabularies keep their special tokens there
 
     def make(self, rng: random.Random, n: int) -> Prompt:
         if self.kind == "ids":
-            hi = self.vocab_size or (self.tokenizer.get_vocab_size() if self.tokenizer else None)  # type: ignore[union-attr]
-            assert hi, "token-id prompts need --vocab-size or --tokenizer"
-            return [rng.randrange(self.id_low, hi) for _ in range(n)]
+            assert self.id_pool, "token-id prompts need --vocab-size or --tokenizer"
+            return [rng.choice(self.id_pool) for _ in range(n)]
         if self.tokenizer is None:
             return _random_words(rng, n)
-        # Trim a generous run of words to exactly n tokens so prompt lengths mean tokens.
-        ids = self.tokenizer.encode(_random_words(rng, n * 2)).ids[:n]
-        return self.tokenizer.decode(ids)
+        # Trim a generous run of words to n tokens so prompt lengths mean tokens. Cutting inside
+        # a word can make decode->encode merge across the cut, so take a few more until it fits.
+        ids = self.tokenizer.encode(_random_words(rng, n * 2), add_special_tokens=False).ids
+        take = n
+        for _ in range(4):
+            text = self.tokenizer.decode(ids[:take])
+            got = len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            if got == n:
+                break
+            take += n - got
+        return text
+
+
+def id_pool(vocab_size: int | None, tokenizer=None, skip_low: int = 4) -> tuple[int, ...]:
+    """Ids safe to send as random prompts: a tokenizer's vocabulary minus its special/added
+    tokens (an EOS in the prompt would change what is measured), else [skip_low, vocab_size)
+    since small vocabularies usually keep their specials at the bottom."""
+    if tokenizer is not None:
+        special = set(tokenizer.get_added_tokens_decoder())
+        return tuple(i for i in range(tokenizer.get_vocab_size()) if i not in special)
+    return tuple(range(skip_low, vocab_size)) if vocab_size else ()
 
 
 def random_dataset(

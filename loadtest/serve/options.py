@@ -81,7 +81,8 @@ def _tokenizer(path: str | None):
 
 
 def build_workload(args: argparse.Namespace) -> ds.Workload:
-    maker = ds.PromptMaker(args.prompt_kind, args.vocab_size, _tokenizer(args.tokenizer))
+    tok = _tokenizer(args.tokenizer)
+    maker = ds.PromptMaker(args.prompt_kind, ds.id_pool(args.vocab_size, tok), tok)
     out_len = ds.parse_len(args.output_len, args.range_ratio)
     if args.dataset == "jsonl":
         assert args.jsonl, "--dataset jsonl needs --jsonl PATH"
