@@ -11,11 +11,11 @@ from shared.bus.errors import BusError, BusTimeout, ChunkError, NoRespondersErro
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.micro import Endpoint, MicroService, add_micro_service
 from shared.bus.server import Dispatcher, RequestContext, Served, serve, subscribe
-from shared.bus.stream import ReplyStream, StreamReply
+from shared.bus.stream import ReplyStream, StreamReply, stream_reply
 
 __all__ = [
     "BusError", "BusLimits", "BusTimeout", "ChunkError", "DEFAULT_LIMITS", "Dispatcher", "Endpoint",
     "Envelope", "MicroService", "NoRespondersError", "Reassembler", "RemoteError", "ReplyStream",
     "RequestContext", "Served", "StreamGapError", "StreamReply", "add_micro_service", "connect",
-    "publish", "request", "request_stream", "send_request", "serve", "subscribe",
+    "publish", "request", "request_stream", "send_request", "serve", "stream_reply", "subscribe",
 ]  # fmt: skip

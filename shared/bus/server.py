@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, Union
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -86,7 +87,12 @@ class Dispatcher(Generic[M]):
             return
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug in the bus itself: log, keep serving
+            log.error("request task on %s failed", self.subject, exc_info=task.exception())
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -96,7 +102,7 @@ class Dispatcher(Generic[M]):
     async def _handle_upload(self, first: Msg) -> None:
         try:
             env = await receive_upload(self.nc, first, self.limits)
-        except BusError as e:
+        except (BusError, nats.errors.Error) as e:
             log.warning("bad upload on %s: %s", self.subject, e)
             # The caller waits on the handshake inbox or, once it has sent every chunk, on its reply inbox.
             for reply in {first.reply, (first.headers or {}).get(H.REPLY, "")}:
@@ -115,7 +121,7 @@ class Dispatcher(Generic[M]):
                 span.set_status(trace.StatusCode.ERROR, str(e))
                 await self._answer_error(env.reply, codes.BAD_REQUEST, str(e))
                 return
-            await self._run(request, RequestContext(self.nc, self.subject, env.reply, env.headers), span)
+            await self._run(request, RequestContext(self.nc, env.subject, env.reply, env.headers), span)
 
     async def _run(self, request: M, ctx: RequestContext, span: trace.Span) -> None:
         stream: StreamReply | None = None

@@ -177,3 +177,8 @@ class ReplyStream(Generic[M]):
                 self._span.set_status(trace.StatusCode.ERROR, str(error))
             self._span.end()
             self._span = None
+
+
+def stream_reply(nc: Client, reply_subject: str) -> StreamReply:
+    """A StreamReply to `reply_subject` in the current trace context (see RequestContext.stream)."""
+    return StreamReply(nc, reply_subject)
