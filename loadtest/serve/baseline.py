@@ -1,4 +1,4 @@
-"""`kvmesh bench baseline`: Hugging Face `transformers serve --continuous-batching` on a local model dir.
+r"""`kvmesh bench baseline`: Hugging Face `transformers serve --continuous-batching` on a local model dir.
 
 This is the peer kvmesh is measured against on machines without vLLM/SGLang. It runs
 

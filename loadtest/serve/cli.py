@@ -1,4 +1,4 @@
-"""`kvmesh bench serve`: a serving benchmark for any OpenAI-compatible server.
+r"""`kvmesh bench serve`: a serving benchmark for any OpenAI-compatible server.
 
     kvmesh bench serve --base-url http://127.0.0.1:8000 --model MODEL \
         --dataset random --input-len 32:512 --output-len 32:256 --num-prompts 128 \
