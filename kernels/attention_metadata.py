@@ -17,7 +17,8 @@ class PrefillSpan:
     q_start: int  # first row of this sequence in the flattened step
     q_len: int
     ctx_len: int  # tokens of context after this step (cached + new)
-    key_slots: torch.Tensor | None  # [ctx_len] slots to read K/V from; None: no earlier context, use fresh K/V
+    block_table: torch.Tensor | None  # [ceil(ctx_len / block_size)] blocks holding the context; None: no
+    # earlier context, attend to this step's fresh K/V
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = attend; None: plain causal
 
 
@@ -26,8 +27,8 @@ class DecodeBatch:
     """Sequences with exactly one query token this step, attended to in one padded batch."""
 
     rows: torch.Tensor  # [B] rows of these tokens in the flattened step
-    key_slots: torch.Tensor  # [B, max_ctx] slots to read, padded with 0
-    mask: torch.Tensor  # [B, 1, 1, max_ctx] bool, True = attend
+    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
 
 
 @dataclass

@@ -20,6 +20,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         vf[slots] = v[meta.write_rows]
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[len(block_ids) * block_size, kv_heads, head_dim]: whole blocks copied at once (much faster on CPU
+    than gathering slot by slot)."""
+    n, bs = cache.shape[0], cache.shape[1]
+    return cache.view(n, -1).index_select(0, block_ids).view(-1, *cache.shape[2:])
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim] (already written to the cache)
@@ -30,15 +37,14 @@ def paged_attention_ref(
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
-    kf = k_cache.view(-1, *k_cache.shape[2:])
-    vf = v_cache.view(-1, *v_cache.shape[2:])
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)
-        if span.key_slots is None:
+        if span.block_table is None:
             ks, vs = k[rows], v[rows]
         else:
-            ks, vs = kf[span.key_slots], vf[span.key_slots]
+            ks = gather_blocks(k_cache, span.block_table)[: span.ctx_len]
+            vs = gather_blocks(v_cache, span.block_table)[: span.ctx_len]
         ks = ks.transpose(0, 1).unsqueeze(0)
         vs = vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
@@ -47,9 +53,10 @@ def paged_attention_ref(
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
+        batch = d.block_tables.shape[0]
         qs = q[d.rows].unsqueeze(2)  # [B, heads, 1, head_dim]
-        ks = kf[d.key_slots].transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
-        vs = vf[d.key_slots].transpose(1, 2)
+        ks = gather_blocks(k_cache, d.block_tables.reshape(-1)).view(batch, -1, *k_cache.shape[2:]).transpose(1, 2)
+        vs = gather_blocks(v_cache, d.block_tables.reshape(-1)).view(batch, -1, *v_cache.shape[2:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=d.mask, scale=scale, enable_gqa=True)
         out[d.rows] = o.squeeze(2)
     return out

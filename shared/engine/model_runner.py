@@ -56,7 +56,8 @@ class ModelRunner:
             else:
                 k_pos = torch.arange(ctx)
                 mask = self._window(torch.arange(start, ctx), k_pos)
-                prefills.append(PrefillSpan(row, n, ctx, self._slots(seq.block_table, 0, ctx), mask))
+                table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.long)
+                prefills.append(PrefillSpan(row, n, ctx, table, mask))
         decode = self._decode_batch(decode_rows, decode_seqs) if decode_rows else None
         meta = AttentionMetadata(len(ids), torch.cat(slots), None, prefills, decode)
         return torch.tensor(ids, dtype=torch.long), torch.cat(positions), meta
@@ -70,12 +71,11 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             bt = s.block_table[:max_blocks]
             table[i, : len(bt)] = torch.tensor(bt, dtype=torch.long)
-        key_slots = (table[:, :, None] * bs + torch.arange(bs)).reshape(len(seqs), -1)[:, :max_ctx]
-        k_pos = torch.arange(max_ctx)[None, :]
+        k_pos = torch.arange(max_blocks * bs)[None, :]
         mask = k_pos < ctx[:, None]
         if self.sliding_window is not None:
             mask &= k_pos > (ctx[:, None] - 1) - self.sliding_window
-        return DecodeBatch(torch.tensor(rows, dtype=torch.long), key_slots, mask[:, None, None, :])
+        return DecodeBatch(torch.tensor(rows, dtype=torch.long), table, mask[:, None, None, :])
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
@@ -92,9 +92,9 @@ def _to_device(meta: AttentionMetadata, dev: str) -> AttentionMetadata:
     def mv(t):
         return None if t is None else t.to(dev, non_blocking=True)
 
-    prefills = [PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.key_slots), mv(p.mask)) for p in meta.prefills]
+    prefills = [PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.block_table), mv(p.mask)) for p in meta.prefills]
     decode = None
     if meta.decode is not None:
         d = meta.decode
-        decode = DecodeBatch(mv(d.rows), mv(d.key_slots), mv(d.mask))
+        decode = DecodeBatch(mv(d.rows), mv(d.block_tables), mv(d.mask))
     return AttentionMetadata(meta.num_tokens, mv(meta.slot_mapping), mv(meta.write_rows), prefills, decode)
