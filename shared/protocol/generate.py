@@ -49,7 +49,7 @@ class GenerateRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling = Field(default_factory=Sampling)
-    priority: int = 0  # lower runs first, like vLLM
+    priority: int = 0  # higher runs first, FIFO within a priority (the engine's rule)
     # Where TokenChunks go; empty means the NATS reply subject of this request.
     reply_subject: str = ""
 

@@ -1,0 +1,88 @@
+"""The one lifecycle every kvmesh service shares.
+
+connect -> start (subscribe endpoints, register with nats.micro) -> wait for SIGTERM/SIGINT ->
+drain (stop taking work, finish or cancel in-flight work within the grace period) -> drain the
+NATS connection -> exit 0. `python -m services.<name>` and `kvmesh serve <name>` both end up here.
+"""
+from __future__ import annotations
+
+import abc
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from nats.aio.client import Client
+
+from shared import bus
+from shared.telemetry import setup_tracing
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 10.0
+
+
+class Service(abc.ABC):
+    """A mesh service. Subclasses own their endpoints and in-flight work; the runner owns the process."""
+
+    name: str  # "gateway", "tokenizer", "prefill", "decode", "kvstore"
+
+    @abc.abstractmethod
+    async def start(self, nc: Client) -> None:
+        """Subscribe endpoints and start background tasks; return once serving."""
+
+    @abc.abstractmethod
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking new work; finish (or cancel) in-flight work within grace_s seconds."""
+
+    async def wait_closed(self) -> None:
+        """Services that can end on their own (the gateway's HTTP server) override this."""
+        await asyncio.Event().wait()
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default=os.environ.get("NATS_URL", "nats://127.0.0.1:4222"),
+                        help="NATS server (env NATS_URL; credentials from NATS_CREDS, NATS_USER, NATS_TLS_CA, ...)")
+    parser.add_argument("--grace", type=float, default=float(os.environ.get("KVMESH_GRACE_S", DEFAULT_GRACE_S)),
+                        help="seconds in-flight work may take to finish on shutdown")
+    parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"))
+
+
+async def run_service(service: Service, nats_url: str, grace_s: float = DEFAULT_GRACE_S) -> int:
+    setup_tracing(f"kvmesh-{service.name}")
+    nc = await bus.connect(nats_url, name=f"kvmesh-{service.name}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await service.start(nc)
+        log.info("%s serving on %s", service.name, nats_url)
+        closed = asyncio.ensure_future(service.wait_closed())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        closed.cancel()
+        stopping.cancel()
+        log.info("%s draining (grace %.1fs)", service.name, grace_s)
+        await asyncio.wait_for(service.drain(grace_s), timeout=grace_s + 5)
+    finally:
+        try:
+            await asyncio.wait_for(nc.drain(), timeout=5)
+        except Exception:  # noqa: BLE001 - a broken connection must not turn a clean stop into a crash
+            log.warning("NATS drain did not finish cleanly", exc_info=True)
+    log.info("%s stopped", service.name)
+    return 0
+
+
+def main_for(name: str, add_arguments, build, argv: list[str] | None = None) -> int:
+    """Entry point shared by `python -m services.<name>` and `kvmesh serve <name>`.
+
+    add_arguments(parser) adds the service's flags; build(args) returns the Service.
+    """
+    parser = argparse.ArgumentParser(prog=f"kvmesh serve {name}")
+    add_common_arguments(parser)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run_service(build(args), args.nats_url, args.grace))
