@@ -15,14 +15,21 @@ from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from shared.engine.model_runner import ModelRunner
-from shared.engine.outputs import RequestOutput
+from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
-from shared.engine.sequence import Sequence
+from shared.engine.sequence import Sequence, SequenceStatus
 from shared.models.loader import load_model
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    num_cached_tokens: int  # prompt tokens already in this engine's prefix cache (whole blocks)
+    block_hashes: list[bytes]  # hashes of the prompt's full blocks that may be fetched (never the last token's)
+    num_blocks: int  # blocks reserved for the whole prompt
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv, config.block_size, config.device)
         self.sampler = Sampler(mc.eos_token_ids, config.seed)
         self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
+        self.capture_kv: dict[str, int] = {}
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s", mc.architecture, self.num_blocks,
                  config.block_size, self.dtype)
 
@@ -77,24 +86,109 @@ class LLMEngine:
             raise ValueError(f"request needs {need} KV blocks but the pool has {self.num_blocks}")
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, capture_kv_from_block: int | None = None) -> None:
+        """Queue a request. capture_kv_from_block: when it finishes, its RequestOutput.kv_blocks holds
+        the K/V of its prompt's logical blocks from that index on (what a prefill worker pushes)."""
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
         self.seqs[request_id] = seq
+        if capture_kv_from_block is not None:
+            self.capture_kv[request_id] = capture_kv_from_block
+        self.scheduler.add(seq)
+
+    # --- KV that arrives from elsewhere (kvstore, a prefill worker) ---------------------------------
+
+    def reserve(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
+                arrival_time: float | None = None) -> Reservation | None:
+        """Admit a request without scheduling it: match the prefix cache and allocate blocks for the
+        whole prompt, so KV computed elsewhere can be written in. None when the pool is too full now
+        (the caller then falls back to add_request). Held sequences wait for commit_held/release_held.
+        """
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
+        computed = self.block_manager.get_computed_blocks(seq)
+        if not self.block_manager.allocate(seq, seq.num_tokens - len(computed) * self.config.block_size, computed):
+            return None
+        self.seqs[request_id] = seq
+        self.held[request_id] = seq
+        bs = self.config.block_size
+        return Reservation(seq.num_computed_tokens, list(seq.block_hashes[: (seq.num_tokens - 1) // bs]),
+                           len(seq.block_table))
+
+    def write_blocks(self, request_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V ([layers, n, block_size, kv_heads, head_dim]) into a held request's logical blocks."""
+        seq = self.held[request_id]
+        n = k.shape[1]
+        if first_block < 0 or first_block + n > len(seq.block_table):
+            raise ValueError(f"blocks [{first_block}, {first_block + n}) outside the {len(seq.block_table)} reserved")
+        ids = torch.tensor(seq.block_table[first_block : first_block + n], device=self.config.device)
+        expected = (len(self.runner.kv_caches), n, *self.runner.kv_caches[0][0].shape[1:])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)}, expected {expected}")
+        for layer, (kc, vc) in enumerate(self.runner.kv_caches):
+            kc.index_copy_(0, ids, k[layer].to(kc.device, kc.dtype))
+            vc.index_copy_(0, ids, v[layer].to(vc.device, vc.dtype))
+
+    def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.config.device)
+        k = torch.stack([kc.index_select(0, ids) for kc, _ in self.runner.kv_caches]).cpu()
+        v = torch.stack([vc.index_select(0, ids) for _, vc in self.runner.kv_caches]).cpu()
+        return k, v
+
+    def read_request_blocks(self, request_id: str, first_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of a live request's logical blocks from first_block to its last (partial) prompt block."""
+        seq = self.seqs[request_id]
+        last = self.block_manager.blocks_for(seq.num_prompt_tokens)
+        return self.read_blocks(seq.block_table[first_block:last])
+
+    def commit_held(self, request_id: str, num_computed_tokens: int, first_token: int | None = None,
+                    logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
+        """Hand a held request to the scheduler with KV for its first num_computed_tokens in place.
+
+        With first_token (a remote prefill computed the whole prompt and sampled it), the token becomes
+        the first output and the returned RequestOutput carries it.
+        """
+        seq = self.held.pop(request_id)
+        assert num_computed_tokens <= seq.num_tokens
+        seq.num_computed_tokens = num_computed_tokens
+        self.block_manager.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.add_running(seq)
+        if first_token is None:
+            return None
+        assert num_computed_tokens == seq.num_tokens, "a remote first token needs the whole prompt computed"
+        # Keep seeded sampling identical to a local run: the prefill worker used the first draw.
+        self.sampler.skip_draw(seq, self.model_config.vocab_size)
+        return self._append_token(seq, first_token, logprobs, time.time())
+
+    def release_held(self, request_id: str) -> None:
+        """Give up on KV from elsewhere: free the reserved blocks and queue the request to run locally."""
+        seq = self.held.pop(request_id)
+        self.block_manager.free_blocks(seq)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
+        if self.held.pop(request_id, None) is not None:
+            self.block_manager.free_blocks(seq)
         self.scheduler.finish(seq)
+        self.capture_kv.pop(request_id, None)
         seq.finish_reason = "abort"
         seq.finished_time = time.time()
         return self._output(seq, [])
 
     def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.held)
+
+    def has_work(self) -> bool:
+        """Whether step() would compute anything (held requests wait for KV, not for steps)."""
         return self.scheduler.has_unfinished()
 
     # --- the step -------------------------------------------------------------------------------
@@ -117,21 +211,28 @@ class LLMEngine:
         if not rows:
             return []
         now = time.time()
-        outputs = []
-        for (_, seq), (token, lp) in zip(sampling, self.sampler.sample(logits, [s for _, s in sampling])):
-            seq.token_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                seq.finish_reason = reason
-                seq.finished_time = now
-                self.scheduler.finish(seq)
-                del self.seqs[seq.request_id]
-            outputs.append(self._output(seq, [token]))
-        return outputs
+        samples = self.sampler.sample(logits, [s for _, s in sampling])
+        return [self._append_token(seq, token, lp, now) for (_, seq), (token, lp) in zip(sampling, samples)]
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason = self._finish_reason(seq, token)
+        kv = None
+        if reason is not None:
+            if seq.request_id in self.capture_kv:
+                # Prefill-only requests hand their prompt KV out before the blocks are freed.
+                kv = self.read_request_blocks(seq.request_id, self.capture_kv.pop(seq.request_id))
+            seq.finish_reason = reason
+            seq.finished_time = now
+            self.scheduler.finish(seq)
+            del self.seqs[seq.request_id]
+        out = self._output(seq, [token])
+        out.kv_blocks = kv
+        return out
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -180,7 +281,7 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting,
+            waiting=self.scheduler.num_waiting + len(self.held),
             free_blocks=bm.num_free_blocks,
             total_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.hits / bm.queries if bm.queries else 0.0,
@@ -188,5 +289,6 @@ class LLMEngine:
         )
 
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity(self.scheduler.sequences())
-        assert set(self.seqs) == {s.request_id for s in self.scheduler.sequences()}
+        live = self.scheduler.sequences() + list(self.held.values())
+        self.block_manager.check_integrity(live)
+        assert set(self.seqs) == {s.request_id for s in live}

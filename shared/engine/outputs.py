@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class TokenLogprobs:
@@ -26,3 +28,6 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Prefill-only requests (capture_kv_from_block): K and V of the pushed prompt blocks,
+    # each [layers, blocks, block_size, kv_heads, head_dim], on CPU.
+    kv_blocks: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -81,6 +81,11 @@ class Sampler:
             results.append((tok, lp))
         return results
 
+    def skip_draw(self, seq: Sequence, vocab_size: int) -> None:
+        """Advance a seeded request's generator past one sample taken elsewhere (a prefill worker)."""
+        if seq.generator is not None and not seq.params.greedy:
+            torch.empty(vocab_size).exponential_(generator=seq.generator)
+
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
         p = seq.params
         apply_penalties(logits, seq)

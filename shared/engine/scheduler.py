@@ -39,6 +39,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, (seq.sort_key(), seq))
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence admitted elsewhere (blocks already allocated) joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, (seq.sort_key(), seq))
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

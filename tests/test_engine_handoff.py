@@ -1,0 +1,88 @@
+"""KV computed by one engine and written into another (remote prefill, kvstore reuse) gives exactly
+the output of a local run."""
+from __future__ import annotations
+
+from shared.engine.sampling_params import SamplingParams
+from tests.engine_helpers import assert_all_free, assert_matches_hf, greedy, make_engine, random_prompts, \
+    run_to_completion
+
+
+def remote_prefill(decode, prefill, rid, prompt, params):
+    res = decode.reserve(rid, prompt, params)
+    assert res is not None
+    first_block = res.num_cached_tokens // decode.config.block_size
+    prefill.add_request(rid, prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}),
+                        capture_kv_from_block=first_block)
+    out = run_to_completion(prefill)[rid]
+    k, v = out.kv_blocks
+    assert k.shape[1] == res.num_blocks - first_block
+    decode.write_blocks(rid, first_block, k, v)
+    lp = out.logprobs[0] if out.logprobs else None
+    return res, decode.commit_held(rid, len(prompt), out.output_token_ids[0], lp)
+
+
+def test_remote_prefill_then_local_decode_matches_transformers(checkpoints, hf_reference):
+    ckpt = checkpoints["qwen3"]
+    decode, prefill = make_engine(ckpt), make_engine(ckpt, max_num_batched_tokens=24)
+    prompts = random_prompts([5, 16, 40, 77], seed=11)
+    for i, p in enumerate(prompts):
+        _, first = remote_prefill(decode, prefill, f"r{i}", p, greedy(12))
+        assert first is not None and first.new_token_ids == first.output_token_ids
+    done = run_to_completion(decode)
+    assert_matches_hf(ckpt, hf_reference, prompts, [done[f"r{i}"] for i in range(len(prompts))], 12)
+    assert_all_free(decode)
+    assert_all_free(prefill)
+
+
+def test_remote_prefill_after_partial_local_prefix_hit(checkpoints, hf_reference):
+    ckpt = checkpoints["llama"]
+    decode, prefill = make_engine(ckpt), make_engine(ckpt)
+    shared = random_prompts([40], seed=12)[0]
+    decode.generate([shared + [1]], greedy(2), use_tqdm=False)
+    prompt = shared + random_prompts([30], seed=13)[0]
+    res, _ = remote_prefill(decode, prefill, "x", prompt, greedy(10))
+    assert res.num_cached_tokens == 32
+    done = run_to_completion(decode)
+    assert_matches_hf(ckpt, hf_reference, [prompt], [done["x"]], 10)
+    assert_all_free(decode)
+
+
+def test_seeded_sampling_identical_with_remote_first_token(checkpoints):
+    ckpt = checkpoints["llama"]
+    params = SamplingParams(max_tokens=15, temperature=1.0, seed=99, top_p=0.9)
+    prompt = random_prompts([33], seed=14)[0]
+    local = make_engine(ckpt).generate([prompt], params, use_tqdm=False)[0].output_token_ids
+    decode, prefill = make_engine(ckpt), make_engine(ckpt)
+    remote_prefill(decode, prefill, "s", prompt, params)
+    assert run_to_completion(decode)["s"].output_token_ids == local
+
+
+def test_blocks_from_another_engine_then_local_prefill(checkpoints, hf_reference):
+    """The kvstore path: full blocks computed elsewhere cover a prefix; the tail is prefilled locally."""
+    ckpt = checkpoints["mistral"]
+    source, decode = make_engine(ckpt), make_engine(ckpt)
+    prompt = random_prompts([70], seed=15)[0]
+    source.generate([prompt], greedy(1), use_tqdm=False)
+    res = decode.reserve("y", prompt, greedy(10))
+    hits = [source.block_manager.cached[h] for h in res.block_hashes]
+    assert len(hits) == 4  # 70 tokens: 4 full blocks
+    k, v = source.read_blocks(hits)
+    decode.write_blocks("y", 0, k, v)
+    decode.commit_held("y", len(hits) * 16)
+    out = run_to_completion(decode)["y"]
+    assert_matches_hf(ckpt, hf_reference, [prompt], [out], 10)
+    assert decode.stats().num_preemptions == 0
+    assert_all_free(decode)
+
+
+def test_release_held_falls_back_to_local_compute(checkpoints, hf_reference):
+    ckpt = checkpoints["qwen2"]
+    decode = make_engine(ckpt)
+    prompt = random_prompts([50], seed=16)[0]
+    assert decode.reserve("z", prompt, greedy(8)) is not None
+    decode.check_integrity()
+    decode.release_held("z")
+    assert_matches_hf(ckpt, hf_reference, [prompt], [run_to_completion(decode)["z"]], 8)
+    assert decode.reserve("w", prompt, greedy(8)) is not None
+    assert decode.abort("w").finish_reason == "abort"
+    assert_all_free(decode)
