@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= .models/demo
+PORT ?= 8000
 # torch is pinned here (not in pyproject) so a CPU machine gets the local 2.13.0 build
 # instead of the multi-GB CUDA one; GPU users install kvmesh with their own torch.
 TORCH_SPEC ?= torch==2.13.0
@@ -22,7 +23,7 @@ $(MODEL)/config.json: $(VENV)/.installed
 	$(BIN)/kvmesh demo-model $(MODEL)
 
 run: $(VENV)/.installed $(MODEL)/config.json
-	$(BIN)/kvmesh up --model $(MODEL)
+	$(BIN)/kvmesh up --model $(MODEL) --port $(PORT)
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,124 @@
+"""`kvmesh up`: the whole mesh as local processes, one per service replica.
+
+Starts a nats-server (unless NATS_URL is given), every service, waits for the gateway's /health
+and prints the URL. One Ctrl-C (or SIGTERM): SIGTERM to every service, up to the grace period
+for them to drain, SIGKILL for stragglers, then the nats-server goes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import signal
+import sys
+from pathlib import Path
+
+from shared.launcher.local_nats import NAME as NATS_NAME
+from shared.launcher.local_nats import LocalNats
+from shared.launcher.readiness import wait_healthy
+from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, SERVICES, MeshOptions, mesh_services
+from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
+
+READY = "kvmesh is up at"  # tests wait for this line
+# A service drains for up to its grace period, then its NATS connection for up to 5 s more
+# (shared/service_runner.py); SIGKILL only after that.
+DRAIN_MARGIN_S = 10.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = MeshOptions()
+    parser.add_argument("--model", default=None, help=f"HF model directory (default {DEFAULT_MODEL}, built as the demo model if missing)")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the gateway's choice)")
+    parser.add_argument("--host", default=d.host, help=f"gateway bind address (default {d.host})")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port (default {DEFAULT_PORT})")
+    parser.add_argument("--prefill", type=int, default=d.prefill, help=f"prefill workers (default {d.prefill}; 0: all prefill local)")
+    parser.add_argument("--decode", type=int, default=d.decode, help=f"decode workers (default {d.decode})")
+    parser.add_argument("--tokenizer", type=int, default=d.tokenizer, help=f"tokenizer workers (default {d.tokenizer})")
+    parser.add_argument("--kvstore", type=int, default=d.kvstore, help=f"kvstore replicas (default {d.kvstore}; 0: none)")
+    parser.add_argument("--remote-prefill-threshold", type=int, default=None, metavar="TOKENS",
+                        help="uncached prompt tokens from which decode prefills remotely (0: always; default: decode's own)")
+    parser.add_argument("--grace", type=float, default=None,
+                        help="seconds each service may drain on Ctrl-C (default: the services' own, 10)")
+    parser.add_argument("--log-level", default=None, help="log level for every service")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = Path(args.model) if args.model else DEFAULT_MODEL
+    try:
+        opts = MeshOptions(
+            model=str(model), host=args.host, port=args.port, served_model_name=args.served_model_name,
+            prefill=args.prefill, decode=args.decode, tokenizer=args.tokenizer, kvstore=args.kvstore,
+            remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
+        )
+    except AssertionError as e:
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return 2
+    missing = missing_services()
+    if missing:
+        print(f"kvmesh up: cannot start the mesh, service module(s) missing: "
+              + ", ".join(f"services.{m} (services/{m}/__main__.py)" for m in missing), file=sys.stderr)
+        return 2
+    if not (model / "config.json").is_file():
+        if args.model is not None:
+            print(f"kvmesh up: {model} is not a model directory (no config.json)", file=sys.stderr)
+            return 2
+        from shared.models.demo import build_demo_model  # torch/transformers: only when needed
+
+        print(f"[kvmesh] building the demo model in {model}", flush=True)
+        build_demo_model(model)
+    return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout))
+
+
+def missing_services() -> list[str]:
+    return [name for name in SERVICES if importlib.util.find_spec(f"services.{name}.__main__") is None]
+
+
+async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    supervisor = Supervisor(emit)
+    env: dict[str, str] = {}
+    if grace is not None:
+        env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
+    nats_url = os.environ.get("NATS_URL")
+    if not nats_url:
+        nats = LocalNats.on_free_ports()
+        await supervisor.start(nats.process())
+        if not await nats.wait_ready(timeout=15):
+            emit("[kvmesh] nats-server did not start")
+            await supervisor.stop([NATS_NAME], timeout=5)
+            return 1
+        nats_url = nats.url
+        emit(f"[kvmesh] nats-server at {nats_url} (monitoring {nats.monitor_url})")
+    env["NATS_URL"] = nats_url
+
+    services = [p for spec in mesh_services(opts) for p in spec.processes(sys.executable, env)]
+    for proc in services:
+        await supervisor.start(proc)
+    base = f"http://{_client_host(opts.host)}:{opts.port}"
+    problem = await wait_healthy(f"{base}/health", startup_timeout, supervisor, stop)
+    rc = 0
+    if stop.is_set():
+        rc = 130  # interrupted before the mesh was up
+    elif problem:
+        emit(f"[kvmesh] the mesh did not come up: {problem}")
+        rc = 1
+    else:
+        emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health); Ctrl-C stops it")
+        await stop.wait()
+        emit("[kvmesh] stopping")
+    codes = await supervisor.stop([p.name for p in services], timeout=(grace if grace is not None else 10.0) + DRAIN_MARGIN_S)
+    unclean = {n: c for n, c in codes.items() if c not in (0, None)}
+    for name, code in unclean.items():
+        emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
+    await supervisor.stop([NATS_NAME], timeout=5)
+    return rc or (1 if unclean else 0)
+
+
+def _client_host(bind: str) -> str:
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind, bind)
+    return f"[{host}]" if ":" in host else host

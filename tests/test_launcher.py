@@ -1,0 +1,329 @@
+"""The launcher: its spec vs compose/docker-compose.yml, `kvmesh serve`, the supervisor's
+restarts and `kvmesh up` end to end (real nats-server, real service processes)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from shared.bus.natsd import NatsServer, free_port
+from shared.launcher import healthcheck
+from shared.launcher.spec import NEVER_REMOTE, SERVICE_ENV, SERVICES, MeshOptions, mesh_services
+from shared.launcher.supervisor import Backoff, Supervisor
+from shared.launcher.up import READY, missing_services
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose"
+WORKERS = ("tokenizer", "prefill", "decode", "kvstore")
+# What compose runs, as `kvmesh up` options (the header of docker-compose.yml says the same).
+COMPOSE_OPTIONS = MeshOptions(model="/model", host="0.0.0.0", port=8000, served_model_name="demo")
+
+
+def _interpolate(value: object) -> object:
+    """Compose's `${VAR:-default}` with the defaults (the test must not depend on the caller's env)."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+    if isinstance(value, list):
+        return [_interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _interpolate(v) for k, v in value.items()}
+    return value
+
+
+def _load(name: str) -> dict:
+    return _interpolate(yaml.safe_load((COMPOSE / name).read_text()))  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return _load("docker-compose.yml")
+
+
+# ---------------------------------------------------------------- compose vs spec (static)
+
+
+def test_compose_runs_the_launcher_services(compose: dict) -> None:
+    services = compose["services"]
+    assert set(services) == {"nats", "jaeger", *SERVICES}
+    for spec in mesh_services(COMPOSE_OPTIONS):
+        svc = services[spec.service]
+        assert svc["command"] == ["python", "-m", spec.module, *spec.args], spec.service
+        assert svc.get("deploy", {}).get("replicas", 1) == spec.replicas
+        env = svc["environment"]
+        for key, value in spec.env.items():
+            assert env.get(key) == value, (spec.service, key)
+        assert env["NATS_URL"] == "nats://nats:4222"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+        assert "/model:ro" in [v.split(":", 1)[1] for v in svc["volumes"]], spec.service
+        check = svc["healthcheck"]["test"]
+        assert check[:4] == ["CMD", "python", "-m", "shared.launcher.healthcheck"] and check[4] == spec.service
+        assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
+        assert svc["build"]["dockerfile"] == "compose/Dockerfile"
+
+
+def test_compose_flags_agree_with_spec_details(compose: dict) -> None:
+    by_name = {s.service: s for s in mesh_services(COMPOSE_OPTIONS)}
+    for name in ("tokenizer", "prefill", "decode", "gateway"):
+        cmd = compose["services"][name]["command"]
+        assert cmd[cmd.index("--model") + 1] == "/model"
+    # Same remote-prefill policy (the decode default) in both; no fixed worker id, so decode scales.
+    decode = compose["services"]["decode"]["command"]
+    assert ("--remote-prefill-threshold" in decode) == ("--remote-prefill-threshold" in by_name["decode"].args)
+    assert "--worker-id" not in decode
+    assert SERVICE_ENV.items() <= compose["services"]["kvstore"]["environment"].items()
+
+
+def test_compose_workers_scale(compose: dict) -> None:
+    for name in WORKERS:
+        svc = compose["services"][name]
+        assert "container_name" not in svc and "ports" not in svc and "hostname" not in svc, name
+    assert "container_name" not in compose["services"]["gateway"]
+
+
+def test_compose_infrastructure(compose: dict) -> None:
+    nats = compose["services"]["nats"]
+    assert nats["image"].startswith("nats:")
+    assert "--jetstream" in nats["command"] and "8222" in nats["command"]
+    assert "healthcheck" in nats
+    jaeger = compose["services"]["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/all-in-one")
+    published = {p.split(":")[-1] for p in jaeger["ports"]}
+    assert {"4317", "4318", "16686"} <= published
+
+
+def test_compose_gpu_overlay() -> None:
+    gpu = _load("docker-compose.gpu.yml")["services"]
+    assert set(gpu) == {"prefill", "decode"}
+    for svc in gpu.values():
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert "cu" in svc["build"]["args"]["TORCH_INDEX_URL"]
+
+
+def test_dockerfile() -> None:
+    text = (COMPOSE / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:[\d.]+-slim$", text, re.M)
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+    assert re.search(r"^RUN pip install \.", text, re.M)
+
+
+# ---------------------------------------------------------------- spec
+
+
+def test_spec_processes() -> None:
+    opts = MeshOptions(model="m", prefill=2, decode=3, tokenizer=2, kvstore=0, remote_prefill_threshold=0)
+    procs = [p for s in mesh_services(opts) for p in s.processes("py", {"NATS_URL": "nats://x:1"})]
+    names = [p.name for p in procs]
+    assert names == ["tokenizer-0", "tokenizer-1", "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "gateway-0"]
+    decode2 = procs[names.index("decode-2")]
+    assert decode2.argv[:3] == ("py", "-m", "services.decode")
+    assert decode2.argv[-2:] == ("--worker-id", "decode-2")
+    assert "--remote-prefill-threshold" in decode2.argv and decode2.argv[decode2.argv.index("--remote-prefill-threshold") + 1] == "0"
+    assert all(p.env["NATS_URL"] == "nats://x:1" and p.env["PYTHONUNBUFFERED"] == "1" for p in procs)
+    # Without prefill workers nothing may go remote.
+    (decode,) = [s for s in mesh_services(MeshOptions(prefill=0)) if s.service == "decode"]
+    assert decode.args[decode.args.index("--remote-prefill-threshold") + 1] == str(NEVER_REMOTE)
+    with pytest.raises(AssertionError):
+        MeshOptions(decode=0)
+
+
+def test_backoff() -> None:
+    b = Backoff(initial=1, maximum=5, reset_after=10)
+    delays = [None]
+    for _ in range(5):
+        delays.append(b.next(delays[-1], uptime=0.1))
+    assert delays[1:] == [1, 2, 4, 5, 5]
+    assert b.next(5, uptime=11) == 1
+
+
+def test_up_refuses_missing_services(monkeypatch, capsys) -> None:
+    from shared.launcher import up
+
+    monkeypatch.setattr(up, "missing_services", lambda: ["decode"])
+    parser = __import__("argparse").ArgumentParser()
+    up.add_arguments(parser)
+    assert up.run(parser.parse_args([])) == 2
+    assert "services.decode (services/decode/__main__.py)" in capsys.readouterr().err
+
+
+def test_serve_reports_missing_service(capsys) -> None:
+    from shared.launcher import serve
+
+    # A name that passes the parser but has no module (a service not written yet reads the same).
+    class Args:
+        service = "no_such_service"
+        service_args: list[str] = []
+
+    assert serve.run(Args()) == 2  # type: ignore[arg-type]
+    assert "not available" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- processes
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> Path:
+    from shared.models.demo import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("launcher") / "demo")
+
+
+@pytest.fixture
+def nats(tmp_path: Path) -> Iterator[NatsServer]:
+    with NatsServer(workdir=tmp_path) as server:
+        yield server
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "OTEL_", "KVMESH_"))}
+    return {**env, "PYTHONUNBUFFERED": "1", **extra}
+
+
+class Lines:
+    """Collects a child's output lines in a thread; wait_for() blocks until a line matches."""
+
+    def __init__(self, stream) -> None:  # noqa: ANN001
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream) -> None:  # noqa: ANN001
+        for line in stream:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines[start:]:
+                    if m := re.search(pattern, line):
+                        return m
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no line matching {pattern!r} in {timeout}s; output:\n" + "\n".join(self.lines[-40:]))
+                self._cond.wait(left)
+
+
+def _require(*services: str) -> None:
+    missing = [s for s in services if s in missing_services()]
+    if missing:
+        pytest.skip(f"service module(s) not written yet: {', '.join(f'services/{m}/' for m in missing)}")
+
+
+def test_serve_tokenizer_stops_cleanly(nats: NatsServer, demo_model: Path) -> None:
+    _require("tokenizer")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "serve", "tokenizer", "--model", str(demo_model), "--nats-url", nats.url],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        out = Lines(proc.stdout)
+        out.wait_for(r"tokenizer serving on", timeout=60)
+        # The container health check sees this process's NATS connection; a missing service fails it.
+        monitor = f"http://127.0.0.1:{nats.http_port}"
+        assert healthcheck.main(["tokenizer", "--monitor-url", monitor]) == 0
+        assert healthcheck.main(["decode", "--monitor-url", monitor]) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        out.wait_for(r"tokenizer stopped", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_supervisor_restarts_a_dead_service(nats: NatsServer, demo_model: Path) -> None:
+    _require("tokenizer")
+    (tokenizer,) = [s for s in mesh_services(MeshOptions(model=str(demo_model))) if s.service == "tokenizer"]
+    (spec,) = tokenizer.processes(sys.executable, {"NATS_URL": nats.url})
+    lines: list[str] = []
+
+    async def wait_for(pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in lines[start:]:
+                if m := re.search(pattern, line):
+                    return m
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(lines[-40:]))
+
+    async def scenario() -> None:
+        sup = Supervisor(emit=lines.append, backoff=Backoff(initial=0.2))
+        child = await sup.start(spec)
+        try:
+            await wait_for(r"^\[tokenizer-0\] .*tokenizer serving on", 60)
+            first = child.proc.pid  # type: ignore[union-attr]
+            os.kill(first, signal.SIGKILL)
+            mark = len(lines)
+            await wait_for(r"^\[kvmesh\] tokenizer-0 exited with code -9 \(SIGKILL\); restarting in 0\.2s", 10, mark)
+            again = await wait_for(r"^\[kvmesh\] started tokenizer-0 \(pid (\d+)\)", 10, mark)
+            assert int(again[1]) != first
+            await wait_for(r"^\[tokenizer-0\] .*tokenizer serving on", 60, mark)
+            assert child.starts == 2
+        finally:
+            codes = await sup.stop([spec.name], timeout=20)
+        assert codes == {"tokenizer-0": 0}
+        assert not child.running
+
+    asyncio.run(scenario())
+
+
+def test_up_end_to_end(demo_model: Path) -> None:
+    _require(*SERVICES)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "up", "--model", str(demo_model), "--port", str(port),
+         "--grace", "5", "--startup-timeout", "120"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        out = Lines(proc.stdout)
+        base = out.wait_for(rf"{READY} (http://\S+)/v1", timeout=150)[1]
+        pids = {m[1]: int(m[2]) for line in out.lines if (m := re.search(r"^\[kvmesh\] started (\S+) \(pid (\d+)\)", line))}
+        assert {"nats", "kvstore-0", "tokenizer-0", "prefill-0", "decode-0", "gateway-0"} <= set(pids)
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+
+        import openai
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60)
+        model = client.models.list().data[0].id
+        completion = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0)
+        assert completion.choices[0].finish_reason in ("stop", "length")
+        assert completion.usage is not None and completion.usage.completion_tokens >= 1
+
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=5 + 10 + 5) == 0, "\n".join(out.lines[-40:])
+        assert time.monotonic() - t0 < 5 + 10
+        for name, pid in pids.items():  # every child, nats-server included, is gone
+            assert not _alive(pid), name
+        assert not any("did not stop" in line or "killing it" in line for line in out.lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes (its parent, the launcher, has exited; init reaps it).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
