@@ -9,6 +9,8 @@ import sys
 COMMANDS = {
     "demo-model": ("shared.models.demo", "write the small built-in demo checkpoint"),
     "generate": ("shared.engine.interactive", "offline interactive generation with the engine"),
+    "up": ("shared.launcher.up", "run the whole mesh (nats-server + every service) as local processes"),
+    "serve": ("shared.launcher.serve", "run one service in the foreground: kvmesh serve <service> [flags]"),
 }
 BENCH = {
     "offline": ("loadtest.offline", "engine throughput vs transformers, same process"),
