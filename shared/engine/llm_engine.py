@@ -101,7 +101,7 @@ class LLMEngine:
     # --- KV that arrives from elsewhere (kvstore, a prefill worker) ---------------------------------
 
     def reserve(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
-                arrival_time: float | None = None) -> Reservation | None:
+                arrival_time: float | None = None, capture_kv_from_block: int | None = None) -> Reservation | None:
         """Admit a request without scheduling it: match the prefix cache and allocate blocks for the
         whole prompt, so KV computed elsewhere can be written in. None when the pool is too full now
         (the caller then falls back to add_request). Held sequences wait for commit_held/release_held.
@@ -115,23 +115,29 @@ class LLMEngine:
             return None
         self.seqs[request_id] = seq
         self.held[request_id] = seq
+        if capture_kv_from_block is not None:
+            self.capture_kv[request_id] = capture_kv_from_block
         bs = self.config.block_size
         return Reservation(seq.num_computed_tokens, list(seq.block_hashes[: (seq.num_tokens - 1) // bs]),
                            len(seq.block_table))
 
-    def write_blocks(self, request_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K/V ([layers, n, block_size, kv_heads, head_dim]) into a held request's logical blocks."""
+    def write_blocks(self, request_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
+                     first_layer: int = 0) -> None:
+        """Write K/V ([layers, n, block_size, kv_heads, head_dim], layers from first_layer on) into a held
+        request's logical blocks."""
         seq = self.held[request_id]
         n = k.shape[1]
         if first_block < 0 or first_block + n > len(seq.block_table):
             raise ValueError(f"blocks [{first_block}, {first_block + n}) outside the {len(seq.block_table)} reserved")
         ids = torch.tensor(seq.block_table[first_block : first_block + n], device=self.config.device)
-        expected = (len(self.runner.kv_caches), n, *self.runner.kv_caches[0][0].shape[1:])
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)}, expected {expected}")
-        for layer, (kc, vc) in enumerate(self.runner.kv_caches):
-            kc.index_copy_(0, ids, k[layer].to(kc.device, kc.dtype))
-            vc.index_copy_(0, ids, v[layer].to(vc.device, vc.dtype))
+        layers = self.runner.kv_caches[first_layer : first_layer + k.shape[0]]
+        expected = (len(layers), n, *self.runner.kv_caches[0][0].shape[1:])
+        if not layers or tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)} from layer {first_layer}, "
+                             f"expected {expected}")
+        for i, (kc, vc) in enumerate(layers):
+            kc.index_copy_(0, ids, k[i].to(kc.device, kc.dtype))
+            vc.index_copy_(0, ids, v[i].to(vc.device, vc.dtype))
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""

@@ -58,3 +58,13 @@ class KVTransferDone(Message):
     num_chunks: int
     num_blocks: int
     error: str | None = None
+
+
+class KVChunkAck(Message):
+    """The decode worker's answer to each chunk: flow control, and an early stop on a bad chunk."""
+
+    KIND: ClassVar[str] = "kv.ack"
+    transfer_id: str
+    seq: int
+    ok: bool = True
+    error: str | None = None

@@ -1,0 +1,348 @@
+"""Decode worker: runs the engine with continuous batching and streams tokens to the gateway.
+
+Admission of a request: this worker's prefix cache, then the kvstore's longest chain of the
+prompt's blocks, then the uncached tail is prefilled here (short tails) or by a prefill worker
+that pushes the KV back (long tails). Any failure on the remote path (no prefill worker, timeout,
+bad transfer) falls back to computing locally, so the output never changes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client
+from opentelemetry import trace
+
+from shared import bus, subjects
+from shared.bus.stream import StreamReply
+from shared.config import EngineConfig
+from shared.engine.engine_thread import EngineThread
+from shared.engine.llm_engine import LLMEngine, Reservation
+from shared.engine.offload import Offloader, collect
+from shared.engine.outputs import RequestOutput
+from shared.kv_transport import NatsKVTransport, TransferError
+from shared.kvstore_client import KVStoreClient
+from shared.protocol import errors as codes
+from shared.protocol.errors import ErrorReply
+from shared.protocol.events import LoadBeat
+from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
+from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
+from shared.service_runner import Service
+from services.decode.events import to_wire
+from services.engine_args import add_engine_arguments, engine_config_from_args
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.decode")
+VERSION = "0.1.0"
+
+
+@dataclass
+class DecodeSettings:
+    worker_id: str
+    remote_prefill_threshold: int = 512  # uncached prompt tokens at which prefill goes remote; 0 = always
+    use_kvstore: bool = True
+    remote_prefill_timeout_s: float = 60.0
+    kv_transfer_timeout_s: float = 30.0
+    beat_interval_s: float = 1.0
+
+
+@dataclass
+class Active:
+    """A request this worker is serving."""
+
+    req: GenerateRequest
+    stream: StreamReply
+    span: trace.Span
+    next_seq: int = 0
+    num_cached_tokens: int = 0
+    transfer_id: str | None = None
+    first_token_at: float | None = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class DecodeService(Service):
+    name = "decode"
+
+    def __init__(self, engine_config: EngineConfig, settings: DecodeSettings) -> None:
+        self.engine_config = engine_config
+        self.settings = settings
+        self.active: dict[str, Active] = {}
+        self.draining = False
+        self.remote_prefills = 0  # prompts whose KV came from a prefill worker
+        self.remote_fallbacks = 0  # remote attempts that ended in a local recompute
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self, nc: Client) -> None:
+        self.nc = nc
+        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
+        self.block_size = self.engine.config.block_size
+        self.kvstore = KVStoreClient(nc) if self.settings.use_kvstore else None
+        self.offloader = Offloader(self.kvstore) if self.kvstore else None
+        self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
+                                   self._post_step if self.kvstore else None)
+        self.thread.start()
+        self.transport = NatsKVTransport(nc)
+        await self.transport.start(self.settings.worker_id)
+        wid = self.settings.worker_id
+        self.cancel_sub = await bus.subscribe(nc, subjects.DECODE_CANCEL, self._on_cancel, CancelRequest)
+        self.micro = await bus.add_micro_service(nc, subjects.SERVICE_DECODE, VERSION, [
+            bus.Endpoint("generate", subjects.DECODE_GENERATE, subjects.QUEUE_DECODE, self._on_generate,
+                         GenerateRequest),
+            bus.Endpoint("generate_worker", subjects.decode_generate(wid), f"{subjects.QUEUE_DECODE}.{wid}",
+                         self._on_generate, GenerateRequest),
+        ], metadata={"worker_id": wid})
+        self._tasks = [asyncio.ensure_future(self._send_loop()), asyncio.ensure_future(self._beat_loop())]
+        await self._beat()
+
+    async def drain(self, grace_s: float) -> None:
+        self.draining = True
+        await self.micro.stop()
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.active):
+            await self._abort(rid, "worker shutting down", error=True)
+        await self._outbox.join()
+        if self.offloader:
+            await self.offloader.flush(max(0.0, deadline - time.monotonic()))
+        for t in self._tasks:
+            t.cancel()
+        await self.cancel_sub.unsubscribe()
+        await self.transport.stop()
+        self.thread.stop()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def _on_generate(self, req: GenerateRequest, ctx: bus.RequestContext) -> None:
+        if self.draining:
+            raise bus.RemoteError(codes.OVERLOADED, "decode worker is shutting down")
+        if req.request_id in self.active:
+            raise bus.RemoteError(codes.BAD_REQUEST, f"request id {req.request_id!r} is already running")
+        span = _tracer.start_span("decode.request", attributes={
+            "kvmesh.request_id": req.request_id, "kvmesh.worker_id": self.settings.worker_id,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
+        active = Active(req, ctx.stream(), span)
+        self.active[req.request_id] = active
+        active.tasks.append(asyncio.ensure_future(self._admit(active)))
+
+    async def _admit(self, a: Active) -> None:
+        req, rid = a.req, a.req.request_id
+        params = req.sampling.to_params()
+        ctx = trace.set_span_in_context(a.span)
+        with _tracer.start_as_current_span("decode.admit", context=ctx) as span:
+            try:
+                res = await self.thread.call(lambda e: e.reserve(rid, req.prompt_token_ids, params, req.priority))
+            except ValueError as e:
+                await self._fail(rid, codes.BAD_REQUEST, str(e))
+                return
+            if rid not in self.active:  # cancelled meanwhile
+                await self.thread.call(lambda e: e.abort(rid))
+                return
+            if res is None:  # the pool is full right now: queue it like any local request
+                await self.thread.call(lambda e: e.add_request(rid, req.prompt_token_ids, params, req.priority))
+                span.set_attribute("kvmesh.prefill", "local-queued")
+                return
+            cached = await self._load_from_kvstore(rid, res)
+            a.num_cached_tokens = cached
+            span.set_attribute("kvmesh.cached_tokens", cached)
+            tail = len(req.prompt_token_ids) - cached
+            remote = tail >= self.settings.remote_prefill_threshold
+            span.set_attribute("kvmesh.prefill", "remote" if remote else "local")
+        if remote and await self._remote_prefill(a, res, cached):
+            return
+        if rid in self.active:
+            await self.thread.call(lambda e: e.commit_held(rid, cached) if rid in e.held else None)
+
+    async def _load_from_kvstore(self, rid: str, res: Reservation) -> int:
+        own = res.num_cached_tokens // self.block_size
+        if self.kvstore is None or len(res.block_hashes) <= own:
+            return res.num_cached_tokens
+        with _tracer.start_as_current_span("kvstore.get", attributes={"kvmesh.blocks_wanted": len(res.block_hashes) - own}) as span:
+            got = await self.kvstore.get_chain(res.block_hashes[own:])
+            if got is None or rid not in self.active:
+                return res.num_cached_tokens
+            k, v = got
+            await self.thread.call(lambda e: e.write_blocks(rid, own, k, v) if rid in e.held else None)
+            span.set_attribute("kvmesh.blocks_loaded", k.shape[1])
+        return (own + k.shape[1]) * self.block_size
+
+    async def _remote_prefill(self, a: Active, res: Reservation, cached: int) -> bool:
+        """True when the prompt's KV arrived and the first token was emitted; False to compute locally."""
+        rid, req = a.req.request_id, a.req
+        first_block = cached // self.block_size
+        transfer_id = uuid.uuid4().hex
+        a.transfer_id = transfer_id
+
+        async def write(block_start: int, k, v, first_layer: int) -> None:
+            def do(e: LLMEngine) -> None:
+                if rid not in e.held:
+                    raise TransferError("request is no longer waiting for KV")
+                e.write_blocks(rid, block_start, k, v, first_layer)
+            await self.thread.call(do)
+
+        done = self.transport.expect(transfer_id, res.num_blocks, write, self.settings.kv_transfer_timeout_s)
+        msg = RemotePrefillRequest(request_id=rid, transfer_id=transfer_id, prompt_token_ids=req.prompt_token_ids,
+                                   num_cached_tokens=cached, decode_worker_id=self.settings.worker_id,
+                                   num_dest_blocks=res.num_blocks - first_block, block_size=self.block_size,
+                                   sampling=req.sampling)
+        with _tracer.start_as_current_span("decode.remote_prefill", context=trace.set_span_in_context(a.span),
+                                           attributes={"kvmesh.transfer_id": transfer_id}) as span:
+            try:
+                reply = await bus.request(self.nc, subjects.PREFILL_PREFILL, msg,
+                                          timeout=self.settings.remote_prefill_timeout_s, expect=RemotePrefillReply)
+                if reply.error is not None or reply.first_token_id is None:
+                    raise TransferError(f"prefill worker failed: {reply.error}")
+                await asyncio.wait_for(done, timeout=self.settings.kv_transfer_timeout_s)
+            except (bus.BusError, TransferError, asyncio.TimeoutError, asyncio.CancelledError) as e:
+                self.transport.forget(transfer_id)
+                if not done.done():
+                    done.cancel()
+                a.transfer_id = None
+                span.set_attribute("kvmesh.fallback", str(e) or type(e).__name__)
+                log.warning("remote prefill of %s failed (%s); computing locally", rid, e or type(e).__name__)
+                self.remote_fallbacks += 1
+                await bus.publish(self.nc, subjects.PREFILL_CANCEL, CancelRequest(request_id=rid, reason="fallback"))
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                return False
+        a.transfer_id = None
+        self.remote_prefills += 1
+        if rid not in self.active:
+            return True
+        lp = reply.logprobs.to_engine() if reply.logprobs is not None else None
+        out = await self.thread.call(
+            lambda e: e.commit_held(rid, len(req.prompt_token_ids), reply.first_token_id, lp) if rid in e.held else None)
+        if out is not None:
+            self._emit(out)
+        return True
+
+    # --- outputs --------------------------------------------------------------------------------
+
+    def _post_step(self, engine: LLMEngine, outputs, events):
+        return collect(engine, events, self.kvstore)
+
+    def _on_step(self, outputs: list[RequestOutput], events, offload) -> None:
+        for out in outputs:
+            self._emit(out)
+        for msg in to_wire(self.settings.worker_id, events):
+            self._outbox.put_nowait((None, msg, False))
+        if self.offloader:
+            self.offloader.submit(offload)
+
+    def _emit(self, out: RequestOutput) -> None:
+        a = self.active.get(out.request_id)
+        if a is None:
+            return
+        lps = None
+        if a.req.sampling.logprobs is not None and out.logprobs:
+            lps = [TokenLogprob.from_engine(lp) for lp in out.logprobs[-len(out.new_token_ids):]]
+        chunk = TokenChunk(request_id=out.request_id, seq=a.next_seq, token_ids=out.new_token_ids, logprobs=lps,
+                           finish_reason=out.finish_reason if out.finished else None,
+                           num_cached_tokens=max(a.num_cached_tokens, out.num_cached_tokens) if a.next_seq == 0 else None)
+        if a.next_seq == 0:
+            a.span.add_event("first_token")
+        a.next_seq += 1
+        if out.finished:
+            del self.active[out.request_id]
+            a.span.set_attribute("gen_ai.usage.output_tokens", len(out.output_token_ids))
+            a.span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason])
+        self._outbox.put_nowait((a, chunk, out.finished))
+
+    async def _send_loop(self) -> None:
+        """One ordered outbox for token chunks and events: per-request order is the send order."""
+        while True:
+            a, msg, last = await self._outbox.get()
+            try:
+                if a is None:
+                    await bus.publish(self.nc, subjects.decode_events(self.settings.worker_id), msg)
+                    continue
+                with trace.use_span(a.span, end_on_exit=False):
+                    await a.stream.send(msg)
+                    if last:
+                        await a.stream.end()
+                if last:
+                    a.span.end()
+            except Exception:  # noqa: BLE001 - one broken reply subject must not stop the others
+                log.exception("could not deliver to %s", getattr(msg, "request_id", "events"))
+            finally:
+                self._outbox.task_done()
+
+    async def _fail(self, rid: str, code: str, message: str) -> None:
+        a = self.active.pop(rid, None)
+        if a is None:
+            return
+        a.span.set_status(trace.StatusCode.ERROR, message)
+        await a.stream.end(error=ErrorReply(code=code, message=message))
+        a.span.end()
+
+    # --- cancellation ---------------------------------------------------------------------------
+
+    async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:
+        if msg.request_id in self.active:
+            await self._abort(msg.request_id, msg.reason or "cancelled")
+
+    async def _abort(self, rid: str, reason: str, error: bool = False) -> None:
+        a = self.active.pop(rid, None)
+        if a is None:
+            return
+        await self.thread.call(lambda e: e.abort(rid))
+        if a.transfer_id is not None:
+            self.transport.forget(a.transfer_id)
+            await bus.publish(self.nc, subjects.PREFILL_CANCEL, CancelRequest(request_id=rid, reason=reason))
+        for t in a.tasks:
+            t.cancel()
+        a.span.add_event("cancelled", {"reason": reason})
+        chunk = TokenChunk(request_id=rid, seq=a.next_seq, finish_reason="error" if error else "abort",
+                           error=reason if error else None)
+        self._outbox.put_nowait((a, chunk, True))
+
+    # --- load beats -----------------------------------------------------------------------------
+
+    async def _beat(self) -> None:
+        stats = await self.thread.call(lambda e: e.stats())
+        await bus.publish(self.nc, subjects.decode_load(self.settings.worker_id), LoadBeat(
+            worker_id=self.settings.worker_id, running=stats.running, waiting=stats.waiting,
+            free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, ts=time.time(),
+            block_size=self.block_size, hash_root=self.engine.block_manager.root,
+            max_model_len=self.engine.max_model_len))
+
+    async def _beat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.beat_interval_s)
+            try:
+                await self._beat()
+            except Exception:  # noqa: BLE001
+                log.exception("load beat failed")
+
+
+def default_worker_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    return f"decode-{host}-{os.getpid()}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--worker-id", default=os.environ.get("KVMESH_WORKER_ID") or default_worker_id())
+    parser.add_argument("--remote-prefill-threshold", type=int,
+                        default=int(os.environ.get("KVMESH_REMOTE_PREFILL_THRESHOLD", 512)),
+                        help="uncached prompt tokens at which prefill goes to a prefill worker (0: always, "
+                             "a huge number: never)")
+    parser.add_argument("--no-kvstore", action="store_true", help="neither fetch from nor offload to the kvstore")
+    parser.add_argument("--remote-prefill-timeout", type=float, default=60.0)
+    parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+
+
+def build(args: argparse.Namespace) -> DecodeService:
+    return DecodeService(engine_config_from_args(args), DecodeSettings(
+        worker_id=args.worker_id, remote_prefill_threshold=args.remote_prefill_threshold,
+        use_kvstore=not args.no_kvstore, remote_prefill_timeout_s=args.remote_prefill_timeout,
+        kv_transfer_timeout_s=args.kv_transfer_timeout))

@@ -1,0 +1,35 @@
+"""Engine flags shared by the decode and prefill services."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from shared.config import EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=os.environ.get("KVMESH_MODEL"), required="KVMESH_MODEL" not in os.environ,
+                        help="Hugging Face checkpoint directory (env KVMESH_MODEL)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--served-model-name", default=None, help="model id folded into block hashes")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        model_id=args.served_model_name)

@@ -1,0 +1,177 @@
+"""Prefill worker: computes the KV of a prompt tail a decode worker lacks, pushes it to that
+worker's reserved blocks, and answers with the first sampled token.
+
+It runs the same engine (chunked prefill, batching across requests, its own prefix cache, the
+kvstore) with every request limited to one output token.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+
+from nats.aio.client import Client
+from opentelemetry import trace
+
+from shared import bus, subjects
+from shared.config import EngineConfig
+from shared.engine.engine_thread import EngineThread
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.offload import Offloader, collect
+from shared.engine.outputs import RequestOutput
+from shared.kv_transport import NatsKVTransport, TransferError
+from shared.kvstore_client import KVStoreClient
+from shared.protocol import errors as codes
+from shared.protocol.generate import CancelRequest, TokenLogprob
+from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
+from shared.service_runner import Service
+from services.engine_args import add_engine_arguments, engine_config_from_args
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.prefill")
+VERSION = "0.1.0"
+
+
+@dataclasses.dataclass
+class PrefillSettings:
+    use_kvstore: bool = True
+    kv_transfer_timeout_s: float = 30.0
+    fault: str | None = None  # test-only: "drop" or "corrupt" the KV pushes
+
+
+class PrefillService(Service):
+    name = "prefill"
+
+    def __init__(self, engine_config: EngineConfig, settings: PrefillSettings) -> None:
+        self.engine_config = engine_config
+        self.settings = settings
+        self.pending: dict[str, asyncio.Future] = {}
+        self.draining = False
+
+    async def start(self, nc: Client) -> None:
+        self.nc = nc
+        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
+        self.block_size = self.engine.config.block_size
+        self.kvstore = KVStoreClient(nc) if self.settings.use_kvstore else None
+        self.offloader = Offloader(self.kvstore) if self.kvstore else None
+        self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
+                                   self._post_step if self.kvstore else None)
+        self.thread.start()
+        self.transport = NatsKVTransport(nc)
+        self.transport.fault = self.settings.fault
+        await self.transport.start(None)
+        self.cancel_sub = await bus.subscribe(nc, subjects.PREFILL_CANCEL, self._on_cancel, CancelRequest)
+        self.micro = await bus.add_micro_service(nc, subjects.SERVICE_PREFILL, VERSION, [
+            bus.Endpoint("prefill", subjects.PREFILL_PREFILL, subjects.QUEUE_PREFILL, self._on_prefill,
+                         RemotePrefillRequest)])
+
+    async def drain(self, grace_s: float) -> None:
+        # Refuse new work first; stopping the endpoint would cancel handlers still answering.
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.pending and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.pending):
+            await self._cancel(rid)
+        await asyncio.sleep(0.05)  # let cancelled handlers send their replies
+        await self.micro.stop()
+        if self.offloader:
+            await self.offloader.flush(max(0.0, deadline - loop.time()))
+        await self.cancel_sub.unsubscribe()
+        await self.transport.stop()
+        self.thread.stop()
+
+    async def _on_prefill(self, req: RemotePrefillRequest, ctx: bus.RequestContext) -> RemotePrefillReply:
+        if self.draining:
+            raise bus.RemoteError(codes.OVERLOADED, "prefill worker is shutting down")
+        if req.block_size != self.block_size:
+            raise bus.RemoteError(codes.BAD_REQUEST, f"block_size {req.block_size} != this worker's {self.block_size}")
+        rid = req.request_id
+        if rid in self.pending:
+            raise bus.RemoteError(codes.BAD_REQUEST, f"request {rid!r} is already being prefilled")
+        first_block = req.num_cached_tokens // self.block_size
+        sampling = req.sampling.to_params()
+        params = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[rid] = fut
+        try:
+            with _tracer.start_as_current_span("prefill.compute", attributes={
+                    "kvmesh.request_id": rid, "kvmesh.prompt_tokens": len(req.prompt_token_ids),
+                    "kvmesh.decode_cached_tokens": req.num_cached_tokens}) as span:
+                cached = await self._admit(rid, req.prompt_token_ids, params, first_block)
+                span.set_attribute("kvmesh.cached_tokens", cached)
+                out: RequestOutput = await fut
+            if out.finish_reason == "abort" or out.kv_blocks is None:
+                return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error="cancelled")
+            k, v = out.kv_blocks
+            if k.shape[1] != req.num_dest_blocks:
+                return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id,
+                                          error=f"computed {k.shape[1]} blocks, decode reserved {req.num_dest_blocks}")
+            await self.transport.send(req.decode_worker_id, req.transfer_id, first_block, k, v,
+                                      self.settings.kv_transfer_timeout_s)
+        except ValueError as e:
+            raise bus.RemoteError(codes.BAD_REQUEST, str(e)) from None
+        except (bus.BusError, TransferError, asyncio.TimeoutError) as e:
+            return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error=f"KV push failed: {e}")
+        finally:
+            if self.pending.pop(rid, None) is not None and not fut.done():
+                await self.thread.call(lambda e: e.abort(rid))
+        lp = TokenLogprob.from_engine(out.logprobs[0]) if out.logprobs else None
+        return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, first_token_id=out.output_token_ids[0],
+                                  logprobs=lp, num_cached_tokens=cached)
+
+    async def _admit(self, rid: str, prompt: list[int], params, first_block: int) -> int:
+        """Queue the request, reusing this worker's prefix cache and the kvstore; returns cached tokens."""
+        res = await self.thread.call(lambda e: e.reserve(rid, prompt, params, capture_kv_from_block=first_block))
+        if res is None:
+            await self.thread.call(lambda e: e.add_request(rid, prompt, params, capture_kv_from_block=first_block))
+            return 0
+        cached = res.num_cached_tokens
+        own = cached // self.block_size
+        if self.kvstore is not None and len(res.block_hashes) > own:
+            got = await self.kvstore.get_chain(res.block_hashes[own:])
+            if got is not None:
+                k, v = got
+                await self.thread.call(lambda e: e.write_blocks(rid, own, k, v) if rid in e.held else None)
+                cached = (own + k.shape[1]) * self.block_size
+        await self.thread.call(lambda e: e.commit_held(rid, cached) if rid in e.held else None)
+        return cached
+
+    def _post_step(self, engine: LLMEngine, outputs, events):
+        return collect(engine, events, self.kvstore)
+
+    def _on_step(self, outputs: list[RequestOutput], events, offload) -> None:
+        for out in outputs:
+            fut = self.pending.get(out.request_id)
+            if out.finished and fut is not None and not fut.done():
+                fut.set_result(out)
+        if self.offloader:
+            self.offloader.submit(offload)
+
+    async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:
+        await self._cancel(msg.request_id)
+
+    async def _cancel(self, rid: str) -> None:
+        fut = self.pending.get(rid)
+        if fut is None:
+            return
+        out = await self.thread.call(lambda e: e.abort(rid))
+        if not fut.done():
+            if out is not None:
+                fut.set_result(out)
+            else:
+                fut.cancel()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--no-kvstore", action="store_true")
+    parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    parser.add_argument("--fault-inject", choices=["drop", "corrupt"], default=None, help=argparse.SUPPRESS)
+
+
+def build(args: argparse.Namespace) -> PrefillService:
+    return PrefillService(engine_config_from_args(args), PrefillSettings(
+        use_kvstore=not args.no_kvstore, kv_transfer_timeout_s=args.kv_transfer_timeout, fault=args.fault_inject))

@@ -1,0 +1,90 @@
+"""The engine's compute loop in its own thread, behind a command queue, with an asyncio face.
+
+Everything that touches the engine runs on this thread: commands from the event loop are queued
+and executed between steps, so the engine itself needs no locks. Step results are handed back to
+the event loop through a callback scheduled with call_soon_threadsafe.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from shared.engine.block_events import BlockEvent
+from shared.engine.llm_engine import LLMEngine
+from shared.engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# post_step(engine, outputs, events) runs on the engine thread right after a step, while every block
+# still holds what the step left there (offload reads KV here); its result goes to on_step.
+PostStep = Callable[[LLMEngine, list[RequestOutput], list[BlockEvent]], Any]
+StepCallback = Callable[[list[RequestOutput], list[BlockEvent], Any], None]
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, on_step: StepCallback,
+                 post_step: PostStep | None = None) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.on_step = on_step
+        self.post_step = post_step
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps and return its result."""
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def _run_command(self, item) -> bool:
+        if item is None:
+            return False
+        fn, fut = item
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001 - the caller gets the error, the loop lives on
+                fut.set_exception(e)
+        return True
+
+    def _run(self) -> None:
+        try:
+            while True:
+                # Block for commands when idle; otherwise drain what arrived and step.
+                if not self.engine.has_work():
+                    if not self._run_command(self._commands.get()):
+                        return
+                while True:
+                    try:
+                        item = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._run_command(item):
+                        return
+                if not self.engine.has_work():
+                    continue
+                outputs = self.engine.step()
+                events = self.engine.block_manager.drain_events()
+                if outputs or events:
+                    extra = self.post_step(self.engine, outputs, events) if self.post_step else None
+                    self.loop.call_soon_threadsafe(self.on_step, outputs, events, extra)
+        except Exception:
+            log.exception("engine loop crashed")
+            raise
+        finally:
+            self._stopped.set()

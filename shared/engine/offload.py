@@ -1,0 +1,60 @@
+"""Write-through offload of newly cached blocks to the kvstore, shared by decode and prefill workers.
+
+Blocks are copied out on the engine thread right after the step that filled them (collect), then
+sent from the event loop (Offloader). Offloading at store time rather than at eviction means a
+prefix computed on one worker is in the kvstore before another worker asks for it; evicted blocks
+are then already there. Best effort with a bound on puts in flight: a slow kvstore drops offloads,
+never slows the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shared.engine.block_events import BlockEvent, BlockStored
+from shared.engine.llm_engine import LLMEngine
+from shared.kvstore_client import KVStoreClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadBatch:
+    hashes: list[bytes]
+    parents: list[bytes | None]
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def collect(engine: LLMEngine, events: list[BlockEvent], client: KVStoreClient) -> OffloadBatch | None:
+    """Engine thread: copy out the KV of blocks stored by this step that the kvstore lacks."""
+    stored = [e for e in events if isinstance(e, BlockStored) and client.needs_offload(e.block_hash)]
+    if not stored:
+        return None
+    k, v = engine.read_blocks([e.block_id for e in stored])
+    return OffloadBatch([e.block_hash for e in stored], [e.parent_hash for e in stored], k, v)
+
+
+class Offloader:
+    def __init__(self, client: KVStoreClient, max_in_flight: int = 4) -> None:
+        self.client = client
+        self.max_in_flight = max_in_flight
+        self._tasks: set[asyncio.Task] = set()
+        self.dropped = 0
+
+    def submit(self, batch: OffloadBatch | None) -> None:
+        if batch is None:
+            return
+        if len(self._tasks) >= self.max_in_flight:
+            self.dropped += len(batch.hashes)
+            return
+        task = asyncio.ensure_future(self.client.put(batch.hashes, batch.parents, batch.k, batch.v))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def flush(self, timeout: float) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)

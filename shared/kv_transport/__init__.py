@@ -1,0 +1,4 @@
+from shared.kv_transport.base import KVTransport, TransferError
+from shared.kv_transport.nats_transport import NatsKVTransport
+
+__all__ = ["KVTransport", "NatsKVTransport", "TransferError"]

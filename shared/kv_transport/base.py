@@ -1,0 +1,43 @@
+"""How a request's KV blocks travel from a prefill worker to a decode worker.
+
+One interface so a faster same-host path (shared memory, CUDA IPC) can replace the NATS stream.
+The decode side owns the destination blocks: it registers a transfer id with where the blocks go,
+and nothing a sender says can name physical block ids.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable
+
+import torch
+
+# write(first_logical_block, k, v, first_layer) with k, v [layers, blocks, block_size, kv_heads, head_dim];
+# a chunk may carry a range of layers when one block of all layers does not fit in a message.
+BlockWriter = Callable[[int, torch.Tensor, torch.Tensor, int], Awaitable[None]]
+
+
+class TransferError(Exception):
+    """A transfer failed (timeout, bad checksum, missing chunk, receiver gone); decode recomputes."""
+
+
+class KVTransport(abc.ABC):
+    @abc.abstractmethod
+    async def start(self, worker_id: str | None) -> None:
+        """Start receiving for worker_id (decode workers); None for send-only (prefill workers)."""
+
+    @abc.abstractmethod
+    async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
+                   deadline_s: float) -> int:
+        """Push blocks [first_block, first_block + k.shape[1]) of a transfer; returns bytes sent."""
+
+    @abc.abstractmethod
+    def expect(self, transfer_id: str, num_blocks: int, write: BlockWriter, deadline_s: float) -> Awaitable[None]:
+        """Register an incoming transfer; the awaitable resolves once every block has been written,
+        or raises TransferError."""
+
+    @abc.abstractmethod
+    def forget(self, transfer_id: str) -> None:
+        """Drop a registered transfer (request cancelled or given up); late chunks are refused."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...

@@ -1,0 +1,168 @@
+"""KV transfer as a stream of KVBlockChunks over NATS, each under the server's max_payload.
+
+Every chunk is a request to the decode worker's push subject and is acknowledged after the decode
+side verified its checksum and wrote it into the reserved blocks; at most `window` chunks are
+unacknowledged at a time (flow control). A failed chunk stops the transfer on both sides.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from nats.aio.client import Client
+from opentelemetry import trace
+
+from shared import bus, subjects
+from shared.kv_transport.base import BlockWriter, KVTransport, TransferError
+from shared.protocol.kvtransfer import KVBlockChunk, KVChunkAck, checksum
+from shared.wire import tensor_from_wire, tensor_to_wire
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.kv_transport")
+
+HEADROOM = 16 * 1024  # msgpack framing and headers on top of the tensor bytes
+
+
+def plan_chunks(num_layers: int, num_blocks: int, bytes_per_block_layer: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
+    """(layer_start, layer_end, block_start, block_end) ranges whose K+V fit in max_bytes."""
+    budget = max(max_bytes - HEADROOM, bytes_per_block_layer)
+    per_block_all_layers = num_layers * bytes_per_block_layer
+    if per_block_all_layers <= budget:
+        step = budget // per_block_all_layers
+        return [(0, num_layers, b, min(b + step, num_blocks)) for b in range(0, num_blocks, step)]
+    layers = max(1, budget // bytes_per_block_layer)
+    return [(l0, min(l0 + layers, num_layers), b, b + 1) for b in range(num_blocks) for l0 in range(0, num_layers, layers)]
+
+
+@dataclass
+class _Incoming:
+    num_blocks: int
+    write: BlockWriter
+    deadline: float
+    done: asyncio.Future
+    seen: set[int] = field(default_factory=set)
+    total: int | None = None
+    writes: int = 0
+
+
+class NatsKVTransport(KVTransport):
+    def __init__(self, nc: Client, window: int = 8) -> None:
+        self.nc = nc
+        self.window = window
+        self._incoming: dict[str, _Incoming] = {}
+        self._served: bus.Served | None = None
+        self.fault: str | None = None  # test-only fault injection on send: "drop" or "corrupt"
+
+    async def start(self, worker_id: str | None) -> None:
+        if worker_id is not None:
+            self._served = await bus.serve(self.nc, subjects.decode_kv_push(worker_id), None, self._on_chunk,
+                                           KVBlockChunk)
+
+    async def stop(self) -> None:
+        if self._served is not None:
+            await self._served.stop()
+        for t in list(self._incoming):
+            self._fail(t, "receiver stopped")
+
+    # --- sending (prefill side) -------------------------------------------------------------------
+
+    async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
+                   deadline_s: float) -> int:
+        layers, n = k.shape[0], k.shape[1]
+        per_block_layer = 2 * k[0, 0].numel() * k.element_size()
+        chunks = plan_chunks(layers, n, per_block_layer, self.nc.max_payload)
+        subject = subjects.decode_kv_push(dest_worker)
+        window = asyncio.Semaphore(self.window)
+        sent = 0
+        deadline = time.monotonic() + deadline_s
+
+        async def one(seq: int, l0: int, l1: int, b0: int, b1: int) -> None:
+            nonlocal sent
+            tensors = []
+            for layer in range(l0, l1):
+                tensors += [tensor_to_wire(k[layer, b0:b1].contiguous()), tensor_to_wire(v[layer, b0:b1].contiguous())]
+            crc = checksum(tensors)
+            if self.fault == "corrupt" and seq == len(chunks) - 1:
+                crc ^= 1
+            chunk = KVBlockChunk(transfer_id=transfer_id, seq=seq, total=len(chunks), layer_start=l0, layer_end=l1,
+                                 block_start=first_block + b0, block_end=first_block + b1, tensors=tensors,
+                                 checksum=crc)
+            if self.fault == "drop" and seq == len(chunks) - 1:
+                return
+            async with window:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferError(f"transfer {transfer_id} passed its deadline")
+                ack = await bus.request(self.nc, subject, chunk, timeout=remaining, expect=KVChunkAck)
+                if not ack.ok:
+                    raise TransferError(f"decode refused chunk {seq} of {transfer_id}: {ack.error}")
+                sent += sum(len(t.data) for t in tensors)
+
+        with _tracer.start_as_current_span("kv.transfer.send", attributes={
+            "kvmesh.transfer_id": transfer_id, "kvmesh.kv.blocks": n, "kvmesh.kv.chunks": len(chunks)}) as span:
+            tasks = [asyncio.ensure_future(one(i, *c)) for i, c in enumerate(chunks)]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
+            span.set_attribute("kvmesh.kv.bytes", sent)
+        return sent
+
+    # --- receiving (decode side) ------------------------------------------------------------------
+
+    def expect(self, transfer_id: str, num_blocks: int, write: BlockWriter, deadline_s: float) -> asyncio.Future:
+        done = asyncio.get_running_loop().create_future()
+        self._incoming[transfer_id] = _Incoming(num_blocks, write, time.monotonic() + deadline_s, done)
+        asyncio.get_running_loop().call_later(deadline_s, self._fail, transfer_id, "transfer timed out")
+        return done
+
+    def forget(self, transfer_id: str) -> None:
+        inc = self._incoming.pop(transfer_id, None)
+        if inc is not None and not inc.done.done():
+            inc.done.cancel()
+
+    def _fail(self, transfer_id: str, reason: str) -> None:
+        inc = self._incoming.pop(transfer_id, None)
+        if inc is not None and not inc.done.done():
+            inc.done.set_exception(TransferError(reason))
+
+    async def _on_chunk(self, chunk: KVBlockChunk, ctx: bus.RequestContext) -> KVChunkAck:
+        inc = self._incoming.get(chunk.transfer_id)
+        if inc is None:
+            return KVChunkAck(transfer_id=chunk.transfer_id, seq=chunk.seq, ok=False, error="unknown transfer")
+        with _tracer.start_as_current_span("kv.transfer.receive", attributes={
+                "kvmesh.transfer_id": chunk.transfer_id, "kvmesh.kv.chunk": chunk.seq}):
+            error = self._check(chunk, inc)
+            if error is None:
+                try:
+                    k = torch.stack([tensor_from_wire(t) for t in chunk.tensors[0::2]])
+                    v = torch.stack([tensor_from_wire(t) for t in chunk.tensors[1::2]])
+                    await inc.write(chunk.block_start, k, v, chunk.layer_start)
+                except Exception as e:  # noqa: BLE001 - any failure to place blocks fails the transfer
+                    error = f"could not write blocks: {e}"
+            if error is not None:
+                self._fail(chunk.transfer_id, error)
+                return KVChunkAck(transfer_id=chunk.transfer_id, seq=chunk.seq, ok=False, error=error)
+            inc.seen.add(chunk.seq)
+            inc.total = chunk.total
+            if len(inc.seen) == inc.total and not inc.done.done():
+                self._incoming.pop(chunk.transfer_id, None)
+                inc.done.set_result(None)
+            return KVChunkAck(transfer_id=chunk.transfer_id, seq=chunk.seq)
+
+    @staticmethod
+    def _check(chunk: KVBlockChunk, inc: _Incoming) -> str | None:
+        if not chunk.verify():
+            return f"checksum mismatch on chunk {chunk.seq}"
+        if chunk.seq in inc.seen:
+            return f"chunk {chunk.seq} received twice"
+        if inc.total is not None and chunk.total != inc.total:
+            return "chunk count changed mid-transfer"
+        if chunk.block_end > inc.num_blocks:
+            return f"blocks up to {chunk.block_end} but only {inc.num_blocks} were reserved"
+        return None

@@ -1,0 +1,80 @@
+"""Running real services in-process on a real nats-server, for tests below the HTTP layer."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from shared import bus, subjects
+from shared.config import EngineConfig
+from shared.engine.sampling_params import SamplingParams
+from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+from services.decode.service import DecodeService, DecodeSettings
+from services.kvstore.cpu_tier import CPUTier
+from services.kvstore.service import KVStoreService
+from services.prefill.service import PrefillService, PrefillSettings
+
+
+def engine_config(ckpt, **overrides) -> EngineConfig:
+    cfg = dict(model=str(ckpt.path), num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=32)
+    cfg.update(overrides)
+    return EngineConfig(**cfg)
+
+
+def decode_service(ckpt, worker_id="d0", threshold=0, kvstore=True, transfer_timeout=3.0, **engine) -> DecodeService:
+    return DecodeService(engine_config(ckpt, **engine), DecodeSettings(
+        worker_id=worker_id, remote_prefill_threshold=threshold, use_kvstore=kvstore,
+        remote_prefill_timeout_s=10.0, kv_transfer_timeout_s=transfer_timeout, beat_interval_s=0.2))
+
+
+def prefill_service(ckpt, fault=None, kvstore=True, **engine) -> PrefillService:
+    return PrefillService(engine_config(ckpt, **engine), PrefillSettings(use_kvstore=kvstore, fault=fault,
+                                                                         kv_transfer_timeout_s=3.0))
+
+
+def kvstore_service(capacity=64 << 20) -> KVStoreService:
+    return KVStoreService(CPUTier(capacity))
+
+
+@contextlib.asynccontextmanager
+async def running(url: str, *services):
+    nc = await bus.connect(url)
+    conns = []
+    try:
+        for s in services:
+            c = await bus.connect(url)
+            conns.append(c)
+            await s.start(c)
+        yield nc
+    finally:
+        for s in reversed(services):
+            await s.drain(2.0)
+        for c in conns + [nc]:
+            await c.drain()
+
+
+async def generate(nc, prompt: list[int], params: SamplingParams, request_id: str, subject: str | None = None
+                   ) -> tuple[list[int], list[TokenChunk]]:
+    req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=Sampling.from_params(params))
+    chunks: list[TokenChunk] = []
+    async with await bus.request_stream(nc, subject or subjects.DECODE_GENERATE, req, timeout=30,
+                                        expect=TokenChunk) as stream:
+        async for chunk in stream:
+            chunks.append(chunk)
+            if chunk.finished:
+                break
+    return [t for c in chunks for t in c.token_ids], chunks
+
+
+async def wait_idle(*decode_services, timeout=3.0) -> None:
+    """Until every engine holds no request and all its blocks are free again."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        states = [await s.thread.call(lambda e: (e.has_unfinished_requests(), e.block_manager.num_free_blocks,
+                                                 e.block_manager.num_blocks)) for s in decode_services]
+        if all(not busy and free == total for busy, free, total in states):
+            for s in decode_services:
+                await s.thread.call(lambda e: e.check_integrity())
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"engines not idle: {states}")
