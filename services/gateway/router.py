@@ -1,0 +1,133 @@
+"""KV-aware routing: send a prompt to the decode worker that already caches most of it.
+
+Workers publish BlockStored/BlockRemoved (what they cache) and a LoadBeat about once a second
+(how busy they are, and how they hash blocks). A worker is alive while its beats keep coming.
+Score = cached fraction of the prompt's full blocks - load, where load mixes KV usage and queue
+length, so a worker with the whole prefix still loses to an idle one once it is busy enough.
+Workers whose waiting queue is at the bound take nothing new.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from shared.block_hash import hash_blocks
+from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
+
+DEFAULT_EXPIRY_S = 3.0
+
+
+class NoWorkerError(Exception):
+    """No decode worker is alive."""
+
+
+class OverloadedError(Exception):
+    """Every alive worker's waiting queue is at the bound."""
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    blocks: set[bytes] = field(default_factory=set)
+    beat: LoadBeat | None = None
+    seen: float = float("-inf")  # local monotonic time of the last beat (never the sender's clock)
+    pending: int = 0  # requests routed here since its last beat, which the beat cannot show yet
+
+    @property
+    def kv_usage(self) -> float:
+        b = self.beat
+        return 1.0 - b.free_blocks / b.total_blocks if b and b.total_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class Route:
+    worker_id: str
+    cached_blocks: int  # prompt blocks the worker is believed to hold
+    prompt_blocks: int
+
+
+@dataclass
+class RouterConfig:
+    expiry_s: float = DEFAULT_EXPIRY_S
+    max_waiting: int = 128  # per worker; at or above it a worker takes nothing new
+    load_weight: float = 1.0
+
+
+class Router:
+    def __init__(self, config: RouterConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or RouterConfig()
+        self._clock = clock
+        self._workers: dict[str, WorkerState] = {}
+
+    # --- events -----------------------------------------------------------------------------------
+
+    def on_stored(self, ev: BlockStored) -> None:
+        self._worker(ev.worker_id).blocks.update(ev.hashes)
+
+    def on_removed(self, ev: BlockRemoved) -> None:
+        self._worker(ev.worker_id).blocks.difference_update(ev.hashes)
+
+    def on_beat(self, beat: LoadBeat) -> None:
+        w = self._worker(beat.worker_id)
+        w.beat, w.seen, w.pending = beat, self._clock(), 0
+
+    def forget(self, worker_id: str) -> None:
+        """A worker that answered "no responders" is gone whatever its last beat said."""
+        self._workers.pop(worker_id, None)
+
+    # --- queries ----------------------------------------------------------------------------------
+
+    def alive(self) -> list[WorkerState]:
+        now = self._clock()
+        expired = [wid for wid, w in self._workers.items() if w.beat is not None and now - w.seen > self.config.expiry_s * 10]
+        for wid in expired:  # long gone: drop its block set too
+            del self._workers[wid]
+        return [w for w in self._workers.values() if w.beat is not None and now - w.seen <= self.config.expiry_s]
+
+    def max_model_len(self) -> int | None:
+        lens = [w.beat.max_model_len for w in self.alive() if w.beat and w.beat.max_model_len > 0]
+        return min(lens) if lens else None
+
+    def pick(self, prompt_token_ids: Sequence[int]) -> Route:
+        workers = self.alive()
+        if not workers:
+            raise NoWorkerError("no decode worker is alive")
+        open_ = [w for w in workers if w.beat and w.beat.waiting < self.config.max_waiting]
+        if not open_:
+            raise OverloadedError(f"every decode worker has {self.config.max_waiting} or more requests waiting")
+        hashes: dict[tuple[bytes, int], list[bytes]] = {}  # workers of one model share a hashing scheme
+        best: tuple[float, int, str] | None = None
+        best_route: Route | None = None
+        for w in open_:
+            assert w.beat is not None
+            key = (w.beat.hash_root, w.beat.block_size)
+            if key not in hashes:
+                hashes[key] = hash_blocks(w.beat.hash_root, prompt_token_ids, w.beat.block_size) if w.beat.hash_root else []
+            chain = hashes[key]
+            cached = _prefix_len(chain, w.blocks)
+            load = w.kv_usage + (w.beat.waiting + w.pending) / self.config.max_waiting
+            score = (cached / len(chain) if chain else 0.0) - self.config.load_weight * load
+            busy = w.beat.running + w.beat.waiting + w.pending
+            rank = (score, -busy, w.worker_id)  # ties: the less busy, then a stable order
+            if best is None or rank[:2] > best[:2] or (rank[:2] == best[:2] and rank[2] < best[2]):
+                best, best_route = rank, Route(w.worker_id, cached, len(chain))
+        assert best_route is not None
+        self._workers[best_route.worker_id].pending += 1
+        return best_route
+
+    def _worker(self, worker_id: str) -> WorkerState:
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = WorkerState(worker_id)
+        return w
+
+
+def _prefix_len(chain: list[bytes], held: set[bytes]) -> int:
+    """Blocks are only reusable as a prefix: stop at the first block the worker lacks."""
+    n = 0
+    for h in chain:
+        if h not in held:
+            break
+        n += 1
+    return n

@@ -1,0 +1,150 @@
+"""Gateway pieces without a mesh: detokenizer (real byte-level BPE), stop strings, router."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.gateway.router import NoWorkerError, OverloadedError, Router, RouterConfig
+from services.gateway.stop import StopMatcher
+from shared.block_hash import hash_blocks, root_hash
+from shared.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from shared.models.demo_tokenizer import cached_byte_bpe, write_tokenizer_files
+from shared.models.tokenizer import load_tokenizer
+from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):  # noqa: ANN001, ANN201
+    d = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(cached_byte_bpe(512), d)
+    return load_tokenizer(Path(d))
+
+
+TEXT = "Grüße aus 東京 — naïve café 🎉 ok"
+
+
+def test_detokenizer_never_emits_half_a_character(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    singles = [tokenizer.decode([i]) for i in ids]
+    assert any(REPLACEMENT in s for s in singles), "the test needs a character split across byte tokens"
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello", add_special_tokens=True))
+    deltas = [detok.push([i]) for i in ids]
+    deltas.append(detok.flush())
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "".join(deltas) == TEXT == detok.text
+    assert sum(1 for d in deltas if d == "") > 0  # some tokens had to wait for the rest of their character
+
+
+def test_detokenizer_chunks_and_special_tokens(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    eos = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+    detok = IncrementalDetokenizer(tokenizer)
+    out = "".join(detok.push(ids[i : i + 3]) for i in range(0, len(ids), 3)) + detok.push([eos]) + detok.flush()
+    assert out == TEXT
+
+
+def test_detokenizer_flush_matches_decode_for_truncated_character(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode("a🎉", add_special_tokens=False)[:-1]  # cut inside the emoji
+    detok = IncrementalDetokenizer(tokenizer)
+    streamed = "".join(detok.push([i]) for i in ids)
+    assert REPLACEMENT not in streamed
+    assert streamed + detok.flush() == tokenizer.decode(ids)
+
+
+def feed(stops: list[str], pieces: list[str]) -> tuple[list[str], StopMatcher]:
+    m = StopMatcher(stops)
+    out = [m.push(p) for p in pieces]
+    out.append(m.flush())
+    return out, m
+
+
+def test_stop_string_spanning_pieces_is_held_back_and_cut() -> None:
+    out, m = feed(["END"], ["hello E", "N", "D and more"])
+    assert out == ["hello ", "", "", ""] and m.stopped and m.matched == "END"
+
+
+def test_stop_false_alarm_is_released() -> None:
+    out, m = feed(["END"], ["an E", "Nx", " tail"])
+    assert "".join(out) == "an ENx tail" and not m.stopped
+    assert out[0] == "an "  # "E" held until the next piece shows it is not "END"
+
+
+def test_stop_earliest_of_several() -> None:
+    out, m = feed(["zz", "b"], ["aazzb"])
+    assert "".join(out) == "aa" and m.matched == "zz"
+
+
+# ---------------------------------------------------------------------------------------- router
+
+ROOT = root_hash("tiny", 4, "float32")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def beat(worker: str, running: int = 0, waiting: int = 0, free: int = 100) -> LoadBeat:
+    return LoadBeat(worker_id=worker, running=running, waiting=waiting, free_blocks=free, total_blocks=100, ts=0.0,
+                    block_size=4, hash_root=ROOT, max_model_len=512)
+
+
+def test_router_prefers_longest_cached_prefix_and_avoids_overloaded() -> None:
+    clock = Clock()
+    r = Router(RouterConfig(expiry_s=3.0, max_waiting=4), clock)
+    prompt = list(range(40))  # 10 blocks of 4
+    chain = hash_blocks(ROOT, prompt, 4)
+    for w in ("a", "b", "c"):
+        r.on_beat(beat(w))
+    r.on_stored(BlockStored(worker_id="a", hashes=chain[:3]))
+    r.on_stored(BlockStored(worker_id="b", hashes=chain[:8]))
+    r.on_stored(BlockStored(worker_id="c", hashes=chain[1:10]))  # not a prefix: worthless
+    route = r.pick(prompt)
+    assert (route.worker_id, route.cached_blocks, route.prompt_blocks) == ("b", 8, 10)
+    # b is now over its waiting bound: the next best prefix wins
+    r.on_beat(beat("b", waiting=4))
+    assert r.pick(prompt).worker_id == "a"
+    # eviction is seen too
+    r.on_removed(BlockRemoved(worker_id="a", hashes=chain[:1]))
+    r.on_beat(beat("a"))
+    r.on_beat(beat("c"))
+    assert r.pick(prompt).cached_blocks == 0
+
+
+def test_router_weighs_load() -> None:
+    clock = Clock()
+    r = Router(RouterConfig(max_waiting=10), clock)
+    prompt = list(range(40))
+    chain = hash_blocks(ROOT, prompt, 4)
+    r.on_beat(beat("hot", running=8, waiting=9, free=0))  # full cache, long queue
+    r.on_beat(beat("idle"))
+    r.on_stored(BlockStored(worker_id="hot", hashes=chain[:2]))  # a small prefix is not worth the queue
+    assert r.pick(prompt).worker_id == "idle"
+
+
+def test_router_expires_silent_workers_and_refuses_when_all_full() -> None:
+    clock = Clock()
+    r = Router(RouterConfig(expiry_s=3.0, max_waiting=2), clock)
+    with pytest.raises(NoWorkerError):
+        r.pick([1, 2, 3])
+    r.on_beat(beat("a"))
+    assert r.pick([1, 2, 3]).worker_id == "a"
+    clock.t += 3.5
+    assert r.alive() == []
+    with pytest.raises(NoWorkerError):
+        r.pick([1, 2, 3])
+    r.on_beat(beat("a", waiting=2))
+    with pytest.raises(OverloadedError):
+        r.pick([1, 2, 3])
+
+
+def test_router_spreads_a_burst_between_beats() -> None:
+    r = Router(RouterConfig(max_waiting=8), Clock())
+    r.on_beat(beat("a"))
+    r.on_beat(beat("b"))
+    picks = [r.pick([1, 2, 3, 4, 5]).worker_id for _ in range(4)]
+    assert sorted(picks) == ["a", "a", "b", "b"]
