@@ -136,6 +136,12 @@ def test_spec_processes() -> None:
     assert decode.args[decode.args.index("--remote-prefill-threshold") + 1] == str(NEVER_REMOTE)
     with pytest.raises(AssertionError):
         MeshOptions(decode=0)
+    # One model name across the engines and the gateway (it seeds block hashes); no kvstore: engines skip it.
+    args = {s.service: s.args for s in mesh_services(MeshOptions(served_model_name="x", kvstore=0))}
+    for name in ("prefill", "decode", "gateway"):
+        assert args[name][args[name].index("--served-model-name") + 1] == "x"
+    assert "--served-model-name" not in args["tokenizer"]
+    assert "--no-kvstore" in args["prefill"] and "--no-kvstore" in args["decode"] and args["kvstore"] == ()
 
 
 def test_backoff() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 # Start order: the services others call first, the gateway (whose /health needs the rest) last.
 SERVICES: tuple[str, ...] = ("kvstore", "tokenizer", "prefill", "decode", "gateway")
 MODEL_SERVICES = frozenset({"tokenizer", "prefill", "decode", "gateway"})
+ENGINE_SERVICES = frozenset({"prefill", "decode"})
 DEFAULT_MODEL = Path(".models/demo")
 DEFAULT_PORT = 8000
 # Environment every service process gets, locally and in compose. Unbuffered output so the
@@ -104,8 +105,12 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
         args += ["--model", opts.model]
     if service == "gateway":
         args += ["--host", opts.host, "--port", str(opts.port)]
-        if opts.served_model_name:
-            args += ["--served-model-name", opts.served_model_name]
+    # The engines fold the model name into block hashes, so prefill, decode and the gateway must
+    # agree on it or no prefix would ever be shared.
+    if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name:
+        args += ["--served-model-name", opts.served_model_name]
+    if service in ENGINE_SERVICES and opts.kvstore == 0:
+        args += ["--no-kvstore"]  # else every cache miss would ask a kvstore nobody serves
     if service == "decode":
         threshold = opts.remote_prefill_threshold
         if threshold is None and opts.prefill == 0:

@@ -112,7 +112,8 @@ async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emi
         await stop.wait()
         emit("[kvmesh] stopping")
     codes = await supervisor.stop([p.name for p in services], timeout=(grace if grace is not None else 10.0) + DRAIN_MARGIN_S)
-    unclean = {n: c for n, c in codes.items() if c not in (0, None)}
+    # -SIGTERM is a clean stop too: a service still importing has no handler installed yet.
+    unclean = {n: c for n, c in codes.items() if c not in (0, None, -signal.SIGTERM)}
     for name, code in unclean.items():
         emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
     await supervisor.stop([NATS_NAME], timeout=5)
