@@ -1,0 +1,179 @@
+"""One choice of a request: a GenerateRequest to a decode worker and its stream of TokenChunks,
+turned into text deltas (incremental detokenization, then stop strings)."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from services.gateway.context import GatewayContext
+from services.gateway.errors import APIError, unavailable
+from services.gateway.stop import StopMatcher
+from shared import bus, subjects
+from shared.detokenizer import IncrementalDetokenizer
+from shared.protocol import errors as codes
+from shared.protocol.generate import CancelRequest, GenerateRequest, Sampling, TokenChunk, TokenLogprob
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string, when one ended the text
+
+
+def remote_error(e: bus.RemoteError) -> APIError:
+    if e.code == codes.BAD_REQUEST:
+        return APIError(400, e.message, code="invalid_request")
+    if e.code == codes.OVERLOADED:
+        return unavailable(f"decode: {e.message}")
+    return APIError(500, f"decode failed: {e.message}", code=e.code)
+
+
+class Choice:
+    def __init__(self, ctx: GatewayContext, request_id: str, index: int, prompt: list[int], sampling: Sampling,
+                 priority: int, stops: list[str], worker_id: str | None, span: trace.Span) -> None:
+        self.ctx, self.index, self.span = ctx, index, span
+        self.request_id = request_id
+        self.worker_id = worker_id
+        self._req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, priority=priority)
+        self._detok = IncrementalDetokenizer(ctx.tokenizer, prompt)
+        self._stop = StopMatcher(stops)
+        self._stream: bus.ReplyStream[TokenChunk] | None = None
+        self._first: TokenChunk | None = None
+        self.num_tokens = 0
+        self.num_cached_tokens = 0
+        self.first_token_time: float | None = None
+        self.finish_reason: str | None = None
+        self.sent = False  # a GenerateRequest went out: a cancel may be needed
+        self._last_chunk_time = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    async def open(self) -> None:
+        """Sends the request and waits for the first chunk, so refusals become HTTP statuses."""
+        subject = subjects.decode_generate(self.worker_id) if self.worker_id else subjects.DECODE_GENERATE
+        try:
+            self._first = await self._send(subject)
+        except bus.NoRespondersError:
+            if self.worker_id is None:
+                raise unavailable("no decode worker is available", code="no_decode_worker") from None
+            # The routed worker is gone (its beats have not expired yet): any other worker will do.
+            self.ctx.router.forget(self.worker_id)
+            self.worker_id = None
+            try:
+                self._first = await self._send(subjects.DECODE_GENERATE)
+            except bus.NoRespondersError:
+                raise unavailable("no decode worker is available", code="no_decode_worker") from None
+
+    async def _send(self, subject: str) -> TokenChunk:
+        with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
+            stream = await bus.request_stream(self.ctx.nc, subject, self._req, timeout=self.ctx.config.stream_idle_timeout_s,
+                                              expect=TokenChunk)
+        self.sent = True
+        self._stream = stream
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            raise APIError(500, "decode ended the stream without a token") from None
+        except bus.NoRespondersError:
+            self.sent = False
+            raise
+        except bus.RemoteError as e:
+            self.sent = False  # refused: nothing runs there
+            raise remote_error(e) from None
+        except bus.BusTimeout:
+            raise APIError(504, "no answer from the decode worker in time", code="timeout") from None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        assert self._stream is not None and self._first is not None, "open() first"
+        chunk: TokenChunk | None = self._first
+        try:
+            while chunk is not None:
+                delta = self._on_chunk(chunk)
+                if delta is not None:
+                    yield delta
+                if self.finished:
+                    return
+                chunk = await self._next()
+            raise APIError(500, "decode ended the stream before the last token", code="stream_ended")
+        finally:
+            await self._stream.aclose()
+
+    async def _next(self) -> TokenChunk | None:
+        assert self._stream is not None
+        try:
+            return await self._stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        except bus.RemoteError as e:
+            raise remote_error(e) from None
+        except bus.BusTimeout:
+            raise APIError(504, f"decode sent nothing for {self.ctx.config.stream_idle_timeout_s:g}s", code="timeout") from None
+        except bus.BusError as e:
+            raise APIError(500, f"lost the token stream: {e}", code="stream_error") from None
+
+    def _on_chunk(self, chunk: TokenChunk) -> Delta | None:
+        m = self.ctx.metrics
+        now = time.monotonic()
+        if chunk.num_cached_tokens is not None:
+            self.num_cached_tokens = chunk.num_cached_tokens
+            m.prefix_lookup(len(self._req.prompt_token_ids), chunk.num_cached_tokens)
+        if chunk.finish_reason in ("error", "abort"):
+            self.sent = False
+        if chunk.finish_reason == "error":
+            raise APIError(500, f"generation failed: {chunk.error or 'unknown error'}", code="generation_error")
+        if chunk.finish_reason == "abort":
+            raise unavailable("the decode worker aborted the request", code="aborted")
+        delta = Delta(self.index)
+        if chunk.token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            else:
+                m.itl.labels(m.model).observe(now - self._last_chunk_time)
+            self._last_chunk_time = now
+            self.num_tokens += len(chunk.token_ids)
+            m.generation_tokens.labels(m.model).inc(len(chunk.token_ids))
+            delta.token_ids = list(chunk.token_ids)
+            delta.logprobs = list(chunk.logprobs or [])
+            delta.text = self._stop.push(self._detok.push(chunk.token_ids))
+        if chunk.finished:
+            self.sent = False  # the worker is done with it: nothing to cancel
+        if self._stop.stopped:
+            self.finish_reason, delta.stop_reason = "stop", self._stop.matched
+            self.cancel_soon("stop string")  # the workers would otherwise run on to max_tokens
+        elif chunk.finished:
+            delta.text += self._stop.push(self._detok.flush())
+            if self._stop.stopped:
+                self.finish_reason, delta.stop_reason = "stop", self._stop.matched
+            else:
+                delta.text += self._stop.flush()
+                self.finish_reason = chunk.finish_reason
+        if self.finished:
+            delta.finish_reason = self.finish_reason
+            m.finished(self.finish_reason or "stop")
+        if not delta.text and not delta.token_ids and not delta.finish_reason:
+            return None
+        return delta
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.aclose()
+
+    def cancel_soon(self, reason: str) -> None:
+        """Tells every worker to drop this choice, at most once, from a task that outlives the request."""
+        if self.sent:
+            self.sent = False
+            self.ctx.spawn(self._publish_cancel(reason))
+
+    async def _publish_cancel(self, reason: str) -> None:
+        # Unknown ids are ignored by the workers, so a cancel racing the last token is harmless.
+        with trace.use_span(self.span, end_on_exit=False):
+            await bus.publish(self.ctx.nc, subjects.DECODE_CANCEL, CancelRequest(request_id=self.request_id, reason=reason))

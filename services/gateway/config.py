@@ -1,0 +1,27 @@
+"""The gateway's settings, from its flags (and KVMESH_API_KEY)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (tests)
+    max_waiting: int = 128  # per decode worker, from its load beats; at the bound it takes no new work
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    # Absent max_tokens: this many, capped by what is left of the context; 0 means "the rest of the
+    # context" (vLLM's rule), which on a large context can run for a long time.
+    default_max_tokens: int = 256
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
+    tokenizer_timeout_s: float = 10.0
+    stream_idle_timeout_s: float = 120.0  # longest silence from a decode worker (covers a long prefill)
+    health_timeout_s: float = 1.0
+    worker_expiry_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        assert self.max_waiting > 0, "max_waiting must be positive"
+        assert self.default_max_tokens >= 0
+        assert self.max_model_len is None or self.max_model_len > 0

@@ -1,0 +1,126 @@
+"""One generation request over HTTP: validate, tokenize, route, generate, answer (whole or SSE).
+
+The client going away at any point cancels the request in the workers: a streamed response
+notices through Starlette's disconnect listener (the SSE generator is cancelled), a whole one
+through a watcher on the ASGI receive channel.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from services.gateway.context import GatewayContext
+from services.gateway.errors import APIError, unavailable
+from services.gateway.generation import Generation, as_api_error
+from services.gateway.prepare import Prepared
+from services.gateway.responses import Formatter, usage
+from services.gateway.schemas import _Common
+from services.gateway.streaming import stream_events
+
+B = TypeVar("B", bound=_Common)
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's convention; nobody reads it, but logs and metrics do
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def serve_generation(ctx: GatewayContext, request: Request, body: B, route: str,
+                           prepare: Callable[[GatewayContext, B], Awaitable[Prepared]],
+                           formatter: type[Formatter]) -> Response:
+    arrival = time.monotonic()
+    span = ctx.tracer.start_span(f"POST {route}", kind=trace.SpanKind.SERVER, attributes={
+        "gen_ai.operation.name": "chat" if "chat" in route else "text_completion",
+        "gen_ai.request.model": body.model or ctx.config.served_model_name,
+        "http.route": route,
+    })
+    if body.max_tokens is not None:
+        span.set_attribute("gen_ai.request.max_tokens", body.max_tokens)
+    ctx.begin()
+    gen: Generation | None = None
+    streaming = False
+    try:
+        if ctx.draining:
+            raise unavailable("the gateway is shutting down", code="shutting_down")
+
+        async def start() -> Generation:
+            with trace.use_span(span, end_on_exit=False):  # tokenizer and decode spans become children
+                prepared = await prepare(ctx, body)
+            span.set_attribute("gen_ai.request.max_tokens", prepared.max_tokens)
+            span.set_attribute("kvmesh.request_id", prepared.request_id)
+            nonlocal gen
+            gen = Generation(ctx, prepared, span, arrival)
+            await gen.open()
+            return gen
+
+        opened = await _unless_disconnected(request, start())
+        p = opened.prepared
+        fmt = formatter(ctx.tokenizer, p.model, p.request_id, p.n, p.logprobs)
+        if body.stream:
+            streaming = True  # from here the SSE generator owns the span and the in-flight count
+            return StreamingResponse(stream_events(ctx, opened, fmt, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def collect() -> JSONResponse:
+            async for d in opened.deltas():
+                fmt.add(d)
+            return JSONResponse(fmt.final(usage(opened.prompt_tokens, opened.completion_tokens, opened.cached_tokens)))
+
+        return await _unless_disconnected(request, collect())
+    except ClientGone:
+        if gen is not None:
+            gen.abort("client disconnected")
+        return Response(status_code=CLIENT_CLOSED)
+    except Exception as e:  # noqa: BLE001 - every failure is an OpenAI error object
+        err = as_api_error(e)
+        if gen is not None:
+            gen.abort("error")
+        ctx.metrics.error(err.status)
+        span.record_exception(e)
+        span.set_status(Status(StatusCode.ERROR, err.message))
+        return err.response()
+    except BaseException:
+        if gen is not None:
+            gen.abort("request cancelled")
+        raise
+    finally:
+        if not streaming:
+            if gen is not None:
+                with anyio.CancelScope(shield=True):
+                    await gen.close()
+                gen.finish()
+            span.end()
+            ctx.end()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work`, raising ClientGone (and cancelling it) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if not task.done() or task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read already, so the next ASGI message can only be the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

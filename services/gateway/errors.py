@@ -1,0 +1,89 @@
+"""OpenAI-style error objects: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+FastAPI answers invalid bodies with 422 and its own shape; OpenAI clients expect 400 and this
+shape, so the handlers here replace FastAPI's.
+"""
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+RETRY_AFTER_S = 1
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
+
+
+class APIError(Exception):
+    """An error the client should see as is: an HTTP status and an OpenAI error object."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, code: str = "overloaded") -> APIError:
+    """503 with Retry-After: nothing is wrong with the request, try again shortly."""
+    return APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"invalid JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Unions report each branch as a loc element ("str", "list[int]"); keep the field path only.
+    param = ".".join(p for p in loc if not _is_type_name(p)) or None
+    if loc == [] and first.get("type") == "missing":
+        return bad_request("request body is required", code="invalid_json")
+    msg = first.get("msg", "invalid value")
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return bad_request(f"{param or 'body'}: {msg}", param=param, code="invalid_value")
+
+
+def _is_type_name(part: str) -> bool:
+    return any(c in part for c in "[]()") or part in ("str", "int", "float", "bool", "list", "dict")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "error"
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return APIError(exc.status_code, detail or phrase, headers=dict(exc.headers or {})).response()

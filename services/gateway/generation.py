@@ -1,0 +1,127 @@
+"""The n choices of one request, from routing to the last token, and the request's telemetry."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from opentelemetry import trace
+
+from services.gateway.choice import Choice, Delta
+from services.gateway.context import GatewayContext
+from services.gateway.errors import APIError, unavailable
+from services.gateway.prepare import Prepared
+from services.gateway.router import NoWorkerError, OverloadedError
+
+_DONE = object()
+
+
+class Generation:
+    def __init__(self, ctx: GatewayContext, prepared: Prepared, span: trace.Span, arrival: float) -> None:
+        self.ctx, self.prepared, self.span, self.arrival = ctx, prepared, span, arrival
+        self.choices: list[Choice] = []
+        self._ttft_seen = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prepared.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max((c.num_cached_tokens for c in self.choices), default=0)
+
+    async def open(self) -> None:
+        """Routes, sends every choice and waits for each one's first chunk; on failure cancels the rest."""
+        p = self.prepared
+        try:
+            route = self.ctx.router.pick(p.prompt_token_ids)
+        except NoWorkerError:
+            raise unavailable("no decode worker is alive", code="no_decode_worker") from None
+        except OverloadedError as e:
+            raise unavailable(str(e), code="overloaded") from None
+        self.span.set_attribute("kvmesh.decode.worker", route.worker_id)
+        self.span.set_attribute("kvmesh.route.cached_blocks", route.cached_blocks)
+        self.ctx.metrics.prompt_tokens.labels(self.ctx.metrics.model).inc(self.prompt_tokens)
+        self.choices = [
+            Choice(self.ctx, f"{p.request_id}-{i}", i, p.prompt_token_ids, s, p.priority, p.stops, route.worker_id, self.span)
+            for i, s in enumerate(p.samplings)
+        ]
+        results = await asyncio.gather(*(c.open() for c in self.choices), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort("a sibling choice failed")
+            raise errors[0]
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas of every choice as they come (choices interleave; each one's deltas stay in order)."""
+        if len(self.choices) == 1:
+            async for d in self.choices[0].deltas():
+                self._observe(d)
+                yield d
+            return
+        queue: asyncio.Queue[object] = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for d in choice.deltas():
+                    await queue.put(d)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises
+                await queue.put(e)
+            finally:
+                await queue.put(_DONE)
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in self.choices]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    assert isinstance(item, Delta)
+                    self._observe(item)
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _observe(self, d: Delta) -> None:
+        if d.token_ids and not self._ttft_seen:
+            self._ttft_seen = True
+            ttft = time.monotonic() - self.arrival
+            self.ctx.metrics.ttft.labels(self.ctx.metrics.model).observe(ttft)
+            self.span.set_attribute("gen_ai.response.time_to_first_token", ttft)
+            self.span.add_event("first_token")
+
+    def abort(self, reason: str) -> None:
+        """Cancels every choice still running in the workers (client gone, error, sibling failed)."""
+        for c in self.choices:
+            c.cancel_soon(reason)
+
+    async def close(self) -> None:
+        """Releases every reply inbox (idempotent)."""
+        for c in self.choices:
+            await c.close()
+
+    def finish(self) -> None:
+        """Records the request's usage on its span and its latency, once it is over (any outcome)."""
+        self.span.set_attribute("gen_ai.usage.input_tokens", self.prompt_tokens)
+        self.span.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
+        if self.choices and all(c.finished for c in self.choices):
+            self.ctx.metrics.e2e.labels(self.ctx.metrics.model).observe(time.monotonic() - self.arrival)
+            reasons = [c.finish_reason or "" for c in self.choices]
+            self.span.set_attribute("gen_ai.response.finish_reasons", reasons)
+        elif self.choices:
+            for c in self.choices:
+                if not c.finished:
+                    self.ctx.metrics.finished("abort")
+
+
+def as_api_error(e: BaseException) -> APIError:
+    return e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal")

@@ -1,0 +1,143 @@
+"""Deltas -> OpenAI bodies: whole responses and SSE chunks, for completions and chat completions."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from services.gateway.choice import Delta
+from services.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                                      ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, CompletionChoice,
+                                      CompletionLogprobs, CompletionResponse, TopLogprob, Usage, dump)
+from shared.protocol.generate import TokenLogprob
+
+
+def usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details={"cached_tokens": cached})
+
+
+@dataclass
+class _Acc:
+    """One choice's deltas, accumulated for a non-streamed answer."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class Formatter:
+    """Base: ids, timestamps and the accumulation shared by both endpoints."""
+
+    prefix = "cmpl"
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model: str, request_id: str, n: int, logprobs: int | None) -> None:
+        self.tok, self.model, self.n, self.logprobs = tokenizer, model, n, logprobs
+        self.id = f"{self.prefix}-{request_id}"
+        self.created = int(time.time())
+        self._acc = [_Acc() for _ in range(n)]
+        self._offsets = [0] * n  # completions' text_offset, per choice
+
+    def add(self, d: Delta) -> None:
+        a = self._acc[d.index]
+        a.text += d.text
+        a.logprobs.extend(d.logprobs)
+        if d.finish_reason:
+            a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def usage_chunk(self, u: Usage) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def final(self, u: Usage) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionFormatter(Formatter):
+    prefix = "cmpl"
+
+    def _logprobs(self, index: int, lps: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if self.logprobs is None:
+            return None
+        out = CompletionLogprobs(top_logprobs=[] if self.logprobs else None)
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.text_offset.append(self._offsets[index])
+            self._offsets[index] += len(text)
+            if out.top_logprobs is not None:
+                out.top_logprobs.append({self.token_text(t): p for t, p in zip(lp.top_ids, lp.top_logprobs)})
+        return out
+
+    def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
+        choice = CompletionChoice(index=d.index, text=d.text, logprobs=self._logprobs(d.index, d.logprobs),
+                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+        body = dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
+        if not include_usage:
+            body.pop("usage")
+        return body
+
+    def usage_chunk(self, u: Usage) -> dict[str, Any]:
+        return dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u))
+
+    def final(self, u: Usage) -> dict[str, Any]:
+        choices = [
+            CompletionChoice(index=i, text=a.text, logprobs=self._logprobs(i, a.logprobs), finish_reason=a.finish_reason,
+                             stop_reason=a.stop_reason)
+            for i, a in enumerate(self._acc)
+        ]
+        return dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))
+
+
+class ChatFormatter(Formatter):
+    prefix = "chatcmpl"
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs | None:
+        if self.logprobs is None:
+            return None
+        content = []
+        for lp in lps:
+            text = self.token_text(lp.token_id)
+            tops = [TopLogprob(token=(t := self.token_text(i)), logprob=p, bytes=list(t.encode()))
+                    for i, p in zip(lp.top_ids, lp.top_logprobs)]
+            content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=tops))
+        return ChatLogprobs(content=content)
+
+    def _chunk(self, choices: list[ChatChunkChoice], u: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        # OpenAI opens every choice with a role-only delta.
+        return [dump(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
+                for i in range(self.n)]
+
+    def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
+        delta = ChatDelta(content=d.text) if d.text or not d.finish_reason else ChatDelta()
+        choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=d.finish_reason)
+        body = dump(self._chunk([choice]))
+        if not include_usage:
+            body.pop("usage")
+        return body
+
+    def usage_chunk(self, u: Usage) -> dict[str, Any]:
+        return dump(self._chunk([], u))
+
+    def final(self, u: Usage) -> dict[str, Any]:
+        choices = [
+            ChatChoice(index=i, message=ChatMessageOut(content=a.text), logprobs=self._logprobs(a.logprobs),
+                       finish_reason=a.finish_reason, stop_reason=a.stop_reason)
+            for i, a in enumerate(self._acc)
+        ]
+        return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))

@@ -1,0 +1,161 @@
+"""The gateway as a mesh service: uvicorn serving the FastAPI app, fed by the decode workers'
+cache events and load beats. The service runner owns signals; drain() stops the HTTP server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+from opentelemetry import trace
+
+from services.gateway.app import create_app
+from services.gateway.config import GatewayConfig
+from services.gateway.context import GatewayContext
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import Router, RouterConfig
+from shared import bus, subjects
+from shared.bus import MicroService
+from shared.models.model_config import load_model_config
+from shared.models.tokenizer import load_tokenizer
+from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
+from shared.service_runner import Service, main_for
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: SIGTERM/SIGINT belong to the service runner."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+
+class GatewayService(Service):
+    name = "gateway"
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.ctx: GatewayContext | None = None
+        self._server: _Server | None = None
+        self._serving: asyncio.Task[None] | None = None
+        self._subs: list[Subscription] = []
+        self._micro: MicroService | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with port 0)."""
+        assert self._server is not None and self._server.servers, "not serving"
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def start(self, nc: Client) -> None:
+        cfg = self.config
+        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir)
+        model_config = load_model_config(cfg.model_dir)
+        router = Router(RouterConfig(expiry_s=cfg.worker_expiry_s, max_waiting=cfg.max_waiting))
+        self.ctx = ctx = GatewayContext(
+            config=cfg, nc=nc, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
+            model_max_len=min(cfg.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings),
+            router=router, metrics=GatewayMetrics(router, cfg.served_model_name),
+            tracer=trace.get_tracer("kvmesh.gateway"), created=int(time.time()),
+        )
+
+        async def on_event(ev: BlockStored | BlockRemoved, _: bus.RequestContext) -> None:
+            if isinstance(ev, BlockStored):
+                router.on_stored(ev)
+            else:
+                router.on_removed(ev)
+
+        async def on_beat(beat: LoadBeat, _: bus.RequestContext) -> None:
+            router.on_beat(beat)
+
+        self._subs = [
+            await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved)),
+            await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat),
+        ]
+        self._micro = await bus.add_micro_service(nc, subjects.SERVICE_GATEWAY, VERSION, [],
+                                                  description="OpenAI-compatible HTTP gateway",
+                                                  metadata={"model": cfg.served_model_name})
+        uv = uvicorn.Config(create_app(ctx), host=cfg.host, port=cfg.port, lifespan="off", log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=None)
+        self._server = _Server(uv)
+        self._serving = asyncio.ensure_future(self._server.serve())
+        while not self._server.started:
+            if self._serving.done():
+                self._serving.result()  # e.g. the port is taken: raise it here
+                raise RuntimeError("uvicorn stopped before it started")
+            await asyncio.sleep(0.02)
+        log.info("gateway listening on %s for model %s", self.url, cfg.served_model_name)
+
+    async def drain(self, grace_s: float) -> None:
+        """New requests get 503 at once; in-flight ones have grace_s to finish, then the server closes."""
+        if self.ctx is not None:
+            self.ctx.draining = True
+            try:
+                await asyncio.wait_for(self.ctx.wait_idle(), grace_s)
+            except asyncio.TimeoutError:
+                log.warning("%d requests still running after %.1fs; closing anyway", self.ctx.in_flight, grace_s)
+        if self._server is not None:
+            self._server.should_exit = True
+            if self._serving is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(self._serving), 5)
+                if not self._serving.done():
+                    self._server.force_exit = True
+                    await asyncio.gather(self._serving, return_exceptions=True)
+        if self.ctx is not None:
+            await asyncio.wait_for(self.ctx.wait_background(), 2)  # cancels of aborted requests still going out
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self._micro is not None:
+            with contextlib.suppress(Exception):
+                await self._micro.stop()
+
+    async def wait_closed(self) -> None:
+        assert self._serving is not None, "start() first"
+        await asyncio.shield(self._serving)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF checkpoint directory (tokenizer + config.json)")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-waiting", type=int, default=128,
+                        help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")
+    parser.add_argument("--default-max-tokens", type=int, default=256,
+                        help="max_tokens when a request gives none, capped by the context left; 0: the whole context")
+    parser.add_argument("--stream-idle-timeout", type=float, default=120.0,
+                        help="seconds a decode worker may stay silent mid-request")
+
+
+def build(args: argparse.Namespace) -> GatewayService:
+    return GatewayService(GatewayConfig(
+        model_dir=args.model,
+        served_model_name=args.served_model_name or Path(args.model).resolve().name,
+        host=args.host, port=args.port, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
+        default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
+        api_key=os.environ.get("KVMESH_API_KEY") or None,
+    ))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_for("gateway", add_arguments, build, argv)

@@ -1,0 +1,54 @@
+"""Server-sent events: `data: {json}` per chunk, then `data: [DONE]`.
+
+An error after the 200 went out cannot change the status any more, so it travels as a chunk
+holding the OpenAI error object, followed by [DONE] as usual.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from opentelemetry.trace import Status, StatusCode
+
+from services.gateway.context import GatewayContext
+from services.gateway.generation import Generation, as_api_error
+from services.gateway.responses import Formatter, usage
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body of an opened generation. Owns the request from here: ends its span and in-flight count."""
+    try:
+        try:
+            for c in fmt.start_chunks():
+                yield sse(c)
+            async for d in gen.deltas():
+                yield sse(fmt.chunk(d, include_usage))
+            if include_usage:
+                yield sse(fmt.usage_chunk(usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)))
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error chunk
+            err = as_api_error(e)
+            ctx.metrics.error(err.status)
+            gen.span.record_exception(e)
+            gen.span.set_status(Status(StatusCode.ERROR, err.message))
+            gen.abort("error")
+            yield sse(err.body())
+        yield DONE
+    except BaseException:
+        # Cancelled or closed by the server: the client went away mid-stream.
+        gen.abort("client disconnected")
+        raise
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.close()
+        gen.finish()
+        gen.span.end()
+        ctx.end()
+
