@@ -69,3 +69,9 @@ class StatsReply(Message):
     disk_bytes: int
     hits: int
     misses: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Blocks returned over blocks asked for by gets; 0.0 before the first get."""
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0

@@ -1,0 +1,132 @@
+"""The kvstore service: KV blocks by block hash, so a prefix computed once is fetched, not recomputed.
+
+Workers put blocks they evict and get the longest chain of a prompt's block hashes the store
+holds. Blocks stay opaque bytes here (no torch, no unpickling): the store checks only that a
+block is well formed, and hands it back bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+
+from nats.aio.client import Client
+
+from services.inflight import InFlight
+from services.kvstore.cpu_tier import CPUTier
+from services.kvstore.tier import KVTier
+from shared import bus, subjects
+from shared.block_hash import DIGEST_SIZE
+from shared.protocol import errors as codes
+from shared.protocol.kvstore import (
+    ContainsReply,
+    ContainsRequest,
+    GetReply,
+    GetRequest,
+    PutReply,
+    PutRequest,
+    StatsReply,
+    StatsRequest,
+    StoredBlock,
+)
+from shared.service_runner import Service
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+DEFAULT_CAPACITY_BYTES = 2 << 30
+# Callers reassemble replies up to the bus's max_message_bytes; half of it leaves room for framing.
+DEFAULT_MAX_REPLY_BYTES = bus.DEFAULT_LIMITS.max_message_bytes // 2
+
+
+class KVStoreService(Service):
+    name = "kvstore"
+
+    def __init__(self, tier: KVTier, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
+        self.tier = tier
+        self.max_reply_bytes = max_reply_bytes
+        self._micro: bus.MicroService | None = None
+        self._inflight = InFlight()
+
+    async def start(self, nc: Client) -> None:
+        track, queue = self._inflight.track, subjects.QUEUE_KVSTORE
+        self._micro = await bus.add_micro_service(
+            nc, subjects.SERVICE_KVSTORE, VERSION,
+            [
+                bus.Endpoint("put", subjects.KVSTORE_PUT, queue, track(self.put), PutRequest),
+                bus.Endpoint("get", subjects.KVSTORE_GET, queue, track(self.get), GetRequest),
+                bus.Endpoint("contains", subjects.KVSTORE_CONTAINS, queue, track(self.contains), ContainsRequest),
+                bus.Endpoint("stats", subjects.KVSTORE_STATS, queue, track(self.stats), StatsRequest),
+            ],
+            description="KV blocks by block hash (CPU tier)",
+            metadata={"capacity_bytes": str(self.tier.stats().capacity_bytes)},
+        )  # fmt: skip
+        await nc.flush()  # the server has our subscriptions once start() returns, so "serving" is true
+
+    async def drain(self, grace_s: float) -> None:
+        if self._micro is None:
+            return
+        await self._micro.service.stop()  # unsubscribe: no new work; delivered messages still run
+        if not await self._inflight.wait_idle(grace_s):
+            log.warning("%d kvstore requests still running after %.1fs; cancelling them", self._inflight.count, grace_s)
+        await self._micro.stop()
+        self._micro = None
+
+    # ------------------------------------------------------------------ handlers
+
+    async def put(self, req: PutRequest, ctx: bus.RequestContext) -> PutReply:
+        for i, block in enumerate(req.blocks):  # all checked before any is stored: a bad put stores nothing
+            _check_block(i, block)
+        result = self.tier.put(req.blocks)
+        if result.evicted:  # no lower tier yet: evicted blocks are dropped
+            log.debug("evicted %d blocks", len(result.evicted))
+        return PutReply(num_stored=result.stored)
+
+    async def get(self, req: GetRequest, ctx: bus.RequestContext) -> GetReply:
+        if req.max_blocks is not None and req.max_blocks < 0:
+            raise bus.RemoteError(codes.BAD_REQUEST, f"max_blocks must be >= 0, got {req.max_blocks}")
+        return GetReply(blocks=self.tier.get_chain(req.hashes, req.max_blocks, self.max_reply_bytes))
+
+    async def contains(self, req: ContainsRequest, ctx: bus.RequestContext) -> ContainsReply:
+        return ContainsReply(num_prefix_blocks=self.tier.contains_chain(req.hashes))
+
+    async def stats(self, req: StatsRequest, ctx: bus.RequestContext) -> StatsReply:
+        s = self.tier.stats()
+        return StatsReply(cpu_blocks=s.blocks, cpu_bytes=s.bytes, disk_blocks=0, disk_bytes=0, hits=s.hits, misses=s.misses)
+
+
+def _check_block(i: int, block: StoredBlock) -> None:
+    problem = None
+    if len(block.hash) != DIGEST_SIZE:
+        problem = f"hash is {len(block.hash)} bytes, not {DIGEST_SIZE}"
+    elif block.parent is not None and len(block.parent) != DIGEST_SIZE:
+        problem = f"parent hash is {len(block.parent)} bytes, not {DIGEST_SIZE}"
+    elif (block.k.dtype, block.k.shape) != (block.v.dtype, block.v.shape):
+        problem = f"k is {block.k.dtype}{block.k.shape} but v is {block.v.dtype}{block.v.shape}"
+    elif not block.k.nbytes:
+        problem = "empty tensors"
+    if problem:
+        raise bus.RemoteError(codes.BAD_REQUEST, f"block {i}: {problem}")
+
+
+_SIZE = re.compile(r"(\d+)\s*([KMGT]i?B?)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2147483648', '2GiB', '512M' -> bytes (binary units either way: cache sizes are never decimal)."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m or int(m[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size like 2147483648, 2GiB or 512MiB, got {text!r}")
+    return int(m[1]) * _UNITS[(m[2] or "")[:1].lower()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--capacity-bytes", type=parse_bytes,
+                        default=parse_bytes(os.environ.get("KVMESH_KVSTORE_CAPACITY", str(DEFAULT_CAPACITY_BYTES))),
+                        help="CPU tier size (e.g. 2GiB; env KVMESH_KVSTORE_CAPACITY); least recently used blocks go first")
+
+
+def build(args: argparse.Namespace) -> KVStoreService:
+    return KVStoreService(CPUTier(args.capacity_bytes))

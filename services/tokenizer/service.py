@@ -1,0 +1,116 @@
+"""The tokenizer service: prompt strings, token-id lists and chat messages to ids; ids back to text.
+
+Stateless (the tokenizer is read-only after loading), so it scales by running more instances in
+the same queue group. Tokenization runs in a worker thread: a 200k-token prompt takes long
+enough to stall every other request on the event loop otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+
+import jinja2
+from nats.aio.client import Client
+from transformers import PreTrainedTokenizerBase
+
+from services.inflight import InFlight
+from shared import bus, subjects
+from shared.models.tokenizer import encode_chat, load_tokenizer
+from shared.protocol import errors as codes
+from shared.protocol.tokenizer import DecodeReply, DecodeRequest, EncodeReply, EncodeRequest
+from shared.service_runner import Service
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+class TokenizerService(Service):
+    name = "tokenizer"
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        # len() counts the added special tokens too; tokenizer.vocab_size does not.
+        self.vocab_size = len(tokenizer)
+        self._micro: bus.MicroService | None = None
+        self._inflight = InFlight()
+
+    async def start(self, nc: Client) -> None:
+        track, queue = self._inflight.track, subjects.QUEUE_TOKENIZER
+        self._micro = await bus.add_micro_service(
+            nc, subjects.SERVICE_TOKENIZER, VERSION,
+            [
+                bus.Endpoint("encode", subjects.TOKENIZER_ENCODE, queue, track(self.encode), EncodeRequest),
+                bus.Endpoint("decode", subjects.TOKENIZER_DECODE, queue, track(self.decode), DecodeRequest),
+            ],
+            description="prompt <-> token ids",
+            metadata={"model": str(self.tokenizer.name_or_path), "vocab_size": str(self.vocab_size)},
+        )  # fmt: skip
+        await nc.flush()  # the server has our subscriptions once start() returns, so "serving" is true
+
+    async def drain(self, grace_s: float) -> None:
+        if self._micro is None:
+            return
+        await self._micro.service.stop()  # unsubscribe: no new work; delivered messages still run
+        if not await self._inflight.wait_idle(grace_s):
+            log.warning("%d tokenizer requests still running after %.1fs; cancelling them", self._inflight.count, grace_s)
+        await self._micro.stop()  # cancels whatever is left
+        self._micro = None
+
+    # ------------------------------------------------------------------ handlers
+
+    async def encode(self, req: EncodeRequest, ctx: bus.RequestContext) -> EncodeReply:
+        if req.token_ids is not None:
+            if not req.token_ids:
+                raise bus.RemoteError(codes.BAD_REQUEST, "empty prompt: token_ids is an empty list")
+            self._check_ids(req.token_ids)
+            return EncodeReply(token_ids=req.token_ids)
+        if req.prompt is not None and not req.prompt:
+            raise bus.RemoteError(codes.BAD_REQUEST, "empty prompt")
+        if req.messages is not None and not req.messages:
+            raise bus.RemoteError(codes.BAD_REQUEST, "empty prompt: messages is an empty list")
+        ids = await asyncio.to_thread(self._encode_sync, req)
+        if not ids:
+            raise bus.RemoteError(codes.BAD_REQUEST, "the prompt encodes to no tokens")
+        return EncodeReply(token_ids=ids)
+
+    async def decode(self, req: DecodeRequest, ctx: bus.RequestContext) -> DecodeReply:
+        for seq in req.sequences:
+            self._check_ids(seq)
+        if not req.sequences:
+            return DecodeReply(texts=[])
+        texts = await asyncio.to_thread(self._decode_sync, req)
+        return DecodeReply(texts=texts)
+
+    # ------------------------------------------------------------------ work (runs in a thread)
+
+    def _encode_sync(self, req: EncodeRequest) -> list[int]:
+        if req.messages is not None:
+            try:
+                return encode_chat(self.tokenizer, [m.model_dump() for m in req.messages], req.add_generation_prompt)
+            except (ValueError, jinja2.TemplateError) as e:  # no template, or the template rejects the conversation
+                raise bus.RemoteError(codes.BAD_REQUEST, f"chat template: {e}") from None
+        return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+
+    def _decode_sync(self, req: DecodeRequest) -> list[str]:
+        return list(self.tokenizer.batch_decode(req.sequences, skip_special_tokens=req.skip_special_tokens))
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        # The fast tokenizer overflows on negative ids and silently drops ids past its vocabulary.
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # C-speed check for the common case
+            return
+        bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+        raise bus.RemoteError(codes.BAD_REQUEST, f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=os.environ.get("KVMESH_MODEL"), required="KVMESH_MODEL" not in os.environ,
+                        help="Hugging Face checkpoint directory with tokenizer.json (env KVMESH_MODEL)")
+
+
+def build(args: argparse.Namespace) -> TokenizerService:
+    # Loaded before connecting: a bad model directory fails fast, before the service is announced.
+    return TokenizerService(load_tokenizer(args.model))
