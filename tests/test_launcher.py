@@ -19,7 +19,8 @@ import yaml
 
 from shared.bus.natsd import NatsServer, free_port
 from shared.launcher import healthcheck
-from shared.launcher.spec import NEVER_REMOTE, SERVICE_ENV, SERVICES, MeshOptions, mesh_services
+from shared.launcher.readiness import wait_healthy
+from shared.launcher.spec import NEVER_REMOTE, SERVICE_ENV, SERVICES, MeshOptions, ProcessSpec, mesh_services
 from shared.launcher.supervisor import Backoff, Supervisor
 from shared.launcher.up import READY, missing_services
 
@@ -175,6 +176,40 @@ def test_serve_reports_missing_service(capsys) -> None:
     assert "not available" in capsys.readouterr().err
 
 
+def test_startup_timeout_names_what_is_not_up() -> None:
+    async def scenario() -> str | None:
+        sup = Supervisor(emit=lambda line: None, backoff=Backoff(initial=0.1, maximum=60))
+        await sup.start(ProcessSpec("decode-0", (sys.executable, "-c", "raise SystemExit(3)")))
+        try:
+            return await wait_healthy(f"http://127.0.0.1:{free_port()}/health", 1.5, sup, asyncio.Event())
+        finally:
+            t0 = time.monotonic()
+            await sup.stop(["decode-0"], timeout=30)  # it sits in a restart delay, which must not hold this up
+            assert time.monotonic() - t0 < 2
+
+    problem = asyncio.run(scenario())
+    assert problem is not None
+    assert "/health not healthy after 2s" in problem and "not answering" in problem
+    assert re.search(r"decode-0: .*last (exit|with) code 3", problem), problem
+
+
+def test_second_signal_kills_stragglers() -> None:
+    async def scenario() -> dict[str, int | None]:
+        sup = Supervisor(emit=lambda line: None)
+        # Ignores SIGTERM, like a service stuck in its drain.
+        code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+        await sup.start(ProcessSpec("stuck", (sys.executable, "-c", code)))
+        await asyncio.sleep(0.5)
+        hurry = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.3, hurry.set)
+        t0 = time.monotonic()
+        codes = await sup.stop(["stuck"], timeout=30, hurry=hurry)
+        assert time.monotonic() - t0 < 5
+        return codes
+
+    assert asyncio.run(scenario()) == {"stuck": -signal.SIGKILL}
+
+
 # ---------------------------------------------------------------- processes
 
 
@@ -287,12 +322,15 @@ def test_supervisor_restarts_a_dead_service(nats: NatsServer, demo_model: Path) 
     asyncio.run(scenario())
 
 
+GRACE_S = 10.0
+
+
 def test_up_end_to_end(demo_model: Path) -> None:
     _require(*SERVICES)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(demo_model), "--port", str(port),
-         "--grace", "5", "--startup-timeout", "120"],
+         "--grace", str(GRACE_S), "--startup-timeout", "120"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -312,8 +350,8 @@ def test_up_end_to_end(demo_model: Path) -> None:
 
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=5 + 10 + 5) == 0, "\n".join(out.lines[-40:])
-        assert time.monotonic() - t0 < 5 + 10
+        assert proc.wait(timeout=GRACE_S + 15) == 0, "\n".join(out.lines[-40:])
+        assert time.monotonic() - t0 < GRACE_S, "\n".join(out.lines[-40:])
         for name, pid in pids.items():  # every child, nats-server included, is gone
             assert not _alive(pid), name
         assert not any("did not stop" in line or "killing it" in line for line in out.lines)

@@ -57,6 +57,7 @@ class Child:
     starts: int = 0
     last_exit: int | None = None
     stopping: bool = False
+    stopped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # ends a restart wait early
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -94,25 +95,30 @@ class Supervisor:
         await started.wait()
         return child
 
-    async def stop(self, names: Iterable[str], timeout: float) -> dict[str, int | None]:
-        """SIGTERM to each, SIGKILL to those still up after `timeout` s; returns their exit codes
-        (None for one that was not running, e.g. waiting for its restart)."""
+    async def stop(self, names: Iterable[str], timeout: float, hurry: asyncio.Event | None = None) -> dict[str, int | None]:
+        """SIGTERM to each, SIGKILL to those still up after `timeout` s (or as soon as `hurry` is
+        set: a second Ctrl-C); returns their exit codes (None for one that was not running, e.g.
+        waiting for its restart)."""
         children = [self._children[n] for n in names if n in self._children]
         was_running = {c.spec.name for c in children if c.running}
         for child in children:
             child.stopping = True
+            child.stopped.set()
             self._signal(child, signal.SIGTERM)
         tasks = [c.task for c in children if c.task is not None]
-        _, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
+        if tasks:
+            all_done = asyncio.ensure_future(asyncio.wait(tasks, timeout=timeout))
+            waits = {all_done} | ({asyncio.ensure_future(hurry.wait())} if hurry is not None else set())
+            _, unfinished = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in unfinished:
+                w.cancel()
+        pending = {t for t in tasks if not t.done()}
         for child in children:
             if child.task in pending and child.running:
-                self._emit(f"[kvmesh] {child.spec.name} did not stop within {timeout:.0f}s; killing it")
+                self._emit(f"[kvmesh] {child.spec.name} did not stop in time; killing it")
                 self._signal(child, signal.SIGKILL)
         if pending:
             await asyncio.wait(pending, timeout=5)
-        for child in children:
-            if child.task is not None and not child.task.done():
-                child.task.cancel()  # it was sleeping before a restart
         return {c.spec.name: (c.last_exit if c.spec.name in was_running else None) for c in children}
 
     async def _keep_running(self, child: Child, started: asyncio.Event) -> None:
@@ -134,6 +140,8 @@ class Supervisor:
             else:
                 child.starts += 1
                 self._emit(f"[kvmesh] started {child.spec.name} (pid {child.proc.pid})")
+                if child.stopping:  # stop() ran while the process was being created: it missed the SIGTERM
+                    self._signal(child, signal.SIGTERM)
             started.set()
             t0 = loop.time()
             if child.proc is not None and child.proc.returncode is None:
@@ -146,7 +154,8 @@ class Supervisor:
             self._emit(
                 f"[kvmesh] {child.spec.name} exited with {describe_exit(child.last_exit or 0)}; restarting in {delay:.1f}s"
             )
-            await asyncio.sleep(delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(child.stopped.wait(), delay)
 
     async def _forward(self, name: str, proc: asyncio.subprocess.Process) -> None:
         # Chunked reads, not readline(): a huge line (a stack dump, a long prompt in a log) must

@@ -19,6 +19,7 @@ from shared.launcher.local_nats import LocalNats
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, SERVICES, MeshOptions, mesh_services
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
+from shared.service_runner import DEFAULT_GRACE_S
 
 READY = "kvmesh is up at"  # tests wait for this line
 # A service drains for up to its grace period, then its NATS connection for up to 5 s more
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-prefill-threshold", type=int, default=None, metavar="TOKENS",
                         help="uncached prompt tokens from which decode prefills remotely (0: always; default: decode's own)")
     parser.add_argument("--grace", type=float, default=None,
-                        help="seconds each service may drain on Ctrl-C (default: the services' own, 10)")
+                        help=f"seconds each service may drain on Ctrl-C (default: the services' own, {DEFAULT_GRACE_S:g})")
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -77,9 +78,13 @@ def missing_services() -> list[str]:
 
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line) -> int:
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first Ctrl-C drains; a second one kills what is left
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     supervisor = Supervisor(emit)
     env: dict[str, str] = {}
     if grace is not None:
@@ -110,8 +115,9 @@ async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emi
     else:
         emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health); Ctrl-C stops it")
         await stop.wait()
-        emit("[kvmesh] stopping")
-    codes = await supervisor.stop([p.name for p in services], timeout=(grace if grace is not None else 10.0) + DRAIN_MARGIN_S)
+    emit("[kvmesh] stopping (Ctrl-C again to kill)")
+    timeout = (grace if grace is not None else DEFAULT_GRACE_S) + DRAIN_MARGIN_S
+    codes = await supervisor.stop([p.name for p in services], timeout=timeout, hurry=hurry)
     # -SIGTERM is a clean stop too: a service still importing has no handler installed yet.
     unclean = {n: c for n, c in codes.items() if c not in (0, None, -signal.SIGTERM)}
     for name, code in unclean.items():
