@@ -255,3 +255,21 @@ def test_health_auth_and_unavailable(model_dir, tmp_path) -> None:  # noqa: ANN0
         m.wait_until(lambda: httpx.get(f"{m.url}/health", timeout=10).status_code == 503, timeout=4)
     finally:
         m.close()
+
+
+def test_gateway_span_carries_genai_attributes_and_one_trace(client) -> None:  # noqa: ANN001
+    from shared.telemetry import attach_memory_exporter
+
+    exporter = attach_memory_exporter()
+    greedy(client, prompt="trace me", max_tokens=5, extra_body={"ignore_eos": True})
+    spans = exporter.get_finished_spans()
+    (root,) = [s for s in spans if s.name == "text_completion tiny"]
+    a = root.attributes
+    assert a["gen_ai.request.model"] == "tiny" and a["gen_ai.request.max_tokens"] == 5
+    assert a["gen_ai.usage.output_tokens"] == 5 and a["gen_ai.usage.input_tokens"] > 0
+    assert a["gen_ai.response.time_to_first_token"] > 0
+    same_trace = {s.name for s in spans if s.context.trace_id == root.context.trace_id}
+    # the tokenizer and decode requests (and their serving sides) joined the gateway's trace
+    assert f"request {subjects.TOKENIZER_ENCODE}" in same_trace and f"serve {subjects.TOKENIZER_ENCODE}" in same_trace
+    assert any(n.startswith("request kvmesh.decode.generate") for n in same_trace)
+    assert any(n.startswith("serve kvmesh.decode.generate") for n in same_trace)

@@ -38,10 +38,11 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
                            prepare: Callable[[GatewayContext, B], Awaitable[Prepared]],
                            formatter: type[Formatter]) -> Response:
     arrival = time.monotonic()
-    span = ctx.tracer.start_span(f"POST {route}", kind=trace.SpanKind.SERVER, attributes={
-        "gen_ai.operation.name": "chat" if "chat" in route else "text_completion",
-        "gen_ai.request.model": body.model or ctx.config.served_model_name,
-        "http.route": route,
+    operation = "chat" if "chat" in route else "text_completion"
+    model = body.model or ctx.config.served_model_name
+    # GenAI semantic conventions name the span "{operation} {model}".
+    span = ctx.tracer.start_span(f"{operation} {model}", kind=trace.SpanKind.SERVER, attributes={
+        "gen_ai.operation.name": operation, "gen_ai.request.model": model, "http.route": route,
     })
     if body.max_tokens is not None:
         span.set_attribute("gen_ai.request.max_tokens", body.max_tokens)
