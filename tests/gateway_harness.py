@@ -67,11 +67,15 @@ class EngineResponder:
         await nc.flush()
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        """Like a crash as far as callers can tell: streams in progress just go silent. Idempotent."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
             t.cancel()
-        for s in self._served:
+        served, self._served = self._served, []
+        for s in served:
             await s.stop()
-        await self._cancel_sub.unsubscribe()
+        if served:
+            await self._cancel_sub.unsubscribe()
 
     async def generate(self, req: GenerateRequest, ctx: bus.RequestContext):  # noqa: ANN201
         self.received.append(req.request_id)

@@ -219,7 +219,7 @@ def test_metrics_have_kvmesh_series(client, mesh) -> None:  # noqa: ANN001
 
 
 def test_health_auth_and_unavailable(model_dir, tmp_path) -> None:  # noqa: ANN001
-    m = Mesh(tmp_path, model_dir, api_key=KEY, max_waiting=2)
+    m = Mesh(tmp_path, model_dir, api_key=KEY, max_waiting=2, stream_idle_timeout_s=1.0)
     try:
         ok = openai.OpenAI(base_url=f"{m.url}/v1", api_key=KEY, max_retries=0, timeout=30)
         r = httpx.get(f"{m.url}/health", timeout=10)  # open without a key
@@ -251,6 +251,17 @@ def test_health_auth_and_unavailable(model_dir, tmp_path) -> None:  # noqa: ANN0
         assert d.received == [] and d.cancelled == []  # the refused requests never reached it
         r = ok.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 2
+        # the worker dies mid-stream: an error chunk, then [DONE], never a hang
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{m.url}/v1/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert "choices" in json.loads(next(lines).removeprefix("data: "))
+            m.call(d.stop())
+            rest = list(lines)
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error"
         d.beating = False  # silent worker: expires, and health says so
         m.wait_until(lambda: httpx.get(f"{m.url}/health", timeout=10).status_code == 503, timeout=4)
     finally:
