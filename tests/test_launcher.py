@@ -155,13 +155,30 @@ def test_backoff() -> None:
 
 
 def test_up_refuses_missing_services(monkeypatch, capsys) -> None:
+    import argparse
+
     from shared.launcher import up
 
     monkeypatch.setattr(up, "missing_services", lambda: ["decode"])
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     up.add_arguments(parser)
     assert up.run(parser.parse_args([])) == 2
     assert "services.decode (services/decode/__main__.py)" in capsys.readouterr().err
+
+
+def test_up_refuses_a_busy_port(capsys) -> None:
+    import argparse
+    import socket
+
+    from shared.launcher import up
+
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert up.run(parser.parse_args(["--port", str(s.getsockname()[1])])) == 2
+    assert "is in use" in capsys.readouterr().err
 
 
 def test_serve_reports_missing_service(capsys) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -60,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"kvmesh up: cannot start the mesh, service module(s) missing: "
               + ", ".join(f"services.{m} (services/{m}/__main__.py)" for m in missing), file=sys.stderr)
+        return 2
+    if not _port_free(opts.host, opts.port):
+        # Else the gateway would crash-loop, and whatever holds the port might even answer /health.
+        print(f"kvmesh up: {opts.host}:{opts.port} is in use; pick another port with --port", file=sys.stderr)
         return 2
     if not (model / "config.json").is_file():
         if args.model is not None:
@@ -129,3 +134,12 @@ async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emi
 def _client_host(bind: str) -> str:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(bind, bind)
     return f"[{host}]" if ":" in host else host
+
+
+def _port_free(host: str, port: int) -> bool:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, port))  # no SO_REUSEADDR: a port in TIME_WAIT is fine for uvicorn, which sets it
+        return True
+    except OSError:
+        return False
