@@ -28,7 +28,7 @@ class DecodeBatch:
 
     rows: torch.Tensor  # [B] rows of these tokens in the flattened step
     block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] additive float mask: 0 attend, -inf skip
 
 
 @dataclass
@@ -37,4 +37,5 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     write_rows: torch.Tensor | None  # rows whose slot is not -1; None when all are written
     prefills: list[PrefillSpan]
-    decode: DecodeBatch | None
+    # Single-token queries, grouped by context length so padding to the longest wastes little.
+    decodes: list[DecodeBatch]

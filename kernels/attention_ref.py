@@ -12,12 +12,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     kf = k_cache.view(-1, *k_cache.shape[2:])
     vf = v_cache.view(-1, *v_cache.shape[2:])
     if meta.write_rows is None:
-        kf[meta.slot_mapping] = k
-        vf[meta.slot_mapping] = v
+        kf.index_copy_(0, meta.slot_mapping, k)
+        vf.index_copy_(0, meta.slot_mapping, v)
     else:
         slots = meta.slot_mapping[meta.write_rows]
-        kf[slots] = k[meta.write_rows]
-        vf[slots] = v[meta.write_rows]
+        kf.index_copy_(0, slots, k[meta.write_rows])
+        vf.index_copy_(0, slots, v[meta.write_rows])
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -51,8 +51,7 @@ def paged_attention_ref(
             qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True
         )
         out[rows] = o.squeeze(0).transpose(0, 1)
-    if meta.decode is not None:
-        d = meta.decode
+    for d in meta.decodes:
         batch = d.block_tables.shape[0]
         qs = q[d.rows].unsqueeze(2)  # [B, heads, 1, head_dim]
         ks = gather_blocks(k_cache, d.block_tables.reshape(-1)).view(batch, -1, *k_cache.shape[2:]).transpose(1, 2)

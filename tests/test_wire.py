@@ -55,6 +55,7 @@ SAMPLES: list[Message] = [
     p.RemotePrefillReply(request_id="r1", transfer_id="t1", first_token_id=3, logprobs=p.TokenLogprob(token_id=3, logprob=-0.1)),
     _kv_chunk(),
     p.KVTransferDone(transfer_id="t1", request_id="r1", num_chunks=1, num_blocks=2),
+    p.KVChunkAck(transfer_id="t1", seq=0, ok=False, error="checksum mismatch on chunk 0"),
     p.PutRequest(blocks=[_block(b"\x01" * 16), _block(b"\x02" * 16)]),
     p.PutReply(num_stored=2),
     p.GetRequest(hashes=[b"\x01" * 16], max_blocks=4),

@@ -100,6 +100,7 @@ class DecodeService(Service):
             bus.Endpoint("generate_worker", subjects.decode_generate(wid), f"{subjects.QUEUE_DECODE}.{wid}",
                          self._on_generate, GenerateRequest),
         ], metadata={"worker_id": wid})
+        await nc.flush()  # registration must reach the server before anyone is told we are up
         self._tasks = [asyncio.ensure_future(self._send_loop()), asyncio.ensure_future(self._beat_loop())]
         await self._beat()
 

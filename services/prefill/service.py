@@ -65,6 +65,7 @@ class PrefillService(Service):
         self.micro = await bus.add_micro_service(nc, subjects.SERVICE_PREFILL, VERSION, [
             bus.Endpoint("prefill", subjects.PREFILL_PREFILL, subjects.QUEUE_PREFILL, self._on_prefill,
                          RemotePrefillRequest)])
+        await nc.flush()  # registration must reach the server before anyone is told we are up
 
     async def drain(self, grace_s: float) -> None:
         # Refuse new work first; stopping the endpoint would cancel handlers still answering.

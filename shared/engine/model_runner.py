@@ -19,6 +19,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sliding_window = model.cfg.sliding_window
+        self.dtype = kv_caches[0][0].dtype
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -58,9 +59,23 @@ class ModelRunner:
                 mask = self._window(torch.arange(start, ctx), k_pos)
                 table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.long)
                 prefills.append(PrefillSpan(row, n, ctx, table, mask))
-        decode = self._decode_batch(decode_rows, decode_seqs) if decode_rows else None
-        meta = AttentionMetadata(len(ids), torch.cat(slots), None, prefills, decode)
+        decodes = [self._decode_batch([decode_rows[i] for i in g], [decode_seqs[i] for i in g])
+                   for g in self._group_by_context(decode_seqs)]
+        meta = AttentionMetadata(len(ids), torch.cat(slots), None, prefills, decodes)
         return torch.tensor(ids, dtype=torch.long), torch.cat(positions), meta
+
+    def _group_by_context(self, seqs: list[Sequence], min_group: int = 8, max_waste: float = 1.3) -> list[list[int]]:
+        """Indices of seqs in groups of similar length: a group is padded to its longest context, and
+        on CPU the padded K/V copy is the cost of decode attention at large batch."""
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_computed_tokens)
+        groups: list[list[int]] = []
+        for i in order:
+            ctx = seqs[i].num_computed_tokens + 1
+            if groups and (len(groups[-1]) < min_group or ctx <= max_waste * (seqs[groups[-1][0]].num_computed_tokens + 1)):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
 
     def _decode_batch(self, rows: list[int], seqs: list[Sequence]) -> DecodeBatch:
         bs = self.block_size
@@ -75,7 +90,9 @@ class ModelRunner:
         mask = k_pos < ctx[:, None]
         if self.sliding_window is not None:
             mask &= k_pos > (ctx[:, None] - 1) - self.sliding_window
-        return DecodeBatch(torch.tensor(rows, dtype=torch.long), table, mask[:, None, None, :])
+        additive = torch.zeros(mask.shape, dtype=self.dtype)
+        additive.masked_fill_(~mask, float("-inf"))
+        return DecodeBatch(torch.tensor(rows, dtype=torch.long), table, additive[:, None, None, :])
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
@@ -93,8 +110,5 @@ def _to_device(meta: AttentionMetadata, dev: str) -> AttentionMetadata:
         return None if t is None else t.to(dev, non_blocking=True)
 
     prefills = [PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.block_table), mv(p.mask)) for p in meta.prefills]
-    decode = None
-    if meta.decode is not None:
-        d = meta.decode
-        decode = DecodeBatch(mv(d.rows), mv(d.block_tables), mv(d.mask))
-    return AttentionMetadata(meta.num_tokens, mv(meta.slot_mapping), mv(meta.write_rows), prefills, decode)
+    decodes = [DecodeBatch(mv(d.rows), mv(d.block_tables), mv(d.mask)) for d in meta.decodes]
+    return AttentionMetadata(meta.num_tokens, mv(meta.slot_mapping), mv(meta.write_rows), prefills, decodes)
