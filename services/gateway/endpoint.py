@@ -18,7 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.gateway.context import GatewayContext
-from services.gateway.errors import APIError, unavailable
+from services.gateway.errors import unavailable
 from services.gateway.generation import Generation, as_api_error
 from services.gateway.prepare import Prepared
 from services.gateway.responses import Formatter, usage
