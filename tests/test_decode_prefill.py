@@ -126,3 +126,68 @@ def test_cancel_midstream_frees_everything(nats_server, checkpoints):
             await wait_idle(decode, timeout=2.0)
 
     asyncio.run(main())
+
+
+def test_hostile_messages_on_every_decode_and_prefill_subject(nats_server, checkpoints, hf_reference):
+    from shared.protocol import RemotePrefillRequest
+    from shared.protocol.generate import GenerateRequest
+    from shared.protocol.kvtransfer import KVBlockChunk
+    from shared.wire import tensor_to_wire
+    from tests.hostile import assert_survives, hostile_bodies
+    import torch
+
+    ckpt = checkpoints["llama"]
+    decode, prefill = decode_service(ckpt, threshold=0), prefill_service(ckpt)
+    prompt = random_prompts([40], seed=27)[0]
+    t = tensor_to_wire(torch.zeros(1, 16, 2, 16))
+    samples = {
+        subjects.DECODE_GENERATE: ("decode.generate", GenerateRequest(request_id="x", prompt_token_ids=[1, 2])),
+        subjects.decode_generate("d0"): ("decode.generate", GenerateRequest(request_id="x", prompt_token_ids=[1])),
+        subjects.decode_kv_push("d0"): ("kv.chunk", KVBlockChunk(transfer_id="t", seq=0, total=1, layer_start=0,
+                                                                  layer_end=1, block_start=0, block_end=1,
+                                                                  tensors=[t, t], checksum=0)),
+        subjects.PREFILL_PREFILL: ("prefill.request", RemotePrefillRequest(
+            request_id="x", transfer_id="t", prompt_token_ids=[1, 2], num_cached_tokens=0, decode_worker_id="d0",
+            num_dest_blocks=1, block_size=16)),
+    }
+
+    async def main():
+        async with running(nats_server, prefill, decode) as nc:
+            for subject, (kind, valid) in samples.items():
+                await assert_survives(nc, subject, hostile_bodies(kind, valid))
+            for subject in (subjects.DECODE_CANCEL, subjects.PREFILL_CANCEL):  # fan-out: nobody answers
+                for body in hostile_bodies("decode.cancel", CancelRequest(request_id="x")):
+                    await nc.publish(subject, body)
+            # A well-formed chunk for a transfer nobody expects is refused, not written anywhere.
+            ack = await bus.request(nc, subjects.decode_kv_push("d0"), samples[subjects.decode_kv_push("d0")][1])
+            assert not ack.ok and "unknown transfer" in ack.error
+            tokens, _ = await generate(nc, prompt, greedy(MAX_NEW, None), "after")
+            check(ckpt, hf_reference, prompt, tokens)
+            assert decode.remote_prefills == 1
+            await wait_idle(decode, prefill)
+
+    asyncio.run(main())
+
+
+def test_one_trace_covers_decode_prefill_and_kv_transfer(nats_server, checkpoints):
+    from opentelemetry import trace
+
+    from shared.telemetry import attach_memory_exporter
+
+    exporter = attach_memory_exporter()
+    ckpt = checkpoints["qwen2"]
+    decode, prefill = decode_service(ckpt, threshold=0), prefill_service(ckpt)
+    prompt = random_prompts([40], seed=28)[0]
+
+    async def main():
+        async with running(nats_server, prefill, decode) as nc:
+            with trace.get_tracer("test").start_as_current_span("client") as root:
+                await generate(nc, prompt, greedy(4, None), "traced")
+            await wait_idle(decode, prefill)
+            return root.get_span_context().trace_id
+
+    trace_id = asyncio.run(main())
+    names = {s.name for s in exporter.get_finished_spans() if s.context.trace_id == trace_id}
+    for expected in ("decode.request", "decode.admit", "decode.remote_prefill", "prefill.compute",
+                     "kv.transfer.send", "kv.transfer.receive"):
+        assert expected in names, f"{expected} missing from the request's trace: {sorted(names)}"

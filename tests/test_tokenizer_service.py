@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -14,17 +13,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgpack
 import pytest
 from nats.aio.client import Client
 
 from services.tokenizer.service import TokenizerService
-from shared import bus, subjects, wire
+from shared import bus, subjects
 from shared import protocol as p
-from shared.bus import headers as H
 from shared.models.demo_tokenizer import cached_byte_bpe, write_tokenizer_files
 from shared.models.tokenizer import encode_chat, load_tokenizer
 from tests.checkpoints import VOCAB
+from tests.hostile import assert_survives, hostile_bodies
 from tests.nats_fixtures import nats_server, nats_server_factory  # noqa: F401  (fixtures)
 
 T = TypeVar("T")
@@ -138,32 +136,6 @@ def test_bad_inputs_answer_bad_request_and_service_keeps_serving(nats_server: st
             assert (await bus.request(nc, ENCODE, p.EncodeRequest(prompt="ok", add_special_tokens=False))).token_ids
 
     run(body())
-
-
-def hostile_bodies(kind: str, valid: wire.Message) -> list[bytes]:
-    """Pickle, a msgpack extension type, truncated msgpack, and a wrong schema, for message `kind`."""
-    encoded = wire.encode(valid)
-    return [
-        pickle.dumps({"kind": kind, "version": 1}),
-        msgpack.packb({"kind": kind, "version": 1, "x": msgpack.ExtType(1, b"boom")}),
-        encoded[: len(encoded) // 2],
-        msgpack.packb({"kind": kind, "version": 1, "prompt": 5, "sequences": "nope"}),
-        msgpack.packb([kind, 1]),
-    ]
-
-
-async def assert_survives(nc: Client, subject: str, bodies: list[bytes]) -> None:
-    """Each body gets a bad_request answer; a never-finished chunked message is dropped silently."""
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    for body in bodies:
-        await nc.publish(subject, body, reply=inbox)
-        await nc.publish(subject, body)  # and without a reply subject: nothing to answer, nothing to crash
-    await nc.publish(subject, b"\x81", reply=inbox, headers={H.CHUNK: "0/2", H.MSG_ID: "m1", H.SIZE: "2"})
-    errors = [wire.decode((await sub.next_msg(timeout=5)).data, p.ErrorReply) for _ in bodies]
-    assert {e.code for e in errors} == {"bad_request"}
-    assert any("extension" in e.message for e in errors)
-    await sub.unsubscribe()
 
 
 def test_hostile_messages_leave_the_service_answering(nats_server: str, model_dir: Path) -> None:

@@ -74,6 +74,8 @@ class DecodeService(Service):
         self.settings = settings
         self.active: dict[str, Active] = {}
         self.draining = False
+        self.num_received = 0  # generate requests that reached this worker
+        self.num_cancels = 0  # cancel messages seen (for any request)
         self.remote_prefills = 0  # prompts whose KV came from a prefill worker
         self.remote_fallbacks = 0  # remote attempts that ended in a local recompute
         self._outbox: asyncio.Queue = asyncio.Queue()
@@ -124,6 +126,7 @@ class DecodeService(Service):
     # --- requests -----------------------------------------------------------------------------
 
     async def _on_generate(self, req: GenerateRequest, ctx: bus.RequestContext) -> None:
+        self.num_received += 1
         if self.draining:
             raise bus.RemoteError(codes.OVERLOADED, "decode worker is shutting down")
         if req.request_id in self.active:
@@ -288,6 +291,7 @@ class DecodeService(Service):
     # --- cancellation ---------------------------------------------------------------------------
 
     async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:
+        self.num_cancels += 1
         if msg.request_id in self.active:
             await self._abort(msg.request_id, msg.reason or "cancelled")
 
