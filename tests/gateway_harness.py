@@ -17,6 +17,9 @@ from nats.aio.client import Client
 
 from services.decode.service import DecodeService, DecodeSettings
 from services.gateway.config import GatewayConfig
+from services.kvstore.cpu_tier import CPUTier
+from services.kvstore.service import KVStoreService
+from services.prefill.service import PrefillService, PrefillSettings
 from services.gateway.service import GatewayService
 from services.tokenizer.service import TokenizerService
 from shared import bus, subjects
@@ -40,6 +43,8 @@ class Mesh:
                                                     api_key=api_key, health_timeout_s=0.5, worker_expiry_s=1.0, **gateway))
         self.tokenizer: TokenizerService | None = None
         self.decoders: dict[str, DecodeService] = {}
+        self.prefills: list[PrefillService] = []
+        self.kvstores: list[KVStoreService] = []
         self.conns: list[Client] = []
         self.call(self._start_gateway())
 
@@ -50,6 +55,10 @@ class Mesh:
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         fut: Future[T] = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
         return fut.result(timeout + 5)
+
+    def call_soon(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> Future[T]:
+        """Start coro on the mesh loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
 
     async def _connect(self) -> Client:
         nc = await bus.connect(self.nats.url)
@@ -66,17 +75,42 @@ class Mesh:
             await self.tokenizer.start(await self._connect())
         self.call(go())
 
-    def start_decoder(self, worker_id: str, num_kv_blocks: int = 96) -> DecodeService:
+    def _engine(self, num_kv_blocks: int) -> EngineConfig:
+        return EngineConfig(model=str(self.model_dir), num_kv_blocks=num_kv_blocks, max_num_seqs=32,
+                            max_num_batched_tokens=256)
+
+    def start_decoder(self, worker_id: str, num_kv_blocks: int = 96, threshold: int = 1 << 30,
+                      use_kvstore: bool = False, remote_timeout_s: float = 10.0) -> DecodeService:
         async def go() -> DecodeService:
-            d = DecodeService(
-                EngineConfig(model=str(self.model_dir), num_kv_blocks=num_kv_blocks, max_num_seqs=16,
-                             max_num_batched_tokens=256),
-                DecodeSettings(worker_id=worker_id, remote_prefill_threshold=1 << 30, use_kvstore=False,
-                               beat_interval_s=0.2))
+            d = DecodeService(self._engine(num_kv_blocks), DecodeSettings(
+                worker_id=worker_id, remote_prefill_threshold=threshold, use_kvstore=use_kvstore,
+                remote_prefill_timeout_s=remote_timeout_s, kv_transfer_timeout_s=remote_timeout_s,
+                beat_interval_s=0.2))
             await d.start(await self._connect())
             self.decoders[worker_id] = d
             return d
         return self.call(go(), timeout=60)
+
+    def start_prefill(self, num_kv_blocks: int = 96, use_kvstore: bool = False) -> PrefillService:
+        async def go() -> PrefillService:
+            p = PrefillService(self._engine(num_kv_blocks), PrefillSettings(use_kvstore=use_kvstore))
+            await p.start(await self._connect())
+            self.prefills.append(p)
+            return p
+        return self.call(go(), timeout=60)
+
+    def start_kvstore(self, capacity: int = 64 << 20) -> KVStoreService:
+        async def go() -> KVStoreService:
+            k = KVStoreService(CPUTier(capacity))
+            await k.start(await self._connect())
+            self.kvstores.append(k)
+            return k
+        return self.call(go())
+
+    def engine_state(self, service) -> tuple[int, int, int]:  # noqa: ANN001
+        """(requests held, free blocks, total blocks) of a decode or prefill worker's engine."""
+        return self.call(service.thread.call(lambda e: (len(e.seqs), e.block_manager.num_free_blocks,
+                                                        e.block_manager.num_blocks)))
 
     def held(self, worker_id: str) -> int:
         """Requests the worker's engine still holds."""
@@ -107,6 +141,10 @@ class Mesh:
             await self.gateway.drain(1.0)
             for d in self.decoders.values():
                 await d.drain(1.0)
+            for p in self.prefills:
+                await p.drain(1.0)
+            for k in self.kvstores:
+                await k.drain(1.0)
             if self.tokenizer is not None:
                 await self.tokenizer.drain(1.0)
             for nc in self.conns:

@@ -78,6 +78,7 @@ class DecodeService(Service):
         self.num_cancels = 0  # cancel messages seen (for any request)
         self.remote_prefills = 0  # prompts whose KV came from a prefill worker
         self.remote_fallbacks = 0  # remote attempts that ended in a local recompute
+        self.queued_local = 0  # admitted while the KV pool was full: prefilled here once blocks free up
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
@@ -154,6 +155,7 @@ class DecodeService(Service):
             if res is None:  # the pool is full right now: queue it like any local request
                 await self.thread.call(lambda e: e.add_request(rid, req.prompt_token_ids, params, req.priority))
                 span.set_attribute("kvmesh.prefill", "local-queued")
+                self.queued_local += 1
                 return
             cached = await self._load_from_kvstore(rid, res)
             a.num_cached_tokens = cached

@@ -37,7 +37,7 @@ VERSION = "0.1.0"
 class PrefillSettings:
     use_kvstore: bool = True
     kv_transfer_timeout_s: float = 30.0
-    fault: str | None = None  # test-only: "drop" or "corrupt" the KV pushes
+    fault: str | None = None  # test-only: "drop" or "corrupt" the KV pushes, or "stall" before computing
 
 
 class PrefillService(Service):
@@ -59,7 +59,7 @@ class PrefillService(Service):
                                    self._post_step if self.kvstore else None)
         self.thread.start()
         self.transport = NatsKVTransport(nc)
-        self.transport.fault = self.settings.fault
+        self.transport.fault = self.settings.fault if self.settings.fault in ("drop", "corrupt") else None
         await self.transport.start(None)
         self.cancel_sub = await bus.subscribe(nc, subjects.PREFILL_CANCEL, self._on_cancel, CancelRequest)
         self.micro = await bus.add_micro_service(nc, subjects.SERVICE_PREFILL, VERSION, [
@@ -92,6 +92,8 @@ class PrefillService(Service):
         rid = req.request_id
         if rid in self.pending:
             raise bus.RemoteError(codes.BAD_REQUEST, f"request {rid!r} is already being prefilled")
+        if self.settings.fault == "stall":  # test-only: a worker that takes a request and never answers
+            await asyncio.Event().wait()
         first_block = req.num_cached_tokens // self.block_size
         sampling = req.sampling.to_params()
         params = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
@@ -170,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--no-kvstore", action="store_true")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)
-    parser.add_argument("--fault-inject", choices=["drop", "corrupt"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fault-inject", choices=["drop", "corrupt", "stall"], default=None, help=argparse.SUPPRESS)
 
 
 def build(args: argparse.Namespace) -> PrefillService:
