@@ -15,6 +15,7 @@ COMMANDS = {
 BENCH = {
     "offline": ("loadtest.offline", "engine throughput vs transformers, same process"),
     "prefix": ("loadtest.prefix", "time to first token, cold vs prefix-cache warm"),
+    "kv-transfer": ("loadtest.kv_transfer", "KV transfer over NATS, and TTFT local vs remote vs kvstore"),
     "serve": ("loadtest.serve.cli", "serving benchmark against any OpenAI-compatible server"),
     "compare": ("loadtest.serve.compare", "same workload against two servers, side by side"),
     "baseline": ("loadtest.serve.baseline", "start `transformers serve --continuous-batching` on a model dir"),

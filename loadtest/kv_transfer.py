@@ -1,0 +1,199 @@
+"""`kvmesh bench kv-transfer`: how fast KV moves over NATS, and what that means for time to first token.
+
+1. Transfer: one engine prefills a prompt and hands out its KV blocks; NatsKVTransport pushes them
+   over a real nats-server (chunked under max_payload, checksummed, acknowledged) into blocks another
+   engine reserved. Compared with copying the same bytes in memory.
+2. TTFT for a prompt of the same length through real decode/prefill/kvstore services: prefilled on
+   the decode worker, by a prefill worker (remote prefill + KV push), and with the prefix served from
+   the kvstore to a decode worker that never saw it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+from loadtest.offline import model_dir
+from loadtest.workload import machine_info, random_tokens, read_shape, warn_if_busy
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    p.add_argument("--model", metavar="DIR", help="HF checkpoint dir (default: build the benchmark model in a temp dir)")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="KV pool of each engine")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_config(model: str, args: argparse.Namespace):
+    from shared.config import EngineConfig
+
+    return EngineConfig(model=model, dtype="float32", kv_cache_bytes=args.kv_cache_bytes)
+
+
+async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Random) -> dict:
+    from shared import bus
+    from shared.engine.llm_engine import LLMEngine
+    from shared.engine.sampling_params import SamplingParams
+    from shared.kv_transport import NatsKVTransport
+
+    src, dst = LLMEngine(_engine_config(model, args)), LLMEngine(_engine_config(model, args))
+    vocab = src.model_config.vocab_size
+    runs = []
+    async with _nats() as url:
+        nc_send, nc_recv = await bus.connect(url), await bus.connect(url)
+        sender, receiver = NatsKVTransport(nc_send), NatsKVTransport(nc_recv)
+        await sender.start(None)
+        await receiver.start("bench")
+        for i in range(args.repeats + 1):  # the first run warms up
+            prompt = random_tokens(rng, args.prompt_len, vocab)
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            src.add_request(f"t{i}", prompt, params, capture_kv_from_block=0)
+            out = _finish(src)
+            k, v = out.kv_blocks
+            res = dst.reserve(f"t{i}", prompt, params)
+
+            async def write(block, kk, vv, layer, rid=f"t{i}"):
+                dst.write_blocks(rid, block, kk, vv, layer)
+
+            tid = uuid.uuid4().hex
+            done = receiver.expect(tid, res.num_blocks, write, 120)
+            t0 = time.perf_counter()
+            sent = await sender.send("bench", tid, 0, k, v, 120)
+            await done
+            seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            k.clone(), v.clone()
+            copy_s = time.perf_counter() - t0
+            dst.abort(f"t{i}")
+            if i:
+                runs.append((sent, seconds, copy_s))
+        await sender.stop()
+        await receiver.stop()
+        chunk_limit = nc_send.max_payload
+        await nc_send.drain()
+        await nc_recv.drain()
+    sent = runs[0][0]
+    seconds = statistics.median(r[1] for r in runs)
+    copy_s = statistics.median(r[2] for r in runs)
+    return {"bytes": sent, "blocks": int(k.shape[1]), "max_payload": chunk_limit, "seconds": seconds,
+            "gb_per_s": sent / seconds / 1e9, "memcpy_seconds": copy_s, "memcpy_gb_per_s": sent / copy_s / 1e9,
+            "runs": [{"seconds": r[1], "memcpy_seconds": r[2]} for r in runs]}
+
+
+def _finish(engine):
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise RuntimeError("request did not finish")
+
+
+async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random) -> dict:
+    from services.decode.service import DecodeService, DecodeSettings
+    from services.kvstore.cpu_tier import CPUTier
+    from services.kvstore.service import KVStoreService
+    from services.prefill.service import PrefillService, PrefillSettings
+    from shared import bus, subjects
+    from shared.engine.sampling_params import SamplingParams
+    from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+
+    cfg = _engine_config(model, args)
+    store = KVStoreService(CPUTier(4 << 30))
+    prefill = PrefillService(cfg, PrefillSettings(use_kvstore=False))
+    workers = {
+        "local": DecodeService(cfg, DecodeSettings("d-local", remote_prefill_threshold=1 << 30)),
+        "remote": DecodeService(cfg, DecodeSettings("d-remote", remote_prefill_threshold=0, use_kvstore=False)),
+        "kvstore": DecodeService(cfg, DecodeSettings("d-store", remote_prefill_threshold=1 << 30)),
+    }
+    vocab = None
+    results: dict[str, list[float]] = {name: [] for name in workers}
+    cached: list[int] = []
+    async with _nats() as url:
+        conns = [await bus.connect(url) for _ in range(6)]
+        nc = conns[0]
+        for service, conn in zip([store, prefill, *workers.values()], conns[1:]):
+            await service.start(conn)
+        vocab = prefill.engine.model_config.vocab_size
+        params = Sampling.from_params(SamplingParams(max_tokens=1, temperature=0.0))
+
+        async def ttft(worker: str, prompt: list[int]) -> tuple[float, int]:
+            req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=params)
+            t0 = time.perf_counter()
+            async with await bus.request_stream(nc, subjects.decode_generate(worker), req, timeout=300,
+                                                expect=TokenChunk) as stream:
+                async for chunk in stream:
+                    first = time.perf_counter() - t0
+                    n = chunk.num_cached_tokens or 0
+                    break
+            return first, n
+
+        for i in range(args.repeats + 1):  # the first round warms up
+            prompts = {name: random_tokens(rng, args.prompt_len, vocab) for name in workers}
+            # The kvstore case: another worker computed (and offloaded) this prompt before.
+            await ttft("d-local", prompts["kvstore"])
+            await workers["local"].offloader.flush(60)
+            for name, worker in workers.items():
+                t, n = await ttft(worker.settings.worker_id, prompts[name])
+                if i:
+                    results[name].append(t)
+                    if name == "kvstore":
+                        cached.append(n)
+        remote_ok = workers["remote"].remote_prefills
+        for service in [*workers.values(), prefill, store]:
+            await service.drain(5)
+        for conn in conns:
+            await conn.drain()
+    med = {name: statistics.median(ts) for name, ts in results.items()}
+    return {"ttft_local_s": med["local"], "ttft_remote_s": med["remote"], "ttft_kvstore_s": med["kvstore"],
+            "kvstore_cached_tokens": cached, "remote_prefills": remote_ok,
+            "ratio_local_over_kvstore": med["local"] / med["kvstore"],
+            "ratio_remote_over_local": med["remote"] / med["local"], "runs": results}
+
+
+class _nats:
+    """A nats-server from the wheel for the length of the benchmark."""
+
+    async def __aenter__(self) -> str:
+        from shared.bus.natsd import NatsServer
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-nats-")
+        self._server = NatsServer(workdir=self._tmp.name).start()
+        return self._server.url
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.stop()
+        self._tmp.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    warn_if_busy()
+    rng = random.Random(args.seed)
+    with model_dir(args) as model:
+        print("KV transfer over NATS ...", file=sys.stderr)
+        transfer = asyncio.run(measure_transfer(model, args, rng))
+        print("time to first token: local, remote, kvstore ...", file=sys.stderr)
+        ttft = asyncio.run(measure_ttft(model, args, rng))
+        result = {"prompt_len": args.prompt_len, "model": read_shape(model), "transfer": transfer, "ttft": ttft,
+                  "machine": machine_info("cpu"), "torch_threads": torch.get_num_threads()}
+    t = transfer
+    print(f"KV transfer  {t['bytes'] / 1e6:8.1f} MB ({t['blocks']} blocks) in {t['seconds']:.3f} s = "
+          f"{t['gb_per_s']:.2f} GB/s over NATS; in-memory copy {t['memcpy_seconds'] * 1e3:.1f} ms = "
+          f"{t['memcpy_gb_per_s']:.1f} GB/s")
+    print(f"TTFT {args.prompt_len}-token prompt: local {ttft['ttft_local_s']:.3f} s, remote "
+          f"{ttft['ttft_remote_s']:.3f} s, prefix from kvstore {ttft['ttft_kvstore_s']:.3f} s "
+          f"(cached tokens {ttft['kvstore_cached_tokens']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
