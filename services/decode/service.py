@@ -225,10 +225,14 @@ class DecodeService(Service):
         if rid not in self.active:
             return True
         lp = reply.logprobs.to_engine() if reply.logprobs is not None else None
-        out = await self.thread.call(
-            lambda e: e.commit_held(rid, len(req.prompt_token_ids), reply.first_token_id, lp) if rid in e.held else None)
-        if out is not None:
-            self._emit(out)
+        loop = asyncio.get_running_loop()
+
+        def commit(e: LLMEngine) -> None:
+            if rid in e.held:
+                out = e.commit_held(rid, len(req.prompt_token_ids), reply.first_token_id, lp)
+                # Scheduled from the engine thread, so it reaches the loop before any later step's tokens.
+                loop.call_soon_threadsafe(self._on_step, [out], [], None)
+        await self.thread.call(commit)
         return True
 
     # --- outputs --------------------------------------------------------------------------------
