@@ -365,3 +365,22 @@ def test_baseline_cli_starts_and_stops_on_ctrl_c(model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_fresh_prompts_per_level_are_new_per_level_and_deterministic():
+    import argparse
+
+    from loadtest.serve import options as opt
+
+    p = argparse.ArgumentParser()
+    for add in (opt.add_request_arguments, opt.add_dataset_arguments, opt.add_load_arguments, opt.add_output_arguments):
+        add(p)
+    flags = ["--num-prompts", "4", "--input-len", "8:16", "--output-len", "4:8", "--prompt-kind", "ids",
+             "--vocab-size", "100", "--sweep-concurrency", "1,4"]
+    fresh = p.parse_args(flags + ["--fresh-prompts-per-level"])
+    base = opt.build_workload(fresh)
+    assert opt.workload_for_level(fresh, base, 0) is base
+    level1 = opt.workload_for_level(fresh, base, 1)
+    assert level1.jobs != base.jobs and level1.jobs == opt.workload_for_level(fresh, base, 1).jobs
+    same = p.parse_args(flags)
+    assert opt.workload_for_level(same, opt.build_workload(same), 1).jobs == base.jobs

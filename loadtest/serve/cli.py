@@ -39,11 +39,12 @@ async def _run(args: argparse.Namespace, workload: Workload, slo: dict[str, floa
     ep, probe = await prepare(opt.build_endpoint(args, args.base_url, args.model), args, deadline)
     report = ServeReport(opt.describe_target(ep), {"mode": probe.mode.value, "note": probe.note},
                          opt.describe_workload(workload, args), opt.describe_load(args))
-    for level in opt.levels(args):
+    for i, level in enumerate(opt.levels(args)):
         if time.perf_counter() >= deadline:
             report.skipped_levels.append(level)
             continue
-        report.levels.append(await measure(ep, workload, args, level, deadline, slo, f"concurrency {level}"))
+        report.levels.append(await measure(ep, opt.workload_for_level(args, workload, i), args, level, deadline, slo,
+                                           f"concurrency {level}"))
     return report
 
 

@@ -86,13 +86,14 @@ async def _run(args, targets: list[Target], workload: Workload, slo: dict[str, f
         reports.append(ServeReport(opt.describe_target(ep) | {"name": t.name}, {"mode": probe.mode.value, "note": probe.note},
                                    opt.describe_workload(workload, args), opt.describe_load(args)))
     for i, level in enumerate(opt.levels(args)):
+        level_workload = opt.workload_for_level(args, workload, i)
         order = (0, 1) if i % 2 == 0 else (1, 0)
         for j in order:
             if time.perf_counter() >= deadline:
                 reports[j].skipped_levels.append(level)
                 continue
             label = f"{targets[j].name} concurrency {level}"
-            reports[j].levels.append(await measure(endpoints[j], workload, args, level, deadline, slo, label))
+            reports[j].levels.append(await measure(endpoints[j], level_workload, args, level, deadline, slo, label))
     return reports
 
 

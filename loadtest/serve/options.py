@@ -51,6 +51,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     g.add_argument("--sweep-concurrency", help="comma list, e.g. 1,4,16,64: repeat the run per level")
+    g.add_argument("--fresh-prompts-per-level", action="store_true",
+                   help="level i of a sweep uses --seed + i, so a server's prefix cache cannot answer a level "
+                        "with the prompts of the one before (both targets of compare still get the same prompts)")
     g.add_argument("--num-warmups", type=int, default=2, help="unmeasured requests before each level")
     g.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole command; then it stops")
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
@@ -94,6 +97,13 @@ def build_workload(args: argparse.Namespace) -> ds.Workload:
     if args.dataset == "multi-turn":
         return ds.multi_turn_dataset(maker, max(1, args.num_prompts // args.turns), args.turns, in_len, out_len, args.seed)
     return ds.random_dataset(maker, args.num_prompts, in_len, out_len, args.seed)
+
+
+def workload_for_level(args: argparse.Namespace, base: ds.Workload, index: int) -> ds.Workload:
+    """The prompts of sweep level `index`: the base workload, or fresh ones with --fresh-prompts-per-level."""
+    if not getattr(args, "fresh_prompts_per_level", False) or index == 0:
+        return base
+    return build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + index}))
 
 
 def build_endpoint(args: argparse.Namespace, base_url: str, model: str) -> Endpoint:
