@@ -66,6 +66,8 @@ async def run_service(service: Service, nats_url: str, grace_s: float = DEFAULT_
         stopping.cancel()
         log.info("%s draining (grace %.1fs)", service.name, grace_s)
         await asyncio.wait_for(service.drain(grace_s), timeout=grace_s + 5)
+        if closed.done() and not closed.cancelled() and closed.exception() is not None:
+            raise closed.exception()  # the service failed on its own: exit non-zero so a supervisor restarts it
     finally:
         try:
             await asyncio.wait_for(nc.drain(), timeout=5)

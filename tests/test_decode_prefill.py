@@ -191,3 +191,25 @@ def test_one_trace_covers_decode_prefill_and_kv_transfer(nats_server, checkpoint
     for expected in ("decode.request", "decode.admit", "decode.remote_prefill", "prefill.compute",
                      "kv.transfer.send", "kv.transfer.receive"):
         assert expected in names, f"{expected} missing from the request's trace: {sorted(names)}"
+
+
+def test_engine_crash_fails_requests_and_ends_the_service(nats_server, checkpoints):
+    ckpt = checkpoints["llama"]
+    decode = decode_service(ckpt, threshold=10_000)
+
+    async def main():
+        async with running(nats_server, decode) as nc:
+            def broken_step():
+                raise RuntimeError("simulated kernel failure")
+            decode.engine.step = broken_step
+            closed = asyncio.ensure_future(decode.wait_closed())  # what the service runner watches
+            tokens, chunks = await asyncio.wait_for(generate(nc, [1, 2, 3], greedy(5, None), "boom"), 10)
+            assert tokens == [] and chunks[-1].finish_reason == "error"
+            try:
+                await asyncio.wait_for(closed, 5)
+            except RuntimeError as e:
+                assert "simulated kernel failure" in str(e)
+            else:
+                raise AssertionError("wait_closed must raise after an engine crash")
+
+    asyncio.run(main())

@@ -22,19 +22,16 @@ from opentelemetry import trace
 from shared import bus, subjects
 from shared.bus.stream import StreamReply
 from shared.config import EngineConfig
-from shared.engine.engine_thread import EngineThread
 from shared.engine.llm_engine import LLMEngine, Reservation
-from shared.engine.offload import Offloader, collect
 from shared.engine.outputs import RequestOutput
-from shared.kv_transport import NatsKVTransport, TransferError
-from shared.kvstore_client import KVStoreClient
+from shared.kv_transport import TransferError
 from shared.protocol import errors as codes
 from shared.protocol.errors import ErrorReply
 from shared.protocol.events import LoadBeat
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
-from shared.service_runner import Service
 from services.decode.events import to_wire
+from services.engine_worker import EngineWorker
 from services.engine_args import add_engine_arguments, engine_config_from_args
 
 log = logging.getLogger(__name__)
@@ -66,11 +63,11 @@ class Active:
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
-class DecodeService(Service):
+class DecodeService(EngineWorker):
     name = "decode"
 
     def __init__(self, engine_config: EngineConfig, settings: DecodeSettings) -> None:
-        self.engine_config = engine_config
+        super().__init__(engine_config, settings.use_kvstore)
         self.settings = settings
         self.active: dict[str, Active] = {}
         self.draining = False
@@ -85,15 +82,7 @@ class DecodeService(Service):
     # --- lifecycle --------------------------------------------------------------------------------
 
     async def start(self, nc: Client) -> None:
-        self.nc = nc
-        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self.block_size = self.engine.config.block_size
-        self.kvstore = KVStoreClient(nc) if self.settings.use_kvstore else None
-        self.offloader = Offloader(self.kvstore) if self.kvstore else None
-        self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
-                                   self._post_step if self.kvstore else None)
-        self.thread.start()
-        self.transport = NatsKVTransport(nc)
+        await self.start_engine(nc)
         await self.transport.start(self.settings.worker_id)
         wid = self.settings.worker_id
         self.cancel_sub = await bus.subscribe(nc, subjects.DECODE_CANCEL, self._on_cancel, CancelRequest)
@@ -157,7 +146,7 @@ class DecodeService(Service):
                 span.set_attribute("kvmesh.prefill", "local-queued")
                 self.queued_local += 1
                 return
-            cached = await self._load_from_kvstore(rid, res)
+            cached = await self.load_from_kvstore(rid, res)
             a.num_cached_tokens = cached
             span.set_attribute("kvmesh.cached_tokens", cached)
             tail = len(req.prompt_token_ids) - cached
@@ -167,19 +156,6 @@ class DecodeService(Service):
             return
         if rid in self.active:
             await self.thread.call(lambda e: e.commit_held(rid, cached) if rid in e.held else None)
-
-    async def _load_from_kvstore(self, rid: str, res: Reservation) -> int:
-        own = res.num_cached_tokens // self.block_size
-        if self.kvstore is None or len(res.block_hashes) <= own:
-            return res.num_cached_tokens
-        with _tracer.start_as_current_span("kvstore.get", attributes={"kvmesh.blocks_wanted": len(res.block_hashes) - own}) as span:
-            got = await self.kvstore.get_chain(res.block_hashes[own:])
-            if got is None or rid not in self.active:
-                return res.num_cached_tokens
-            k, v = got
-            await self.thread.call(lambda e: e.write_blocks(rid, own, k, v) if rid in e.held else None)
-            span.set_attribute("kvmesh.blocks_loaded", k.shape[1])
-        return (own + k.shape[1]) * self.block_size
 
     async def _remote_prefill(self, a: Active, res: Reservation, cached: int) -> bool:
         """True when the prompt's KV arrived and the first token was emitted; False to compute locally."""
@@ -237,16 +213,12 @@ class DecodeService(Service):
 
     # --- outputs --------------------------------------------------------------------------------
 
-    def _post_step(self, engine: LLMEngine, outputs, events):
-        return collect(engine, events, self.kvstore)
-
     def _on_step(self, outputs: list[RequestOutput], events, offload) -> None:
         for out in outputs:
             self._emit(out)
         for msg in to_wire(self.settings.worker_id, events):
             self._outbox.put_nowait((None, msg, False))
-        if self.offloader:
-            self.offloader.submit(offload)
+        super()._on_step(outputs, events, offload)
 
     def _emit(self, out: RequestOutput) -> None:
         a = self.active.get(out.request_id)
@@ -293,6 +265,14 @@ class DecodeService(Service):
         a.span.set_status(trace.StatusCode.ERROR, message)
         await a.stream.end(error=ErrorReply(code=code, message=message))
         a.span.end()
+
+    async def on_engine_crash(self) -> None:
+        self.draining = True
+        for rid, a in list(self.active.items()):
+            self.active.pop(rid, None)
+            self._outbox.put_nowait((a, TokenChunk(request_id=rid, seq=a.next_seq, finish_reason="error",
+                                                   error="decode worker failed"), True))
+        await asyncio.wait_for(self._outbox.join(), timeout=5)
 
     # --- cancellation ---------------------------------------------------------------------------
 

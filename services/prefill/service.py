@@ -16,17 +16,13 @@ from opentelemetry import trace
 
 from shared import bus, subjects
 from shared.config import EngineConfig
-from shared.engine.engine_thread import EngineThread
-from shared.engine.llm_engine import LLMEngine
-from shared.engine.offload import Offloader, collect
 from shared.engine.outputs import RequestOutput
-from shared.kv_transport import NatsKVTransport, TransferError
-from shared.kvstore_client import KVStoreClient
+from shared.kv_transport import TransferError
 from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, TokenLogprob
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
-from shared.service_runner import Service
 from services.engine_args import add_engine_arguments, engine_config_from_args
+from services.engine_worker import EngineWorker
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.prefill")
@@ -40,25 +36,17 @@ class PrefillSettings:
     fault: str | None = None  # test-only: "drop" or "corrupt" the KV pushes, or "stall" before computing
 
 
-class PrefillService(Service):
+class PrefillService(EngineWorker):
     name = "prefill"
 
     def __init__(self, engine_config: EngineConfig, settings: PrefillSettings) -> None:
-        self.engine_config = engine_config
+        super().__init__(engine_config, settings.use_kvstore)
         self.settings = settings
         self.pending: dict[str, asyncio.Future] = {}
         self.draining = False
 
     async def start(self, nc: Client) -> None:
-        self.nc = nc
-        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self.block_size = self.engine.config.block_size
-        self.kvstore = KVStoreClient(nc) if self.settings.use_kvstore else None
-        self.offloader = Offloader(self.kvstore) if self.kvstore else None
-        self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
-                                   self._post_step if self.kvstore else None)
-        self.thread.start()
-        self.transport = NatsKVTransport(nc)
+        await self.start_engine(nc)
         self.transport.fault = self.settings.fault if self.settings.fault in ("drop", "corrupt") else None
         await self.transport.start(None)
         self.cancel_sub = await bus.subscribe(nc, subjects.PREFILL_CANCEL, self._on_cancel, CancelRequest)
@@ -74,8 +62,9 @@ class PrefillService(Service):
         deadline = loop.time() + grace_s
         while self.pending and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self.pending):
-            await self._cancel(rid)
+        if self.thread.error is None:
+            for rid in list(self.pending):
+                await self._cancel(rid)
         await asyncio.sleep(0.05)  # let cancelled handlers send their replies
         await self.micro.stop()
         if self.offloader:
@@ -131,27 +120,22 @@ class PrefillService(Service):
         if res is None:
             await self.thread.call(lambda e: e.add_request(rid, prompt, params, capture_kv_from_block=first_block))
             return 0
-        cached = res.num_cached_tokens
-        own = cached // self.block_size
-        if self.kvstore is not None and len(res.block_hashes) > own:
-            got = await self.kvstore.get_chain(res.block_hashes[own:])
-            if got is not None:
-                k, v = got
-                await self.thread.call(lambda e: e.write_blocks(rid, own, k, v) if rid in e.held else None)
-                cached = (own + k.shape[1]) * self.block_size
+        cached = await self.load_from_kvstore(rid, res)
         await self.thread.call(lambda e: e.commit_held(rid, cached) if rid in e.held else None)
         return cached
-
-    def _post_step(self, engine: LLMEngine, outputs, events):
-        return collect(engine, events, self.kvstore)
 
     def _on_step(self, outputs: list[RequestOutput], events, offload) -> None:
         for out in outputs:
             fut = self.pending.get(out.request_id)
             if out.finished and fut is not None and not fut.done():
                 fut.set_result(out)
-        if self.offloader:
-            self.offloader.submit(offload)
+        super()._on_step(outputs, events, offload)
+
+    async def on_engine_crash(self) -> None:
+        self.draining = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.cancel()
 
     async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:
         await self._cancel(msg.request_id)

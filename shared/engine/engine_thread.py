@@ -34,6 +34,8 @@ class EngineThread:
         self.loop = loop
         self.on_step = on_step
         self.post_step = post_step
+        self.crashed = asyncio.Event()  # set on the loop if a step raised; the thread is gone then
+        self.error: BaseException | None = None
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stopped = threading.Event()
@@ -44,7 +46,11 @@ class EngineThread:
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run fn(engine) on the engine thread between steps and return its result."""
         fut: Future = Future()
+        if self._stopped.is_set():
+            raise RuntimeError("engine thread is not running")
         self._commands.put((fn, fut))
+        if self._stopped.is_set():
+            self._fail_pending()
         return await asyncio.wrap_future(fut)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -83,8 +89,20 @@ class EngineThread:
                 if outputs or events:
                     extra = self.post_step(self.engine, outputs, events) if self.post_step else None
                     self.loop.call_soon_threadsafe(self.on_step, outputs, events, extra)
-        except Exception:
+        except Exception as e:  # noqa: BLE001 - reported to the owner, who fails its requests and exits
             log.exception("engine loop crashed")
-            raise
+            self.error = e
+            self.loop.call_soon_threadsafe(self.crashed.set)
         finally:
             self._stopped.set()
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """Commands queued after the loop ended would wait forever: fail them."""
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(RuntimeError("engine thread is not running"))
