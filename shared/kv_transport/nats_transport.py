@@ -3,6 +3,8 @@
 Every chunk is a request to the decode worker's push subject and is acknowledged after the decode
 side verified its checksum and wrote it into the reserved blocks; at most `window` chunks are
 unacknowledged at a time (flow control). A failed chunk stops the transfer on both sides.
+Decode writes chunks on its engine thread between steps, so the window is wide enough for most of
+a transfer to land at one step boundary rather than a few chunks per step.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class _Incoming:
 
 
 class NatsKVTransport(KVTransport):
-    def __init__(self, nc: Client, window: int = 8) -> None:
+    def __init__(self, nc: Client, window: int = 32) -> None:
         self.nc = nc
         self.window = window
         self._incoming: dict[str, _Incoming] = {}
