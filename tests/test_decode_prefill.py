@@ -213,3 +213,24 @@ def test_engine_crash_fails_requests_and_ends_the_service(nats_server, checkpoin
                 raise AssertionError("wait_closed must raise after an engine crash")
 
     asyncio.run(main())
+
+
+def test_cancel_that_overtakes_its_request_still_cancels_it(nats_server, checkpoints):
+    ckpt = checkpoints["llama"]
+    decode = decode_service(ckpt, threshold=10_000)
+
+    async def main():
+        async with running(nats_server, decode) as nc:
+            await bus.publish(nc, subjects.DECODE_CANCEL, CancelRequest(request_id="early", reason="client gone"))
+            await nc.flush()
+            await asyncio.sleep(0.2)  # the cancel is handled before the request arrives
+            params = greedy(400, None)
+            params.ignore_eos = True
+            tokens, chunks = await asyncio.wait_for(generate(nc, [1, 2, 3], params, "early"), 5)
+            assert tokens == [] and chunks[-1].finish_reason == "abort"
+            assert decode.num_received == 1
+            await wait_idle(decode, timeout=1.0)
+            tokens, _ = await generate(nc, [1, 2, 3], greedy(3, None), "early")  # the id is usable again
+            assert len(tokens) == 3
+
+    asyncio.run(main())

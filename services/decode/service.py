@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
@@ -37,6 +38,7 @@ from services.engine_args import add_engine_arguments, engine_config_from_args
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.decode")
 VERSION = "0.1.0"
+EARLY_CANCELS_KEPT = 10_000
 
 
 @dataclass
@@ -78,6 +80,9 @@ class DecodeService(EngineWorker):
         self.queued_local = 0  # admitted while the KV pool was full: prefilled here once blocks free up
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        # Cancels for requests not (yet) here: generate and cancel are handled by separate tasks, so a
+        # client that gives up at once can have its cancel processed before its request.
+        self._early_cancels: OrderedDict[str, None] = OrderedDict()
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -121,6 +126,11 @@ class DecodeService(EngineWorker):
             raise bus.RemoteError(codes.OVERLOADED, "decode worker is shutting down")
         if req.request_id in self.active:
             raise bus.RemoteError(codes.BAD_REQUEST, f"request id {req.request_id!r} is already running")
+        if self._early_cancels.pop(req.request_id, "missing") is None:
+            stream = ctx.stream()
+            await stream.send(TokenChunk(request_id=req.request_id, seq=0, finish_reason="abort"))
+            await stream.end()
+            return
         span = _tracer.start_span("decode.request", attributes={
             "kvmesh.request_id": req.request_id, "kvmesh.worker_id": self.settings.worker_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
@@ -280,6 +290,10 @@ class DecodeService(EngineWorker):
         self.num_cancels += 1
         if msg.request_id in self.active:
             await self._abort(msg.request_id, msg.reason or "cancelled")
+        else:
+            self._early_cancels[msg.request_id] = None
+            while len(self._early_cancels) > EARLY_CANCELS_KEPT:
+                self._early_cancels.popitem(last=False)
 
     async def _abort(self, rid: str, reason: str, error: bool = False) -> None:
         a = self.active.pop(rid, None)
