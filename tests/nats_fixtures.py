@@ -34,3 +34,19 @@ def nats_server_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
     yield start
     for server in servers:
         server.stop()
+
+
+async def wait_discoverable(nc, service_name: str, timeout: float = 5.0) -> None:
+    """Until `$SRV.PING.<service_name>` is answered over `nc` (the connection clients will use)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await nc.request(f"$SRV.PING.{service_name}", b"", timeout=0.5)
+            return
+        except Exception:  # noqa: BLE001 - no responders or timeout: not reachable yet
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.05)

@@ -26,7 +26,7 @@ from shared import protocol as p
 from shared.block_hash import hash_blocks, root_hash
 from shared.bus import headers as H
 from shared.wire import tensor_from_wire, tensor_to_wire
-from tests.nats_fixtures import nats_server, nats_server_factory  # noqa: F401  (fixtures)
+from tests.nats_fixtures import wait_discoverable, nats_server, nats_server_factory  # noqa: F401  (fixtures)
 
 T = TypeVar("T")
 PUT, GET, CONTAINS, STATS = subjects.KVSTORE_PUT, subjects.KVSTORE_GET, subjects.KVSTORE_CONTAINS, subjects.KVSTORE_STATS
@@ -60,6 +60,7 @@ async def serving(url: str, capacity: int = 1 << 30) -> AsyncIterator[tuple[Clie
     nc, client = await bus.connect(url), await bus.connect(url)
     svc = KVStoreService(CPUTier(capacity))
     await svc.start(nc)
+    await wait_discoverable(client, subjects.SERVICE_KVSTORE)
     try:
         yield client, svc
     finally:

@@ -23,7 +23,7 @@ from shared.models.demo_tokenizer import cached_byte_bpe, write_tokenizer_files
 from shared.models.tokenizer import encode_chat, load_tokenizer
 from tests.checkpoints import VOCAB
 from tests.hostile import assert_survives, hostile_bodies
-from tests.nats_fixtures import nats_server, nats_server_factory  # noqa: F401  (fixtures)
+from tests.nats_fixtures import wait_discoverable, nats_server, nats_server_factory  # noqa: F401  (fixtures)
 
 T = TypeVar("T")
 ENCODE, DECODE = subjects.TOKENIZER_ENCODE, subjects.TOKENIZER_DECODE
@@ -53,6 +53,7 @@ async def serving(url: str, model_dir: Path, instances: int = 1) -> AsyncIterato
         services.append(TokenizerService(load_tokenizer(model_dir)))
         await services[-1].start(conns[-1])
     client = await bus.connect(url)
+    await wait_discoverable(client, subjects.SERVICE_TOKENIZER)
     try:
         yield client, services
     finally:
