@@ -23,8 +23,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[len(block_ids) * block_size, kv_heads, head_dim]: whole blocks copied at once (much faster on CPU
     than gathering slot by slot)."""
-    n, bs = cache.shape[0], cache.shape[1]
-    return cache.view(n, -1).index_select(0, block_ids).view(-1, *cache.shape[2:])
+    return cache.view(cache.shape[0], -1).index_select(0, block_ids).view(-1, *cache.shape[2:])
 
 
 def paged_attention_ref(

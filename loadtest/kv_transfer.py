@@ -22,6 +22,7 @@ import uuid
 import torch
 
 from loadtest.offline import model_dir
+from shared.bus.natsd import NatsServer
 from loadtest.workload import machine_info, random_tokens, read_shape, warn_if_busy
 
 
@@ -49,7 +50,8 @@ async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Ran
     src, dst = LLMEngine(_engine_config(model, args)), LLMEngine(_engine_config(model, args))
     vocab = src.model_config.vocab_size
     runs = []
-    async with _nats() as url:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-nats-") as tmp, NatsServer(workdir=tmp) as nats:
+        url = nats.url
         nc_send, nc_recv = await bus.connect(url), await bus.connect(url)
         sender, receiver = NatsKVTransport(nc_send), NatsKVTransport(nc_recv)
         await sender.start(None)
@@ -118,7 +120,8 @@ async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random)
     vocab = None
     results: dict[str, list[float]] = {name: [] for name in workers}
     cached: list[int] = []
-    async with _nats() as url:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-nats-") as tmp, NatsServer(workdir=tmp) as nats:
+        url = nats.url
         conns = [await bus.connect(url) for _ in range(6)]
         nc = conns[0]
         for service, conn in zip([store, prefill, *workers.values()], conns[1:]):
@@ -158,21 +161,6 @@ async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random)
             "kvstore_cached_tokens": cached, "remote_prefills": remote_ok,
             "ratio_local_over_kvstore": med["local"] / med["kvstore"],
             "ratio_remote_over_local": med["remote"] / med["local"], "runs": results}
-
-
-class _nats:
-    """A nats-server from the wheel for the length of the benchmark."""
-
-    async def __aenter__(self) -> str:
-        from shared.bus.natsd import NatsServer
-
-        self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-nats-")
-        self._server = NatsServer(workdir=self._tmp.name).start()
-        return self._server.url
-
-    async def __aexit__(self, *exc) -> None:
-        self._server.stop()
-        self._tmp.cleanup()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,23 +9,21 @@ import threading
 import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from nats.aio.client import Client
 
-from services.decode.service import DecodeService, DecodeSettings
+from services.decode.service import DecodeService
 from services.gateway.config import GatewayConfig
-from services.kvstore.cpu_tier import CPUTier
 from services.kvstore.service import KVStoreService
-from services.prefill.service import PrefillService, PrefillSettings
+from services.prefill.service import PrefillService
 from services.gateway.service import GatewayService
 from services.tokenizer.service import TokenizerService
-from shared import bus, subjects
+from shared import bus
 from shared.bus.natsd import NatsServer
-from shared.config import EngineConfig
 from shared.models.tokenizer import load_tokenizer
+from tests.mesh_helpers import decode_service, kvstore_service, prefill_service
 
 T = TypeVar("T")
 
@@ -75,17 +73,11 @@ class Mesh:
             await self.tokenizer.start(await self._connect())
         self.call(go())
 
-    def _engine(self, num_kv_blocks: int) -> EngineConfig:
-        return EngineConfig(model=str(self.model_dir), num_kv_blocks=num_kv_blocks, max_num_seqs=32,
-                            max_num_batched_tokens=256)
-
     def start_decoder(self, worker_id: str, num_kv_blocks: int = 96, threshold: int = 1 << 30,
                       use_kvstore: bool = False, remote_timeout_s: float = 10.0) -> DecodeService:
         async def go() -> DecodeService:
-            d = DecodeService(self._engine(num_kv_blocks), DecodeSettings(
-                worker_id=worker_id, remote_prefill_threshold=threshold, use_kvstore=use_kvstore,
-                remote_prefill_timeout_s=remote_timeout_s, kv_transfer_timeout_s=remote_timeout_s,
-                beat_interval_s=0.2))
+            d = decode_service(self.model_dir, worker_id, threshold, kvstore=use_kvstore, num_kv_blocks=num_kv_blocks,
+                               transfer_timeout=remote_timeout_s, remote_timeout=remote_timeout_s)
             await d.start(await self._connect())
             self.decoders[worker_id] = d
             return d
@@ -93,7 +85,7 @@ class Mesh:
 
     def start_prefill(self, num_kv_blocks: int = 96, use_kvstore: bool = False) -> PrefillService:
         async def go() -> PrefillService:
-            p = PrefillService(self._engine(num_kv_blocks), PrefillSettings(use_kvstore=use_kvstore))
+            p = prefill_service(self.model_dir, kvstore=use_kvstore, num_kv_blocks=num_kv_blocks)
             await p.start(await self._connect())
             self.prefills.append(p)
             return p
@@ -101,7 +93,7 @@ class Mesh:
 
     def start_kvstore(self, capacity: int = 64 << 20) -> KVStoreService:
         async def go() -> KVStoreService:
-            k = KVStoreService(CPUTier(capacity))
+            k = kvstore_service(capacity)
             await k.start(await self._connect())
             self.kvstores.append(k)
             return k

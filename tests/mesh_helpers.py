@@ -14,21 +14,23 @@ from services.kvstore.service import KVStoreService
 from services.prefill.service import PrefillService, PrefillSettings
 
 
-def engine_config(ckpt, **overrides) -> EngineConfig:
-    cfg = dict(model=str(ckpt.path), num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=32)
+def engine_config(model, **overrides) -> EngineConfig:
+    """model: a tests.checkpoints.Checkpoint or a model directory."""
+    cfg = dict(model=str(getattr(model, "path", model)), num_kv_blocks=128, max_num_batched_tokens=256, max_num_seqs=32)
     cfg.update(overrides)
     return EngineConfig(**cfg)
 
 
-def decode_service(ckpt, worker_id="d0", threshold=0, kvstore=True, transfer_timeout=3.0, **engine) -> DecodeService:
-    return DecodeService(engine_config(ckpt, **engine), DecodeSettings(
+def decode_service(model, worker_id="d0", threshold=0, kvstore=True, transfer_timeout=3.0, remote_timeout=10.0,
+                   **engine) -> DecodeService:
+    return DecodeService(engine_config(model, **engine), DecodeSettings(
         worker_id=worker_id, remote_prefill_threshold=threshold, use_kvstore=kvstore,
-        remote_prefill_timeout_s=10.0, kv_transfer_timeout_s=transfer_timeout, beat_interval_s=0.2))
+        remote_prefill_timeout_s=remote_timeout, kv_transfer_timeout_s=transfer_timeout, beat_interval_s=0.2))
 
 
-def prefill_service(ckpt, fault=None, kvstore=True, **engine) -> PrefillService:
-    return PrefillService(engine_config(ckpt, **engine), PrefillSettings(use_kvstore=kvstore, fault=fault,
-                                                                         kv_transfer_timeout_s=3.0))
+def prefill_service(model, fault=None, kvstore=True, **engine) -> PrefillService:
+    return PrefillService(engine_config(model, **engine), PrefillSettings(use_kvstore=kvstore, fault=fault,
+                                                                          kv_transfer_timeout_s=3.0))
 
 
 def kvstore_service(capacity=64 << 20) -> KVStoreService:

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from shared import bus, subjects
+from shared import subjects
 from shared.models.tokenizer import encode_chat, load_tokenizer
 from tests.engine_helpers import random_prompts
 from tests.gateway_harness import Mesh

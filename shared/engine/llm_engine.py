@@ -89,13 +89,8 @@ class LLMEngine:
                     arrival_time: float | None = None, capture_kv_from_block: int | None = None) -> None:
         """Queue a request. capture_kv_from_block: when it finishes, its RequestOutput.kv_blocks holds
         the K/V of its prompt's logical blocks from that index on (what a prefill worker pushes)."""
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
-        self.seqs[request_id] = seq
-        if capture_kv_from_block is not None:
-            self.capture_kv[request_id] = capture_kv_from_block
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
+        self._track(seq, capture_kv_from_block)
         self.scheduler.add(seq)
 
     # --- KV that arrives from elsewhere (kvstore, a prefill worker) ---------------------------------
@@ -106,17 +101,12 @@ class LLMEngine:
         whole prompt, so KV computed elsewhere can be written in. None when the pool is too full now
         (the caller then falls back to add_request). Held sequences wait for commit_held/release_held.
         """
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
         computed = self.block_manager.get_computed_blocks(seq)
         if not self.block_manager.allocate(seq, seq.num_tokens - len(computed) * self.config.block_size, computed):
             return None
-        self.seqs[request_id] = seq
+        self._track(seq, capture_kv_from_block)
         self.held[request_id] = seq
-        if capture_kv_from_block is not None:
-            self.capture_kv[request_id] = capture_kv_from_block
         bs = self.config.block_size
         return Reservation(seq.num_computed_tokens, list(seq.block_hashes[: (seq.num_tokens - 1) // bs]),
                            len(seq.block_table))
@@ -177,6 +167,19 @@ class LLMEngine:
         seq = self.held.pop(request_id)
         self.block_manager.free_blocks(seq)
         self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int,
+                      arrival_time: float | None) -> Sequence:
+        """A validated sequence the engine does not know yet (raises ValueError, changing nothing)."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        return Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
+
+    def _track(self, seq: Sequence, capture_kv_from_block: int | None) -> None:
+        self.seqs[seq.request_id] = seq
+        if capture_kv_from_block is not None:
+            self.capture_kv[seq.request_id] = capture_kv_from_block
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.pop(request_id, None)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     missing = missing_services()
     if missing:
-        print(f"kvmesh up: cannot start the mesh, service module(s) missing: "
+        print("kvmesh up: cannot start the mesh, service module(s) missing: "
               + ", ".join(f"services.{m} (services/{m}/__main__.py)" for m in missing), file=sys.stderr)
         return 2
     if not _port_free(opts.host, opts.port):
