@@ -15,6 +15,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of the GPU's total memory this worker may use (weights, activations, KV)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="fp8: KV cache in float8_e4m3fn with a per-tensor scale (half the memory of bf16)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -30,6 +35,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         torch.set_num_threads(args.threads)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                        kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         model_id=args.served_model_name)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -17,7 +18,11 @@ class EngineConfig:
     seed: int = 0  # for dummy weights
     block_size: int = 16
     kv_cache_bytes: int | None = None  # byte budget for the KV pool; default: 1 GiB on CPU
-    gpu_memory_utilization: float = 0.85  # fraction of free device memory for the KV pool on CUDA
+    # Fraction of the device's *total* memory this worker may use (weights, activations, graphs and
+    # the KV pool together), as in vLLM, so co-located workers can share one GPU by splitting it.
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "fp8": float8_e4m3fn with a per-tensor scale
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     num_kv_blocks: int | None = None  # overrides the byte budget (tests use it to force preemption)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048  # per-step token budget; prompts are chunked to fit
@@ -34,5 +39,7 @@ class EngineConfig:
         assert 0 < self.gpu_memory_utilization <= 1
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
