@@ -1,55 +1,12 @@
-"""Gateway pieces without a mesh: detokenizer (real byte-level BPE), stop strings, router."""
+"""Gateway pieces without a mesh: stop strings, router (the detokenizer has tests/test_detokenizer.py)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from services.gateway.router import NoWorkerError, OverloadedError, Router, RouterConfig
 from services.gateway.stop import StopMatcher
 from shared.block_hash import hash_blocks, root_hash
-from shared.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from shared.models.demo_tokenizer import cached_byte_bpe, write_tokenizer_files
-from shared.models.tokenizer import load_tokenizer
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):  # noqa: ANN001, ANN201
-    d = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(cached_byte_bpe(512), d)
-    return load_tokenizer(Path(d))
-
-
-TEXT = "Grüße aus 東京 — naïve café 🎉 ok"
-
-
-def test_detokenizer_never_emits_half_a_character(tokenizer) -> None:  # noqa: ANN001
-    ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    singles = [tokenizer.decode([i]) for i in ids]
-    assert any(REPLACEMENT in s for s in singles), "the test needs a character split across byte tokens"
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello", add_special_tokens=True))
-    deltas = [detok.push([i]) for i in ids]
-    deltas.append(detok.flush())
-    assert all(REPLACEMENT not in d for d in deltas)
-    assert "".join(deltas) == TEXT == detok.text
-    assert sum(1 for d in deltas if d == "") > 0  # some tokens had to wait for the rest of their character
-
-
-def test_detokenizer_chunks_and_special_tokens(tokenizer) -> None:  # noqa: ANN001
-    ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    eos = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
-    detok = IncrementalDetokenizer(tokenizer)
-    out = "".join(detok.push(ids[i : i + 3]) for i in range(0, len(ids), 3)) + detok.push([eos]) + detok.flush()
-    assert out == TEXT
-
-
-def test_detokenizer_flush_matches_decode_for_truncated_character(tokenizer) -> None:  # noqa: ANN001
-    ids = tokenizer.encode("a🎉", add_special_tokens=False)[:-1]  # cut inside the emoji
-    detok = IncrementalDetokenizer(tokenizer)
-    streamed = "".join(detok.push([i]) for i in ids)
-    assert REPLACEMENT not in streamed
-    assert streamed + detok.flush() == tokenizer.decode(ids)
 
 
 def feed(stops: list[str], pieces: list[str]) -> tuple[list[str], StopMatcher]:

@@ -11,7 +11,7 @@ import functools
 import json
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from shared.models.demo_corpus import TEXT
 
@@ -71,6 +71,25 @@ def cached_byte_bpe(vocab_size: int = 512) -> Tokenizer:
     Callers share the returned object: do not mutate it (write_tokenizer_files does not).
     """
     return train_byte_bpe(vocab_size)
+
+
+@functools.lru_cache(maxsize=2)
+def train_sentencepiece_bpe(vocab_size: int = 400) -> Tokenizer:
+    """A SentencePiece-style tokenizer (Llama 2 / Mistral family): metaspace normaliser, BPE with byte
+    fallback, and the 256 byte tokens as ordinary (not special) vocabulary entries, so skip_special_tokens
+    keeps them. For tests and benchmarks of the detokenizer on the second tokenizer family."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    tok.train_from_iterator(_paragraphs(TEXT), trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def write_tokenizer_files(
