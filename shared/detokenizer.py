@@ -42,10 +42,10 @@ class StreamDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         from tokenizers.decoders import DecodeStream
 
-        context = list(prompt_token_ids[-CONTEXT_TOKENS:]) if prompt_token_ids else []
         self._tok = tokenizer
-        self._backend = backend
         self._skip = skip_special_tokens
+        context = self._clean_context(list(prompt_token_ids[-CONTEXT_TOKENS:]))
+        self._backend = backend
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._emitted_tail = context  # the last tokens whose text is out: decoding context for flush
         self._pending: list[int] = []  # tokens pushed since the stream last returned text
@@ -77,6 +77,14 @@ class StreamDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def _clean_context(self, context: list[int]) -> list[int]:
+        """The longest prompt suffix that decodes to whole characters: DecodeStream would emit the U+FFFD of a
+        prompt ending mid-character as part of the first generated text."""
+        for start in range(len(context)):
+            if REPLACEMENT not in self._decode(context[start:]):
+                return context[start:]
+        return []
 
 
 class WindowDetokenizer:

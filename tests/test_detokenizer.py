@@ -75,3 +75,12 @@ def test_flush_matches_decode_for_truncated_character(tokenizer, make) -> None: 
     streamed = "".join(detok.push([i]) for i in ids)
     assert REPLACEMENT not in streamed
     assert streamed + detok.flush() == tokenizer.decode(ids)
+
+
+def test_prompt_ending_mid_character_does_not_leak_into_the_output(tokenizer, make) -> None:  # noqa: ANN001
+    ids = tokenizer.encode("東", add_special_tokens=False)
+    assert len(ids) > 1, "the test needs a character split across byte tokens"
+    out = tokenizer.encode(" hello", add_special_tokens=False)
+    detok = make(tokenizer, ids[:1])  # the prompt ends inside the character
+    text = "".join(detok.push([i]) for i in out) + detok.flush()
+    assert REPLACEMENT not in text and text.strip() == "hello"
