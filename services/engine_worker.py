@@ -3,25 +3,37 @@ write-through offload, the KV transport, and loading a reserved prompt's prefix 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 
 from nats.aio.client import Client
 from opentelemetry import trace
 
+from shared import bus
 from shared.config import EngineConfig
 from shared.engine.engine_thread import EngineThread
 from shared.engine.llm_engine import LLMEngine, Reservation
 from shared.engine.offload import Offloader, collect
 from shared.kv_transport import NatsKVTransport
 from shared.kvstore_client import KVStoreClient
+from shared.protocol.events import LoadBeat
+from shared.protocol.generate import RequestTimings
 from shared.service_runner import Service
+from services.load_beats import LoadBeats, load_beat
 
 _tracer = trace.get_tracer("kvmesh.worker")
 
 
 class EngineWorker(Service):
-    def __init__(self, engine_config: EngineConfig, use_kvstore: bool) -> None:
+    role: str  # "decode" | "prefill": the label of this worker's metrics
+
+    def __init__(self, engine_config: EngineConfig, use_kvstore: bool, worker_id: str,
+                 beat_interval_s: float = 1.0) -> None:
         self.engine_config = engine_config
         self.use_kvstore = use_kvstore
+        self.worker_id = worker_id
+        self.beat_interval_s = beat_interval_s
+        self.kvstore_hit_tokens = 0  # prompt tokens loaded from the kvstore (prefix-cache hits beyond our own)
 
     async def start_engine(self, nc: Client) -> None:
         self.nc = nc
@@ -33,6 +45,20 @@ class EngineWorker(Service):
                                    self._post_step if self.kvstore else None)
         self.thread.start()
         self.transport = NatsKVTransport(nc)
+        self.beats = LoadBeats(self.beat_interval_s, self._load_snapshot, self._publish_load)
+
+    def load_subject(self) -> str:
+        raise NotImplementedError
+
+    async def _publish_load(self, beat: LoadBeat) -> None:
+        await bus.publish(self.nc, self.load_subject(), beat)
+
+    async def _load_snapshot(self) -> LoadBeat:
+        stats = await self.thread.call(lambda e: e.stats())
+        e = self.engine
+        kv_dtype = str(e.runner.kv_caches[0][0].dtype).removeprefix("torch.")
+        return load_beat(self.worker_id, self.role, stats, self.kvstore_hit_tokens, self.block_size,
+                         e.block_manager.root, e.max_model_len, kv_dtype)
 
     async def wait_closed(self) -> None:
         """Ends the service (non-zero exit, so a supervisor restarts it) if the engine thread crashed."""
@@ -46,6 +72,11 @@ class EngineWorker(Service):
     def _on_step(self, outputs, events, offload) -> None:
         if self.offloader:
             self.offloader.submit(offload)
+        if any(o.finished for o in outputs):
+            self.beats.changed()
+        else:  # a racy read of one int, only to decide whether a beat is due; the beat itself is consistent
+            bm = self.engine.block_manager
+            self.beats.kv_moved(bm.num_free_blocks, bm.num_blocks)
 
     def _post_step(self, engine: LLMEngine, outputs, events):
         return collect(engine, events, self.kvstore)
@@ -69,4 +100,20 @@ class EngineWorker(Service):
             if not await self.thread.call(write):
                 return res.num_cached_tokens
             span.set_attribute("kvmesh.blocks_loaded", k.shape[1])
+        self.kvstore_hit_tokens += k.shape[1] * self.block_size
         return (own + k.shape[1]) * self.block_size
+
+
+def request_timings(out) -> RequestTimings | None:  # noqa: ANN001 - a RequestOutput
+    """Queue, prefill and decode time of a finished request, measured by the engine's clock."""
+    if out.first_token_time is None or out.finished_time is None:
+        return None
+    scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else out.arrival_time
+    return RequestTimings(queued_s=max(0.0, scheduled - out.arrival_time),
+                          prefill_s=max(0.0, out.first_token_time - scheduled),
+                          decode_s=max(0.0, out.finished_time - out.first_token_time))
+
+
+def default_worker_id(role: str) -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    return f"{role}-{host}-{os.getpid()}"

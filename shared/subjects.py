@@ -36,6 +36,7 @@ DECODE_LOAD_ALL = "kvmesh.decode.load.*"
 PREFILL_PREFILL = "kvmesh.prefill.prefill"
 QUEUE_PREFILL = "kvmesh.prefill"
 PREFILL_CANCEL = "kvmesh.prefill.cancel"  # fan-out, like DECODE_CANCEL
+PREFILL_LOAD_ALL = "kvmesh.prefill.load.*"
 
 # --- kvstore: any replica may answer (they share the disk tier)
 KVSTORE_PUT = "kvmesh.kvstore.put"
@@ -72,6 +73,11 @@ def decode_events(worker_id: str) -> str:
 def decode_load(worker_id: str) -> str:
     """Periodic LoadBeat of one decode worker (fan-out)."""
     return f"kvmesh.decode.load.{worker_token(worker_id)}"
+
+
+def prefill_load(worker_id: str) -> str:
+    """LoadBeat of one prefill worker (fan-out; the gateway reads it for metrics, never for routing)."""
+    return f"kvmesh.prefill.load.{worker_token(worker_id)}"
 
 
 def worker_from_subject(subject: str) -> str:

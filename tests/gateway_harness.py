@@ -37,8 +37,9 @@ class Mesh:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mesh", daemon=True)
         self._thread.start()
+        settings = {"health_timeout_s": 0.5, "worker_expiry_s": 1.0, **gateway}
         self.gateway = GatewayService(GatewayConfig(model_dir=str(model_dir), served_model_name="tiny", port=0,
-                                                    api_key=api_key, health_timeout_s=0.5, worker_expiry_s=1.0, **gateway))
+                                                    api_key=api_key, **settings))
         self.tokenizer: TokenizerService | None = None
         self.decoders: dict[str, DecodeService] = {}
         self.prefills: list[PrefillService] = []
@@ -74,10 +75,12 @@ class Mesh:
         self.call(go())
 
     def start_decoder(self, worker_id: str, num_kv_blocks: int = 96, threshold: int = 1 << 30,
-                      use_kvstore: bool = False, remote_timeout_s: float = 10.0) -> DecodeService:
+                      use_kvstore: bool = False, remote_timeout_s: float = 10.0,
+                      beat_interval_s: float = 0.2) -> DecodeService:
         async def go() -> DecodeService:
             d = decode_service(self.model_dir, worker_id, threshold, kvstore=use_kvstore, num_kv_blocks=num_kv_blocks,
-                               transfer_timeout=remote_timeout_s, remote_timeout=remote_timeout_s)
+                               transfer_timeout=remote_timeout_s, remote_timeout=remote_timeout_s,
+                               beat_interval_s=beat_interval_s)
             await d.start(await self._connect())
             self.decoders[worker_id] = d
             return d
@@ -115,6 +118,7 @@ class Mesh:
             d = self.decoders.pop(worker_id)
             for t in d._tasks:
                 t.cancel()
+            d.beats.stop()
             await d.micro.stop()
             await d.cancel_sub.unsubscribe()
             await d.transport.stop()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 
 from shared import bus, subjects
 from shared.config import EngineConfig
@@ -22,15 +23,18 @@ def engine_config(model, **overrides) -> EngineConfig:
 
 
 def decode_service(model, worker_id="d0", threshold=0, kvstore=True, transfer_timeout=3.0, remote_timeout=10.0,
-                   **engine) -> DecodeService:
+                   beat_interval_s=0.2, **engine) -> DecodeService:
     return DecodeService(engine_config(model, **engine), DecodeSettings(
         worker_id=worker_id, remote_prefill_threshold=threshold, use_kvstore=kvstore,
-        remote_prefill_timeout_s=remote_timeout, kv_transfer_timeout_s=transfer_timeout, beat_interval_s=0.2))
+        remote_prefill_timeout_s=remote_timeout, kv_transfer_timeout_s=transfer_timeout, beat_interval_s=beat_interval_s))
 
 
-def prefill_service(model, fault=None, kvstore=True, **engine) -> PrefillService:
-    return PrefillService(engine_config(model, **engine), PrefillSettings(use_kvstore=kvstore, fault=fault,
-                                                                          kv_transfer_timeout_s=3.0))
+_prefill_ids = itertools.count()
+
+
+def prefill_service(model, fault=None, kvstore=True, worker_id=None, **engine) -> PrefillService:
+    return PrefillService(engine_config(model, **engine), PrefillSettings(
+        worker_id=worker_id or f"p{next(_prefill_ids)}", use_kvstore=kvstore, fault=fault, kv_transfer_timeout_s=3.0))
 
 
 def kvstore_service(capacity=64 << 20) -> KVStoreService:

@@ -56,7 +56,7 @@ def compose() -> dict:
 
 def test_compose_runs_the_launcher_services(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {"nats", "jaeger", *SERVICES}
+    assert set(services) == {"nats", "jaeger", "prometheus", "grafana", *SERVICES}
     for spec in mesh_services(COMPOSE_OPTIONS):
         svc = services[spec.service]
         assert svc["command"] == ["python", "-m", spec.module, *spec.args], spec.service
@@ -101,6 +101,18 @@ def test_compose_infrastructure(compose: dict) -> None:
     assert jaeger["image"].startswith("jaegertracing/all-in-one")
     published = {p.split(":")[-1] for p in jaeger["ports"]}
     assert {"4317", "4318", "16686"} <= published
+
+
+def test_compose_monitoring(compose: dict) -> None:
+    prom = compose["services"]["prometheus"]
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    scrape = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())["scrape_configs"][0]
+    assert scrape["static_configs"][0]["targets"] == ["gateway:8000"] and scrape["metrics_path"] == "/metrics"
+    grafana = compose["services"]["grafana"]
+    for volume in grafana["volumes"]:
+        assert (COMPOSE / volume.split(":")[0]).is_dir(), volume
+    datasource = yaml.safe_load((COMPOSE / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
 
 
 def test_compose_gpu_overlay() -> None:

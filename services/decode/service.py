@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import os
-import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -28,11 +27,10 @@ from shared.engine.outputs import RequestOutput
 from shared.kv_transport import TransferError
 from shared.protocol import errors as codes
 from shared.protocol.errors import ErrorReply
-from shared.protocol.events import LoadBeat
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 from services.decode.events import to_wire
-from services.engine_worker import EngineWorker
+from services.engine_worker import EngineWorker, default_worker_id, request_timings
 from services.engine_args import add_engine_arguments, engine_config_from_args
 
 log = logging.getLogger(__name__)
@@ -67,9 +65,10 @@ class Active:
 
 class DecodeService(EngineWorker):
     name = "decode"
+    role = "decode"
 
     def __init__(self, engine_config: EngineConfig, settings: DecodeSettings) -> None:
-        super().__init__(engine_config, settings.use_kvstore)
+        super().__init__(engine_config, settings.use_kvstore, settings.worker_id, settings.beat_interval_s)
         self.settings = settings
         self.active: dict[str, Active] = {}
         self.draining = False
@@ -98,8 +97,9 @@ class DecodeService(EngineWorker):
                          self._on_generate, GenerateRequest),
         ], metadata={"worker_id": wid})
         await nc.flush()  # registration must reach the server before anyone is told we are up
-        self._tasks = [asyncio.ensure_future(self._send_loop()), asyncio.ensure_future(self._beat_loop())]
-        await self._beat()
+        self._tasks = [asyncio.ensure_future(self._send_loop())]
+        await self.beats.beat()
+        self.beats.start()
 
     async def drain(self, grace_s: float) -> None:
         self.draining = True
@@ -114,6 +114,7 @@ class DecodeService(EngineWorker):
             await self.offloader.flush(max(0.0, deadline - time.monotonic()))
         for t in self._tasks:
             t.cancel()
+        self.beats.stop()
         await self.cancel_sub.unsubscribe()
         await self.transport.stop()
         self.thread.stop()
@@ -137,6 +138,7 @@ class DecodeService(EngineWorker):
         active = Active(req, ctx.stream(), span)
         self.active[req.request_id] = active
         active.tasks.append(asyncio.ensure_future(self._admit(active)))
+        self.beats.changed()
 
     async def _admit(self, a: Active) -> None:
         req, rid = a.req, a.req.request_id
@@ -239,7 +241,8 @@ class DecodeService(EngineWorker):
             lps = [TokenLogprob.from_engine(lp) for lp in out.logprobs[-len(out.new_token_ids):]]
         chunk = TokenChunk(request_id=out.request_id, seq=a.next_seq, token_ids=out.new_token_ids, logprobs=lps,
                            finish_reason=out.finish_reason if out.finished else None,
-                           num_cached_tokens=max(a.num_cached_tokens, out.num_cached_tokens) if a.next_seq == 0 else None)
+                           num_cached_tokens=max(a.num_cached_tokens, out.num_cached_tokens) if a.next_seq == 0 else None,
+                           timings=request_timings(out) if out.finished else None)
         if a.next_seq == 0:
             a.span.add_event("first_token")
         a.next_seq += 1
@@ -300,6 +303,7 @@ class DecodeService(EngineWorker):
         if a is None:
             return
         await self.thread.call(lambda e: e.abort(rid))
+        self.beats.changed()
         if a.transfer_id is not None:
             self.transport.forget(a.transfer_id)
             await bus.publish(self.nc, subjects.PREFILL_CANCEL, CancelRequest(request_id=rid, reason=reason))
@@ -310,33 +314,13 @@ class DecodeService(EngineWorker):
                            error=reason if error else None)
         self._outbox.put_nowait((a, chunk, True))
 
-    # --- load beats -----------------------------------------------------------------------------
-
-    async def _beat(self) -> None:
-        stats = await self.thread.call(lambda e: e.stats())
-        await bus.publish(self.nc, subjects.decode_load(self.settings.worker_id), LoadBeat(
-            worker_id=self.settings.worker_id, running=stats.running, waiting=stats.waiting,
-            free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, ts=time.time(),
-            block_size=self.block_size, hash_root=self.engine.block_manager.root,
-            max_model_len=self.engine.max_model_len))
-
-    async def _beat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.beat_interval_s)
-            try:
-                await self._beat()
-            except Exception:  # noqa: BLE001
-                log.exception("load beat failed")
-
-
-def default_worker_id() -> str:
-    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
-    return f"decode-{host}-{os.getpid()}"
+    def load_subject(self) -> str:
+        return subjects.decode_load(self.settings.worker_id)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--worker-id", default=os.environ.get("KVMESH_WORKER_ID") or default_worker_id())
+    parser.add_argument("--worker-id", default=os.environ.get("KVMESH_WORKER_ID") or default_worker_id("decode"))
     parser.add_argument("--remote-prefill-threshold", type=int,
                         default=int(os.environ.get("KVMESH_REMOTE_PREFILL_THRESHOLD", 512)),
                         help="uncached prompt tokens at which prefill goes to a prefill worker (0: always, "

@@ -159,6 +159,7 @@ class Choice:
         if self.finished:
             delta.finish_reason = self.finish_reason
             m.finished(self.finish_reason or "stop")
+            m.choice_done(len(self._req.prompt_token_ids), self.num_tokens, self._req.sampling.max_tokens, chunk.timings)
         if not delta.text and not delta.token_ids and not delta.finish_reason:
             return None
         return delta

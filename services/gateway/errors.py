@@ -73,17 +73,25 @@ def _is_type_name(part: str) -> bool:
     return any(c in part for c in "[]()") or part in ("str", "int", "float", "bool", "list", "dict")
 
 
+def _counted(request: Request, err: APIError) -> JSONResponse:
+    """Errors raised before an endpoint runs (validation, auth, unknown routes) count in request_errors too."""
+    ctx = getattr(request.app.state, "ctx", None)
+    if ctx is not None:
+        ctx.metrics.error(err.status)
+    return err.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return _counted(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return _counted(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "error"
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return APIError(exc.status_code, detail or phrase, headers=dict(exc.headers or {})).response()
+        return _counted(request, APIError(exc.status_code, detail or phrase, headers=dict(exc.headers or {})))

@@ -1,17 +1,23 @@
 """Prometheus metrics of one gateway, in their own registry (no process-global collectors).
 
-Request-level series are measured here, at the edge the client sees; per-worker series (running,
-waiting, KV usage) come from the workers' load beats at scrape time.
+The vLLM metric set under the `kvmesh:` prefix. Request-level series are measured here, at the edge the
+client sees, plus the queue/prefill/decode split each worker reports with a request's last chunk.
+Per-worker series (running, waiting, KV usage, preemptions, prefix-cache queries and hits, tokens per
+engine step, cache config) come from the workers' load beats, labelled with `worker` and `role`; workers
+send a beat as soon as those change, so the gauges trail the engine by tens of milliseconds.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from services.gateway.router import Router
+from shared.protocol.events import LoadBeat
+from shared.protocol.generate import RequestTimings
 
 PREFIX = "kvmesh:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -19,33 +25,75 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05) + _E2E_BUCKETS
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class PrefillWorkers:
+    """Latest beat of each prefill worker (the router tracks decode workers; prefill ones are only shown)."""
+
+    def __init__(self, expiry_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.expiry_s = expiry_s
+        self._clock = clock
+        self._beats: dict[str, tuple[LoadBeat, float]] = {}
+
+    def on_beat(self, beat: LoadBeat) -> None:
+        self._beats[beat.worker_id] = (beat, self._clock())
+
+    def alive(self) -> list[LoadBeat]:
+        now = self._clock()
+        for wid in [w for w, (_, seen) in self._beats.items() if now - seen > self.expiry_s]:
+            del self._beats[wid]
+        return [b for b, _ in sorted(self._beats.values(), key=lambda x: x[0].worker_id)]
 
 
 class _WorkerCollector(Collector):
-    def __init__(self, router: Router, model: str) -> None:
+    def __init__(self, router: Router, prefill: PrefillWorkers, model: str) -> None:
         self._router = router
+        self._prefill = prefill
         self._model = model
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        labels = ["model_name", "worker"]
-        running = GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests running on each decode worker", labels=labels)
-        waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting on each decode worker", labels=labels)
-        usage = GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV-cache usage of each decode worker (0 to 1)", labels=labels)
-        alive = GaugeMetricFamily(f"{PREFIX}decode_workers_alive", "Decode workers with a recent load beat", labels=["model_name"])
-        workers = self._router.alive()
-        for w in workers:
-            assert w.beat is not None
-            values = [self._model, w.worker_id]
-            running.add_metric(values, w.beat.running)
-            waiting.add_metric(values, w.beat.waiting)
-            usage.add_metric(values, w.kv_usage)
-        alive.add_metric([self._model], len(workers))
-        yield from (running, waiting, usage, alive)
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        labels = ["model_name", "worker", "role"]
+        running = GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the worker's running batch", labels=labels)
+        waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting in the worker", labels=labels)
+        usage = GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV-cache usage of the worker (0 to 1)", labels=labels)
+        preempt = CounterMetricFamily(f"{PREFIX}num_preemptions", "Preemptions in the worker's engine", labels=labels)
+        queries = CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "caches (the worker's own, then the kvstore)", labels=labels)
+        hits = CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in a prefix cache", labels=labels)
+        iteration = HistogramMetricFamily(f"{PREFIX}iteration_tokens_total", "Tokens computed per engine step",
+                                          labels=labels)
+        config = GaugeMetricFamily(f"{PREFIX}cache_config_info", "KV-cache configuration of the worker",
+                                   labels=labels + ["block_size", "num_gpu_blocks", "cache_dtype"])
+        alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
+                                  labels=["model_name", "role"])
+        decode = [w.beat for w in self._router.alive() if w.beat is not None]
+        prefill = self._prefill.alive()
+        for b in decode + prefill:
+            v = [self._model, b.worker_id, b.role]
+            running.add_metric(v, b.running)
+            waiting.add_metric(v, b.waiting)
+            usage.add_metric(v, 1.0 - b.free_blocks / b.total_blocks if b.total_blocks else 0.0)
+            preempt.add_metric(v, b.num_preemptions)
+            queries.add_metric(v, b.prefix_cache_queries)
+            hits.add_metric(v, b.prefix_cache_hits)
+            if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
+                cumulative, acc = [], 0
+                for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
+                    acc += n
+                    cumulative.append((le, acc))
+                iteration.add_metric(v, cumulative, b.iteration_tokens_sum)
+            config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
+        alive.add_metric([self._model, "decode"], len(decode))
+        alive.add_metric([self._model, "prefill"], len(prefill))
+        yield from (running, waiting, usage, preempt, queries, hits, iteration, config, alive)
 
 
 class GatewayMetrics:
-    def __init__(self, router: Router, model: str) -> None:
+    def __init__(self, router: Router, model: str, prefill: PrefillWorkers | None = None) -> None:
         self.model = model
+        self.prefill_workers = prefill or PrefillWorkers(router.config.expiry_s)
         self.registry = CollectorRegistry(auto_describe=True)
         r, m = self.registry, ["model_name"]
         self.requests = Counter(f"{PREFIX}request_success", "Finished generations by finish reason",
@@ -54,11 +102,8 @@ class GatewayMetrics:
                               m + ["status"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed", m, registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated", m, registry=r)
-        self.cache_queries = Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix caches",
-                                     m, registry=r)
-        self.cache_hits = Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens served from a prefix cache", m, registry=r)
-        self.hit_rate = Gauge(f"{PREFIX}prefix_cache_hit_rate", "Prompt tokens served from a cache / prompt tokens",
-                              m, registry=r)
+        self.hit_rate = Gauge(f"{PREFIX}prefix_cache_hit_rate", "Prompt tokens served from a cache / prompt tokens, "
+                              "over the requests this gateway served", m, registry=r)
         self.in_flight = Gauge(f"{PREFIX}gateway_requests_in_flight", "HTTP generation requests being served",
                                m, registry=r)
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token", m,
@@ -67,16 +112,40 @@ class GatewayMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request latency, arrival to last token", m,
                              buckets=_E2E_BUCKETS, registry=r)
-        r.register(_WorkerCollector(router, model))
+        self.queue_time = Histogram(f"{PREFIX}request_queue_time_seconds", "Time a request waited in its worker "
+                                    "before its first step", m, buckets=_PHASE_BUCKETS, registry=r)
+        self.prefill_time = Histogram(f"{PREFIX}request_prefill_time_seconds", "First step to first token", m,
+                                      buckets=_PHASE_BUCKETS, registry=r)
+        self.decode_time = Histogram(f"{PREFIX}request_decode_time_seconds", "First token to last token", m,
+                                     buckets=_PHASE_BUCKETS, registry=r)
+        self.inference_time = Histogram(f"{PREFIX}request_inference_time_seconds", "First step to last token", m,
+                                        buckets=_PHASE_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(f"{PREFIX}request_prompt_tokens", "Prompt tokens per request", m,
+                                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(f"{PREFIX}request_generation_tokens", "Generated tokens per "
+                                                   "request (choice)", m, buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_max_tokens = Histogram(f"{PREFIX}request_params_max_tokens", "max_tokens asked per request", m,
+                                            buckets=_TOKEN_BUCKETS, registry=r)
+        r.register(_WorkerCollector(router, self.prefill_workers, model))
         self._queries = 0
         self._hits = 0
 
     def prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self.cache_queries.labels(self.model).inc(prompt_tokens)
-        self.cache_hits.labels(self.model).inc(cached_tokens)
         self._queries += prompt_tokens
         self._hits += cached_tokens
         self.hit_rate.labels(self.model).set(self._hits / self._queries if self._queries else 0.0)
+
+    def choice_done(self, prompt_tokens: int, generated_tokens: int, max_tokens: int,
+                    timings: RequestTimings | None) -> None:
+        """One choice finished normally: its token counts and, when its worker measured them, its phases."""
+        self.request_prompt_tokens.labels(self.model).observe(prompt_tokens)
+        self.request_generation_tokens.labels(self.model).observe(generated_tokens)
+        self.request_max_tokens.labels(self.model).observe(max_tokens)
+        if timings is not None:
+            self.queue_time.labels(self.model).observe(timings.queued_s)
+            self.prefill_time.labels(self.model).observe(timings.prefill_s)
+            self.decode_time.labels(self.model).observe(timings.decode_s)
+            self.inference_time.labels(self.model).observe(timings.prefill_s + timings.decode_s)
 
     def finished(self, reason: str) -> None:
         self.requests.labels(self.model, reason).inc()

@@ -85,9 +85,13 @@ class GatewayService(Service):
         async def on_beat(beat: LoadBeat, _: bus.RequestContext) -> None:
             router.on_beat(beat)
 
+        async def on_prefill_beat(beat: LoadBeat, _: bus.RequestContext) -> None:
+            ctx.metrics.prefill_workers.on_beat(beat)
+
         self._subs = [
             await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved)),
             await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat),
+            await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat),
         ]
         self._micro = await bus.add_micro_service(nc, subjects.SERVICE_GATEWAY, VERSION, [],
                                                   description="OpenAI-compatible HTTP gateway",

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 
 from nats.aio.client import Client
 from opentelemetry import trace
@@ -22,7 +23,7 @@ from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, TokenLogprob
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 from services.engine_args import add_engine_arguments, engine_config_from_args
-from services.engine_worker import EngineWorker
+from services.engine_worker import EngineWorker, default_worker_id
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.prefill")
@@ -31,16 +32,19 @@ VERSION = "0.1.0"
 
 @dataclasses.dataclass
 class PrefillSettings:
+    worker_id: str = dataclasses.field(default_factory=lambda: default_worker_id("prefill"))
     use_kvstore: bool = True
+    beat_interval_s: float = 1.0
     kv_transfer_timeout_s: float = 30.0
     fault: str | None = None  # test-only: "drop" or "corrupt" the KV pushes, or "stall" before computing
 
 
 class PrefillService(EngineWorker):
     name = "prefill"
+    role = "prefill"
 
     def __init__(self, engine_config: EngineConfig, settings: PrefillSettings) -> None:
-        super().__init__(engine_config, settings.use_kvstore)
+        super().__init__(engine_config, settings.use_kvstore, settings.worker_id, settings.beat_interval_s)
         self.settings = settings
         self.pending: dict[str, asyncio.Future] = {}
         self.draining = False
@@ -54,6 +58,11 @@ class PrefillService(EngineWorker):
             bus.Endpoint("prefill", subjects.PREFILL_PREFILL, subjects.QUEUE_PREFILL, self._on_prefill,
                          RemotePrefillRequest)])
         await nc.flush()  # registration must reach the server before anyone is told we are up
+        await self.beats.beat()
+        self.beats.start()
+
+    def load_subject(self) -> str:
+        return subjects.prefill_load(self.settings.worker_id)
 
     async def drain(self, grace_s: float) -> None:
         # Refuse new work first; stopping the endpoint would cancel handlers still answering.
@@ -67,6 +76,7 @@ class PrefillService(EngineWorker):
                 await self._cancel(rid)
         await asyncio.sleep(0.05)  # let cancelled handlers send their replies
         await self.micro.stop()
+        self.beats.stop()
         if self.offloader:
             await self.offloader.flush(max(0.0, deadline - loop.time()))
         await self.cancel_sub.unsubscribe()
@@ -93,6 +103,7 @@ class PrefillService(EngineWorker):
                     "kvmesh.request_id": rid, "kvmesh.prompt_tokens": len(req.prompt_token_ids),
                     "kvmesh.decode_cached_tokens": req.num_cached_tokens}) as span:
                 cached = await self._admit(rid, req.prompt_token_ids, params, first_block)
+                self.beats.changed()
                 span.set_attribute("kvmesh.cached_tokens", cached)
                 out: RequestOutput = await fut
             if out.finish_reason == "abort" or out.kv_blocks is None:
@@ -154,6 +165,7 @@ class PrefillService(EngineWorker):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    parser.add_argument("--worker-id", default=os.environ.get("KVMESH_WORKER_ID") or default_worker_id("prefill"))
     parser.add_argument("--no-kvstore", action="store_true")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     parser.add_argument("--fault-inject", choices=["drop", "corrupt", "stall"], default=None, help=argparse.SUPPRESS)
@@ -161,4 +173,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> PrefillService:
     return PrefillService(engine_config_from_args(args), PrefillSettings(
-        use_kvstore=not args.no_kvstore, kv_transfer_timeout_s=args.kv_transfer_timeout, fault=args.fault_inject))
+        worker_id=args.worker_id, use_kvstore=not args.no_kvstore, kv_transfer_timeout_s=args.kv_transfer_timeout, fault=args.fault_inject))

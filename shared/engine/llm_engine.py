@@ -19,6 +19,7 @@ from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
+from shared.engine.step_metrics import CumulativeHistogram
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.models.loader import load_model
 
@@ -40,6 +41,9 @@ class EngineStats:
     total_blocks: int
     prefix_cache_hit_rate: float
     num_preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in this engine's prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of those, tokens found (cumulative)
+    iteration_tokens: CumulativeHistogram | None = None  # tokens computed per step (cumulative)
 
 
 class LLMEngine:
@@ -65,6 +69,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
         self.capture_kv: dict[str, int] = {}
+        self.iteration_tokens = CumulativeHistogram()
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s", mc.architecture, self.num_blocks,
                  config.block_size, self.dtype)
 
@@ -206,6 +211,11 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        step_start = time.time()
+        self.iteration_tokens.observe(plan.num_batched_tokens)
+        for seq, _ in plan.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = step_start
         # A sequence samples when this step brings its computed tokens up to all its tokens.
         sampling = [(i, s) for i, (s, n) in enumerate(plan.scheduled) if s.num_computed_tokens + n == s.num_tokens]
         last_row, end = [], 0
@@ -262,6 +272,7 @@ class LLMEngine:
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
             finished_time=seq.finished_time,
         )
@@ -295,6 +306,10 @@ class LLMEngine:
             total_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.hits / bm.queries if bm.queries else 0.0,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.queries,
+            prefix_cache_hits=bm.hits,
+            iteration_tokens=CumulativeHistogram(self.iteration_tokens.buckets, list(self.iteration_tokens.counts),
+                                                 self.iteration_tokens.total),
         )
 
     def check_integrity(self) -> None:

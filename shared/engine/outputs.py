@@ -26,6 +26,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # first step that computed any of its tokens
     first_token_time: float | None = None
     finished_time: float | None = None
     # Prefill-only requests (capture_kv_from_block): K and V of the pushed prompt blocks,

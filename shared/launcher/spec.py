@@ -78,9 +78,10 @@ class ServiceSpec:
         return f"{self.service}-{index}"
 
     def instance_args(self, index: int) -> tuple[str, ...]:
-        # Decode workers are addressed by id (per-worker subjects, router affinity), so each
-        # local replica gets a stable, readable one; compose leaves it to the worker's default.
-        if self.service == "decode":
+        # Decode workers are addressed by id (per-worker subjects, router affinity) and every engine
+        # worker labels its metrics with it, so each local replica gets a stable, readable one;
+        # compose leaves it to the worker's default.
+        if self.service in ("decode", "prefill"):
             return ("--worker-id", self.instance_name(index))
         return ()
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pydantic import Field
+
 from shared.wire import Message
 
 
@@ -24,6 +26,10 @@ class BlockRemoved(Message):
 
 
 class LoadBeat(Message):
+    """A worker's state: sent once per beat interval and, debounced, as soon as its requests or KV usage
+    change, so gauges built from it lag the engine by well under 100 ms. Counters are cumulative since
+    the worker started (a restart resets them, which Prometheus' rate() handles)."""
+
     KIND: ClassVar[str] = "event.load"
 
     worker_id: str
@@ -36,3 +42,12 @@ class LoadBeat(Message):
     block_size: int = 16
     hash_root: bytes = b""
     max_model_len: int = 0
+    role: str = "decode"  # "decode" | "prefill"
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up (own prefix cache, then the kvstore)
+    prefix_cache_hits: int = 0  # prompt tokens found in either
+    # Tokens computed per engine step: per-bucket counts (last = +Inf) over `iteration_token_buckets`, and the sum.
+    iteration_token_buckets: list[int] = Field(default_factory=list)
+    iteration_token_counts: list[int] = Field(default_factory=list)
+    iteration_tokens_sum: int = 0
+    kv_cache_dtype: str = ""

@@ -73,6 +73,14 @@ class TokenLogprob(WireModel):
         return TokenLogprobs(self.token_id, self.logprob, list(zip(self.top_ids, self.top_logprobs)))
 
 
+class RequestTimings(WireModel):
+    """Where a finished request spent its time on the worker (seconds), for the gateway's histograms."""
+
+    queued_s: float  # arrival on the worker -> first step that computed its tokens
+    prefill_s: float  # that step -> first token
+    decode_s: float  # first token -> last token
+
+
 class TokenChunk(Message):
     """One streamed step of a request. The last chunk has finish_reason set."""
 
@@ -85,6 +93,7 @@ class TokenChunk(Message):
     finish_reason: str | None = None  # one of FINISH_REASONS
     error: str | None = None  # set with finish_reason "error"
     num_cached_tokens: int | None = None  # prompt tokens served from cache; sent on the first chunk
+    timings: RequestTimings | None = None  # on the last chunk of a request that ran
 
     @property
     def finished(self) -> bool:
