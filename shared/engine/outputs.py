@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the wire protocol imports these types: the gateway must not pull torch in through them
+    import torch
 
 
 @dataclass
