@@ -163,9 +163,11 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, AssertionError) as e:
         print(f"kvmesh bench baseline: {e}", file=sys.stderr)
         return 1
-    print(f"ready: --base-url {cfg.base_url} --model {cfg.model_name}  (log: {server.log_path}); Ctrl-C stops it",
-          flush=True)
     try:
+        # Inside the try: a Ctrl-C that arrives right after this line (a test sends one on seeing it) must
+        # take the clean path, not escape as KeyboardInterrupt and kill the process with SIGINT (exit -2).
+        print(f"ready: --base-url {cfg.base_url} --model {cfg.model_name}  (log: {server.log_path}); Ctrl-C stops it",
+              flush=True)
         while server.process.poll() is None:
             time.sleep(1.0)
         print(f"transformers serve exited with {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
