@@ -8,6 +8,8 @@ a query at position p sees keys in (p - w, p]. Returns [batch, heads, head_dim] 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -37,30 +39,50 @@ def group_by_length(lens: list[int], min_group: int = 8, max_waste: float = 1.3)
     return groups
 
 
-def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                         k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Torch twin (the CPU path and the oracle)."""
-    out = torch.empty_like(q)
-    bs = k_cache.shape[1]
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [b] rows of the batch in this group
+    table: torch.Tensor  # [b * blocks] their block ids, flattened
+    blocks: int  # blocks per row (the group's longest context)
+    mask: torch.Tensor  # [b, 1, 1, blocks * block_size] additive: 0 attend, -inf skip
+
+
+def decode_groups(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                  sliding_window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
+    """The twin's per-step work that does not depend on the layer: rows grouped by context length, their
+    block ids and additive masks. The CPU path computes it once per step (AttentionMetadata.cpu_cache)."""
     lens = context_lens.tolist()
+    groups = []
     for group in group_by_length(lens):
-        rows = torch.tensor(group, dtype=torch.long, device=q.device)
-        max_ctx = max(lens[i] for i in group)
-        nblk = -(-max_ctx // bs)
-        table = block_tables[rows, :nblk].reshape(-1)
-        b = len(group)
-        ks = dequant(gather_blocks(k_cache, table), k_scale, q.dtype).view(b, nblk * bs, *k_cache.shape[2:])
-        vs = dequant(gather_blocks(v_cache, table), v_scale, q.dtype).view(b, nblk * bs, *v_cache.shape[2:])
+        rows = torch.tensor(group, dtype=torch.long, device=block_tables.device)
+        nblk = -(-max(lens[i] for i in group) // block_size)
         ctx = context_lens[rows].long()[:, None]
-        k_pos = torch.arange(nblk * bs, device=q.device)[None, :]
+        k_pos = torch.arange(nblk * block_size, device=block_tables.device)[None, :]
         allowed = k_pos < ctx
         if sliding_window is not None:
             allowed &= k_pos > ctx - 1 - sliding_window
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-        out[rows] = o.squeeze(2)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=block_tables.device).masked_fill_(~allowed, float("-inf"))
+        groups.append(DecodeGroup(rows, block_tables[rows, :nblk].reshape(-1), nblk, mask[:, None, None, :]))
+    return groups
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                         k_scale: float = 1.0, v_scale: float = 1.0,
+                         groups: list[DecodeGroup] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin (the CPU path and the oracle). groups: decode_groups(...) computed once per step."""
+    if out is None:
+        out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    if groups is None:
+        groups = decode_groups(block_tables, context_lens, bs, sliding_window, q.dtype)
+    for g in groups:
+        b = g.rows.shape[0]
+        ks = dequant(gather_blocks(k_cache, g.table), k_scale, q.dtype).view(b, g.blocks * bs, *k_cache.shape[2:])
+        vs = dequant(gather_blocks(v_cache, g.table), v_scale, q.dtype).view(b, g.blocks * bs, *v_cache.shape[2:])
+        o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                           attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.rows] = o.squeeze(2)
     return out
 
 
@@ -228,9 +250,11 @@ def check_decode_attention(q, k_cache, v_cache, block_tables, context_lens) -> N
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
+                     groups: list[DecodeGroup] | None = None) -> torch.Tensor:
     if q.is_cuda:
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
-                                       k_scale, v_scale)
+                                       k_scale, v_scale, out=out)
     check_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
-    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale, v_scale)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
+                                v_scale, groups, out)

@@ -20,9 +20,11 @@ from kernels.triton_support import tl, triton, upcast_dot
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                          context_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                         sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                         sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin (the CPU path and the oracle)."""
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     bs = k_cache.shape[1]
     starts = query_start.tolist()
     lens = context_lens.tolist()
@@ -168,10 +170,11 @@ def check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                      context_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                     sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     if q.is_cuda:
         return extend_attention_triton(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len,
-                                       scale, sliding_window, k_scale, v_scale)
+                                       scale, sliding_window, k_scale, v_scale, out=out)
     check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block_tables)
     return extend_attention_ref(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len, scale,
-                                sliding_window, k_scale, v_scale)
+                                sliding_window, k_scale, v_scale, out)

@@ -17,9 +17,10 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     half = q.shape[-1] // 2
     for x in (q, k):
         cos, sin = cos_sin[:, None, :half].to(x.dtype), cos_sin[:, None, half:].to(x.dtype)
-        x1, x2 = x[..., :half].clone(), x[..., half:].clone()
-        x[..., :half] = x1 * cos - x2 * sin
-        x[..., half:] = x2 * cos + x1 * sin
+        x1, x2 = x[..., :half], x[..., half:]
+        new1 = x1 * cos - x2 * sin
+        x2.copy_(x2 * cos + x1 * sin)
+        x1.copy_(new1)
 
 
 if triton is not None:
