@@ -65,7 +65,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, root, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, kv, config.block_size, config.device)
-        self.sampler = Sampler(mc.eos_token_ids, config.seed)
+        self.sampler = Sampler(mc.eos_token_ids, config.seed, config.device)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
         self.capture_kv: dict[str, int] = {}
@@ -84,6 +84,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.token_ids_named if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"sampling parameters name token id {bad}, outside the vocabulary [0, {vocab})")
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens")
         need = self.block_manager.blocks_for(min(n + params.max_tokens, self.max_model_len))
