@@ -13,6 +13,7 @@ from tqdm import tqdm
 from shared.block_hash import root_hash
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
+from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
@@ -73,6 +74,9 @@ class LLMEngine:
         self.num_blocks = self._plan_num_blocks(start)
         self.runner.kv_caches = allocate_kv_cache(mc, self.num_blocks, config.block_size, self.kv_dtype,
                                                   config.device)
+        if config.device.startswith("cuda") and not config.enforce_eager:
+            self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, config.block_size,
+                                              self.max_model_len, config.max_num_seqs, config.device, capture=True)
         model_id = config.model_id or Path(config.model).resolve().name
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
         root = root_hash(model_id, config.block_size, str(self.kv_dtype).removeprefix("torch."), config.cache_salt)

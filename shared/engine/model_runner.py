@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels import AttentionMetadata
+from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.sequence import Sequence
 from shared.models.llama import LlamaFamilyForCausalLM
 
@@ -55,6 +56,7 @@ class ModelRunner:
         self.device = device
         self.sliding_window = model.cfg.sliding_window
         self.buffers = StepBuffers(device)
+        self.graphs: DecodeGraphs | None = None  # set by the engine once the KV pool exists (CUDA only)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -120,6 +122,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
         """Run one step; return float32 logits, on the device, for the given rows (plan row numbering)."""
+        if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
+            return self.model.compute_logits(self.graphs.run(plan))
         ids, positions, meta, rows, _ = self.build(plan, sample_rows)
         hidden = self.model(ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden[rows.long()])
