@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.errors import MemoryBudgetError
 from shared.models.model_config import ModelConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -24,7 +25,8 @@ def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cac
         kv_cache_bytes = DEFAULT_CPU_KV_BYTES
     n = kv_cache_bytes // per_block
     if n < 1:
-        raise ValueError(f"KV budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes)")
+        raise MemoryBudgetError(f"a KV budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes); "
+                                f"raise --kv-cache-bytes")
     return n
 
 
