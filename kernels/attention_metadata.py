@@ -2,40 +2,38 @@
 
 The KV cache contract (design.md): per layer, K and V are [num_blocks, block_size, kv_heads, head_dim];
 slot = block_id * block_size + offset; slot -1 means "do not write".
+
+A step's rows are ordered: first the sequences with several new tokens (prompt chunks; extend attention),
+then the sequences with exactly one (decode attention). Every tensor here is a view into the one buffer the
+runner copies to the device per step; only the host ints (row counts, the longest chunk) are Python values.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 
 @dataclass
-class PrefillSpan:
-    """A sequence with several query tokens this step (a prompt chunk)."""
-
-    q_start: int  # first row of this sequence in the flattened step
-    q_len: int
-    ctx_len: int  # tokens of context after this step (cached + new)
-    block_table: torch.Tensor | None  # [ceil(ctx_len / block_size)] blocks holding the context; None: no
-    # earlier context, attend to this step's fresh K/V
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = attend; None: plain causal
-
-
-@dataclass
-class DecodeBatch:
-    """Sequences with exactly one query token this step, attended to in one padded batch."""
-
-    rows: torch.Tensor  # [B] rows of these tokens in the flattened step
-    block_tables: torch.Tensor  # [B, max_blocks], padded with block 0 (masked out)
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] additive float mask: 0 attend, -inf skip
-
-
-@dataclass
 class AttentionMetadata:
-    num_tokens: int
-    slot_mapping: torch.Tensor  # [num_tokens] long
-    write_rows: torch.Tensor | None  # rows whose slot is not -1; None when all are written
-    prefills: list[PrefillSpan]
-    # Single-token queries, grouped by context length so padding to the longest wastes little.
-    decodes: list[DecodeBatch]
+    slot_mapping: torch.Tensor  # [tokens] int32; -1: do not write
+    num_prefill_tokens: int  # rows [0, num_prefill_tokens) are prompt chunks, the rest decode rows
+    prefill_query_start: torch.Tensor  # [prefills + 1] int32, offsets of each chunk's rows
+    prefill_context_lens: torch.Tensor  # [prefills] int32, cached prefix + chunk
+    prefill_block_tables: torch.Tensor  # [prefills, max blocks] int32
+    max_prefill_query_len: int
+    decode_context_lens: torch.Tensor  # [decodes] int32, context including the new token
+    decode_block_tables: torch.Tensor  # [decodes, max blocks] int32
+    sliding_window: int | None = None
+    # The CPU path's per-step derived data (decode grouping and masks), computed by the first layer and
+    # reused by the others; never used on CUDA, where the kernels read the tensors above directly.
+    cpu_cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_prefills(self) -> int:
+        return self.prefill_context_lens.shape[0]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_context_lens.shape[0]

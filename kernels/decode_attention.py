@@ -8,6 +8,8 @@ a query at position p sees keys in (p - w, p]. Returns [batch, heads, head_dim] 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -37,30 +39,201 @@ def group_by_length(lens: list[int], min_group: int = 8, max_waste: float = 1.3)
     return groups
 
 
-def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                         k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Torch twin (the CPU path and the oracle)."""
-    out = torch.empty_like(q)
-    bs = k_cache.shape[1]
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [b] rows of the batch in this group
+    table: torch.Tensor  # [b * blocks] their block ids, flattened
+    blocks: int  # blocks per row (the group's longest context)
+    mask: torch.Tensor  # [b, 1, 1, blocks * block_size] additive: 0 attend, -inf skip
+
+
+def decode_groups(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                  sliding_window: int | None, dtype: torch.dtype) -> list[DecodeGroup]:
+    """The twin's per-step work that does not depend on the layer: rows grouped by context length, their
+    block ids and additive masks. The CPU path computes it once per step (AttentionMetadata.cpu_cache)."""
     lens = context_lens.tolist()
+    groups = []
     for group in group_by_length(lens):
-        rows = torch.tensor(group, dtype=torch.long, device=q.device)
-        max_ctx = max(lens[i] for i in group)
-        nblk = -(-max_ctx // bs)
-        table = block_tables[rows, :nblk].reshape(-1)
-        b = len(group)
-        ks = dequant(gather_blocks(k_cache, table), k_scale, q.dtype).view(b, nblk * bs, *k_cache.shape[2:])
-        vs = dequant(gather_blocks(v_cache, table), v_scale, q.dtype).view(b, nblk * bs, *v_cache.shape[2:])
+        rows = torch.tensor(group, dtype=torch.long, device=block_tables.device)
+        nblk = -(-max(lens[i] for i in group) // block_size)
         ctx = context_lens[rows].long()[:, None]
-        k_pos = torch.arange(nblk * bs, device=q.device)[None, :]
+        k_pos = torch.arange(nblk * block_size, device=block_tables.device)[None, :]
         allowed = k_pos < ctx
         if sliding_window is not None:
             allowed &= k_pos > ctx - 1 - sliding_window
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-        o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                           attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-        out[rows] = o.squeeze(2)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=block_tables.device).masked_fill_(~allowed, float("-inf"))
+        groups.append(DecodeGroup(rows, block_tables[rows, :nblk].reshape(-1), nblk, mask[:, None, None, :]))
+    return groups
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                         k_scale: float = 1.0, v_scale: float = 1.0,
+                         groups: list[DecodeGroup] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin (the CPU path and the oracle). groups: decode_groups(...) computed once per step."""
+    if out is None:
+        out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    if groups is None:
+        groups = decode_groups(block_tables, context_lens, bs, sliding_window, q.dtype)
+    for g in groups:
+        b = g.rows.shape[0]
+        ks = dequant(gather_blocks(k_cache, g.table), k_scale, q.dtype).view(b, g.blocks * bs, *k_cache.shape[2:])
+        vs = dequant(gather_blocks(v_cache, g.table), v_scale, q.dtype).view(b, g.blocks * bs, *v_cache.shape[2:])
+        o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                           attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.rows] = o.squeeze(2)
+    return out
+
+
+from kernels.triton_support import tl, triton, upcast_dot
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ws_ptr, lse_ws_ptr,
+        scale_log2, k_scale, v_scale, window,
+        stride_qb, stride_qh,
+        stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh,
+        stride_btb,
+        stride_ob, stride_oh, stride_os,
+        stride_lb, stride_lh,
+        NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        """Stage 1: one program = one sequence x one KV head (all its query heads) x one split of the
+        sequence's pages. Writes the split's normalised partial output and its log2-sum-exp."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + b)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(ctx - window, 0)
+        first_blk = lo // BLOCK_SIZE
+        n_blk = tl.cdiv(ctx, BLOCK_SIZE) - first_blk
+        per_split = tl.cdiv(n_blk, NUM_SPLITS)
+        start = first_blk + split * per_split
+        end = tl.minimum(start + per_split, first_blk + n_blk)
+
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        t = tl.arange(0, BLOCK_SIZE)
+        heads = kvh * GROUP + g
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        for blk in range(start, end):
+            block_id = tl.load(bt_ptr + b * stride_btb + blk).to(tl.int64)
+            pos = blk * BLOCK_SIZE + t
+            valid = (pos < ctx) & (pos >= lo)
+            kv_mask = valid[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + block_id * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + block_id * stride_vb + t[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if IS_FP8:
+                k = k.to(tl.float32) * k_scale
+                v = v.to(tl.float32) * v_scale
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        has = end > start
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(has & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(o_ws_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+                 mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(lse_ws_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        o_ws_ptr, lse_ws_ptr, out_ptr,
+        stride_ob, stride_oh, stride_os,
+        stride_lb, stride_lh,
+        stride_outb, stride_outh,
+        NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    ):
+        """Stage 2: one program = one sequence x one query head; combines the splits by their log-sum-exp."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        s_ok = sp < NUM_SPLITS
+        lse = tl.load(lse_ws_ptr + b * stride_lb + h * stride_lh + sp, mask=s_ok, other=float("-inf"))
+        m = tl.max(lse, axis=0)
+        w = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+        o = tl.load(o_ws_ptr + b * stride_ob + h * stride_oh + sp[:, None] * stride_os + d[None, :],
+                    mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+        tl.store(out_ptr + b * stride_outb + h * stride_outh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def default_num_splits(batch: int, kv_heads: int, max_blocks: int, target_programs: int = 256,
+                       min_blocks_per_split: int = 4) -> int:
+    """Splits per sequence from shapes only (never from context lengths, so a CUDA graph captured for a
+    batch bucket stays valid when contexts grow): enough programs to fill a GPU at small batch, and at
+    least a few pages per split so the reduce stays cheap."""
+    want = -(-target_programs // max(1, batch * kv_heads))
+    return max(1, min(want, -(-max_blocks // min_blocks_per_split), 64))
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Flash-decoding over the paged cache (split-KV + reduce); the launch grid depends on shapes only."""
+    check_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+    assert triton is not None, "triton is not installed"
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert block_size >= 8 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 8"
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
+    group = heads // kv_heads
+    splits = num_splits or default_num_splits(batch, kv_heads, block_tables.shape[1])
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    o_ws = torch.empty(batch, heads, splits, d_pad, dtype=torch.float32, device=q.device)
+    lse_ws = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out must be like q"
+    _decode_split_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, o_ws, lse_ws,
+        scale * 1.4426950408889634, k_scale, v_scale, sliding_window or 0,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
+        lse_ws.stride(0), lse_ws.stride(1),
+        NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        HAS_WINDOW=sliding_window is not None, IS_FP8=k_cache.dtype == FP8_DTYPE,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=upcast_dot(q.dtype),
+    )
+    _decode_reduce_kernel[(batch, heads)](
+        o_ws, lse_ws, out,
+        o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
+        lse_ws.stride(0), lse_ws.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=splits, S_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
+    )
     return out
 
 
@@ -77,6 +250,11 @@ def check_decode_attention(q, k_cache, v_cache, block_tables, context_lens) -> N
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                     k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
+                     groups: list[DecodeGroup] | None = None) -> torch.Tensor:
+    if q.is_cuda:
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
+                                       k_scale, v_scale, out=out)
     check_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
-    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale, v_scale)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
+                                v_scale, groups, out)

@@ -15,13 +15,16 @@ import torch.nn.functional as F
 
 from kernels.decode_attention import dequant, gather_blocks
 from kernels.store_kv import FP8_DTYPE
+from kernels.triton_support import tl, triton, upcast_dot
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                          context_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                         sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                         sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin (the CPU path and the oracle)."""
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     bs = k_cache.shape[1]
     starts = query_start.tolist()
     lens = context_lens.tolist()
@@ -49,6 +52,109 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
+if triton is not None:
+
+    @triton.jit
+    def _extend_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, qs_ptr, ctx_ptr, bt_ptr,
+        scale_log2, k_scale, v_scale, window,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """One program = one sequence x one tile of BLOCK_M of its query rows x one query head. It walks the
+        sequence's pages from the first one its rows may see (sliding window) to the last one its last row
+        may see (causality), with an online softmax; no mask is ever materialised."""
+        s = tl.program_id(0)
+        tile = tl.program_id(1)
+        h = tl.program_id(2)
+        q0 = tl.load(qs_ptr + s)
+        q_len = tl.load(qs_ptr + s + 1) - q0
+        if tile * BLOCK_M >= q_len:
+            return
+        ctx = tl.load(ctx_ptr + s)
+        kvh = h // GROUP
+        r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D_PAD)
+        t = tl.arange(0, BLOCK_SIZE)
+        r_ok = r < q_len
+        d_ok = d < HEAD_DIM
+        pos = ctx - q_len + r  # absolute position of each query row
+        q = tl.load(q_ptr + (q0 + r)[:, None].to(tl.int64) * stride_qt + h * stride_qh + d[None, :],
+                    mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        last_pos = ctx - q_len + tl.minimum((tile + 1) * BLOCK_M, q_len) - 1
+        first_pos = 0
+        if HAS_WINDOW:
+            first_pos = tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for blk in range(first_pos // BLOCK_SIZE, last_pos // BLOCK_SIZE + 1):
+            block_id = tl.load(bt_ptr + s * stride_btb + blk).to(tl.int64)
+            kpos = blk * BLOCK_SIZE + t
+            k_ok = kpos < ctx
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + block_id * stride_kb + t[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + block_id * stride_vb + t[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if IS_FP8:
+                k = k.to(tl.float32) * k_scale
+                v = v.to(tl.float32) * v_scale
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            visible = (kpos[None, :] <= pos[:, None]) & k_ok[None, :]
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] > pos[:, None] - window)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # rows that saw nothing yet stay at zero
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (q0 + r)[:, None].to(tl.int64) * stride_ot + h * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
+                            context_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
+                            sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                            out: torch.Tensor | None = None, block_m: int = 32) -> torch.Tensor:
+    """Flash attention over the paged cache for packed prefill chunks."""
+    check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block_tables)
+    assert triton is not None, "triton is not installed"
+    tokens, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 16"
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out must be like q"
+    seqs = context_lens.shape[0]
+    if seqs == 0 or tokens == 0:
+        return out
+    grid = (seqs, triton.cdiv(max(1, max_query_len), block_m), heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, query_start, context_lens, block_tables,
+        scale * 1.4426950408889634, k_scale, v_scale, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
+        BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_FP8=k_cache.dtype == FP8_DTYPE,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=upcast_dot(q.dtype),
+    )
+    return out
+
+
 def check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block_tables) -> None:
     assert q.dim() == 3, f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}"
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches must be [blocks, block_size, kv_heads, head_dim]"
@@ -64,7 +170,11 @@ def check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                      context_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                     sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                     sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    if q.is_cuda:
+        return extend_attention_triton(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len,
+                                       scale, sliding_window, k_scale, v_scale, out=out)
     check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block_tables)
     return extend_attention_ref(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len, scale,
-                                sliding_window, k_scale, v_scale)
+                                sliding_window, k_scale, v_scale, out)

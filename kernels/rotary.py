@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_support import tl, triton
+
 
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """Torch twin. q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim], positions [tokens],
@@ -15,9 +17,54 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     half = q.shape[-1] // 2
     for x in (q, k):
         cos, sin = cos_sin[:, None, :half].to(x.dtype), cos_sin[:, None, half:].to(x.dtype)
-        x1, x2 = x[..., :half].clone(), x[..., half:].clone()
-        x[..., :half] = x1 * cos - x2 * sin
-        x[..., half:] = x2 * cos + x1 * sin
+        x1, x2 = x[..., :half], x[..., half:]
+        new1 = x1 * cos - x2 * sin
+        x2.copy_(x2 * cos + x1 * sin)
+        x1.copy_(new1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, pos_ptr, cs_ptr, stride_xt, stride_xh, stride_cs,
+                       HEADS: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+        """One program per token: every head of x rotated by the cos/sin row of the token's position."""
+        t = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        i = tl.arange(0, HALF_PAD)
+        h = tl.arange(0, H_PAD)
+        i_ok = i < HALF
+        cos = tl.load(cs_ptr + pos * stride_cs + i, mask=i_ok, other=0.0)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0)
+        mask = (h[:, None] < HEADS) & i_ok[None, :]
+        base = x_ptr + t * stride_xt + h[:, None] * stride_xh + i[None, :]
+        x1 = tl.load(base, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF, mask=mask, other=0.0)
+        # Same rounding as the twin (and transformers): cos/sin rounded to the activation dtype, each product
+        # and sum rounded to it too; the arithmetic itself in float32.
+        dt = x1.dtype
+        c = cos.to(dt).to(tl.float32)[None, :]
+        s = sin.to(dt).to(tl.float32)[None, :]
+        a1 = x1.to(tl.float32)
+        a2 = x2.to(tl.float32)
+        out1 = (a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)
+        out2 = (a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)
+        tl.store(base, out1.to(dt), mask=mask)
+        tl.store(base + HALF, out2.to(dt), mask=mask)
+
+
+def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    check_rotary(q, k, positions, cos_sin_cache)
+    assert triton is not None, "triton is not installed"
+    assert q.stride(2) == 1 and k.stride(2) == 1 and cos_sin_cache.stride(1) == 1, "head_dim must be contiguous"
+    tokens, _, head_dim = q.shape
+    if tokens == 0:
+        return
+    half = head_dim // 2
+    for x in (q, k):
+        _rotary_kernel[(tokens,)](x, positions, cos_sin_cache, x.stride(0), x.stride(1), cos_sin_cache.stride(0),
+                                  HEADS=x.shape[1], HALF=half, H_PAD=triton.next_power_of_2(x.shape[1]),
+                                  HALF_PAD=triton.next_power_of_2(half))
 
 
 def check_rotary(q, k, positions, cos_sin_cache) -> None:
@@ -28,5 +75,7 @@ def check_rotary(q, k, positions, cos_sin_cache) -> None:
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    if q.is_cuda:
+        return rotary_triton(q, k, positions, cos_sin_cache)
     check_rotary(q, k, positions, cos_sin_cache)
     rotary_ref(q, k, positions, cos_sin_cache)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_support import tl, triton
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -26,9 +28,11 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     kf = k_cache.view(-1, *k_cache.shape[2:])
     vf = v_cache.view(-1, *v_cache.shape[2:])
     if k_cache.dtype == FP8_DTYPE:
-        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
-    kf.index_copy_(0, slots.long(), k.to(k_cache.dtype))
-    vf.index_copy_(0, slots.long(), v.to(v_cache.dtype))
+        # index_copy_ has no float8 kernel on CPU: copy the bytes.
+        k, v = quantize_fp8(k, k_scale).view(torch.uint8), quantize_fp8(v, v_scale).view(torch.uint8)
+        kf, vf = kf.view(torch.uint8), vf.view(torch.uint8)
+    kf.index_copy_(0, slots.long(), k.to(kf.dtype))
+    vf.index_copy_(0, slots.long(), v.to(vf.dtype))
 
 
 def check_store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -39,7 +43,54 @@ def check_store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     assert k_cache.dtype in (k.dtype, FP8_DTYPE), f"cache dtype {k_cache.dtype} vs k dtype {k.dtype}"
 
 
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, k_scale, v_scale,
+                         stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_cb, stride_ct, stride_ch, stride_vcb, stride_vct, stride_vch,
+                         BLOCK_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         H_PAD: tl.constexpr, D_PAD: tl.constexpr, IS_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+        """One program per token: all its KV heads at once; slot -1 writes nothing."""
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            h = tl.arange(0, H_PAD)
+            d = tl.arange(0, D_PAD)
+            mask = (h[:, None] < KV_HEADS) & (d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+            v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+            if IS_FP8:
+                k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+                v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+            kc = kc_ptr + blk * stride_cb + off * stride_ct + h[:, None] * stride_ch + d[None, :]
+            vc = vc_ptr + blk * stride_vcb + off * stride_vct + h[:, None] * stride_vch + d[None, :]
+            tl.store(kc, k.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    assert triton is not None, "triton is not installed"
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, \
+        "head_dim must be contiguous"
+    tokens, kv_heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    _store_kv_kernel[(tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim), IS_FP8=k_cache.dtype == FP8_DTYPE, FP8_MAX=FP8_MAX)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    if k.is_cuda:
+        return store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_store_kv(k, v, k_cache, v_cache, slot_mapping)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

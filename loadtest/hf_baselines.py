@@ -20,10 +20,19 @@ from loadtest.workload import RunResult, Workload
 PAD_ID = 0  # left padding; masked out, so its value never reaches a logit
 
 
-def load_hf_model(model_dir: str, attn_implementation: str = "sdpa", device: str = "cpu"):
-    from transformers import AutoModelForCausalLM
+def load_hf_model(model_dir: str, attn_implementation: str = "sdpa", device: str = "cpu", dtype: str = "float32"):
+    from pathlib import Path
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    if any(Path(model_dir).glob("*.safetensors")):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, attn_implementation=attn_implementation)
+    else:  # a config-only shape: transformers' own seeded initialisation, built on the device directly
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn_implementation)
     model.to(device).eval()
     # generate() fills unset fields from the checkpoint's generation_config, so eos must be cleared
     # there for every request to run to its full length (the ignore_eos of the kvmesh side).
@@ -132,10 +141,16 @@ def num_cache_blocks(model, wl: Workload, s: ContinuousSettings) -> int:
 
 
 def continuous_batching_config(model, wl: Workload, s: ContinuousSettings):
+    import inspect
+
     from transformers import ContinuousBatchingConfig
 
+    # transformers 5.17 calls the page size `block_size`; 5.23 renamed it `page_size` (keeping block_size
+    # as a deprecated alias). Ask the installed version which it takes.
+    params = inspect.signature(ContinuousBatchingConfig.__init__).parameters
+    page_key = "page_size" if "page_size" in params else "block_size"
     return ContinuousBatchingConfig(
-        page_size=s.page_size, num_blocks=num_cache_blocks(model, wl, s), max_batch_tokens=s.max_batch_tokens,
+        **{page_key: s.page_size}, num_blocks=num_cache_blocks(model, wl, s), max_batch_tokens=s.max_batch_tokens,
         max_requests_per_batch=s.max_requests_per_batch,
     )
 

@@ -17,33 +17,52 @@ from collections.abc import Iterator
 import torch
 
 from loadtest import hf_baselines as hf
+from loadtest.shapes import SHAPES, build_shape_checkpoint, checkpoint_dtype, has_weights
 from loadtest.workload import (ModelShape, RunResult, Workload, build_bench_model, machine_info, make_workload,
                                read_shape, warn_if_busy)
 
 BASELINES = ("batched", "unbatched", "continuous")
+# nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in [100, 1024], random token ids,
+# ignore_eos, on Qwen3-0.6B; the issue's H100 comparison (static batches of 128 for transformers).
+PRESETS = {"nano-vllm": dict(num_prompts=256, input_len_min=100, input_len_max=1024, output_len_min=100,
+                             output_len_max=1024, shape="qwen3-0.6b")}
 TOK_S_DEFINITION = ("sum of requested output tokens / wall-clock seconds; tokens a static batch generates past a "
                     "request's requested length are not counted (see runs.*.generated_tokens)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--model", metavar="DIR", help="HF checkpoint dir (default: build the benchmark model in a temp dir)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len-min", type=int, default=32)
-    p.add_argument("--input-len-max", type=int, default=512)
-    p.add_argument("--output-len-min", type=int, default=32)
-    p.add_argument("--output-len-max", type=int, default=256)
+    p.add_argument("--model", metavar="DIR", help="HF checkpoint dir (default: build --shape in a temp dir)")
+    p.add_argument("--shape", choices=["bench", *SHAPES], default=None,
+                   help="architecture to build with random weights: bench (small Llama, float32) or a real "
+                        "model's shape (its dtype); default bench, or the preset's")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="nano-vllm: 256 requests, lengths in [100, 1024], "
+                   "Qwen3-0.6B shape (flags given explicitly still win)")
+    p.add_argument("--num-prompts", type=int, default=None, help="default 64")
+    p.add_argument("--input-len-min", type=int, default=None, help="default 32")
+    p.add_argument("--input-len-max", type=int, default=None, help="default 512")
+    p.add_argument("--output-len-min", type=int, default=None, help="default 32")
+    p.add_argument("--output-len-max", type=int, default=None, help="default 256")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the checkpoint's dtype on CUDA, float32 on CPU (both systems)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="kvmesh's KV cache dtype")
+    p.add_argument("--enforce-eager", action="store_true", help="kvmesh without CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="kvmesh's share of the GPU")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="kvmesh's context limit (default: the workload's longest request, not the model's)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (the model is always built from seed 0)")
     p.add_argument("--device", default="cpu", help="cpu or cuda; both systems run there")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="kvmesh max_num_seqs; also transformers CB's cap")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="kvmesh per-step token budget; also transformers CB's max_batch_tokens")
-    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV budget, the same for kvmesh and transformers CB")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV budget for kvmesh and transformers CB (default: 1 GiB on CPU; on CUDA kvmesh's memory "
+                        "budget, and transformers CB gets the bytes kvmesh's pool ended up with)")
     p.add_argument("--skip-hf", action="store_true", help="run kvmesh only")
     p.add_argument("--skip-kvmesh", action="store_true", help="run the transformers baselines only")
     p.add_argument("--baselines", default=",".join(BASELINES), help=f"comma list out of {','.join(BASELINES)}")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-batch-size", type=int, default=None, help="static batch size (default 128 on CUDA, 16 on CPU)")
     p.add_argument("--hf-unbatched-requests", type=int, default=8, help="requests timed one by one, then scaled")
     p.add_argument("--hf-attn", default="sdpa", help="attn_implementation for transformers (sdpa, eager -> paged|eager)")
     p.add_argument("--hf-page-size", type=int, default=256, help="transformers CB page size (its default)")
@@ -53,21 +72,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", action="store_true", help="show kvmesh's progress bar (off: it is not timed free)")
 
 
+DEFAULTS = dict(num_prompts=64, input_len_min=32, input_len_max=512, output_len_min=32, output_len_max=256,
+                shape="bench")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill what was not given: explicit flags, then the preset, then the plain defaults."""
+    preset = PRESETS.get(args.preset or "", {})
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, default))
+    if args.hf_batch_size is None:
+        args.hf_batch_size = 128 if args.device.startswith("cuda") else 16
+    if args.kv_cache_bytes is None and not args.device.startswith("cuda"):
+        args.kv_cache_bytes = 1 << 30
+    return args
+
+
 @contextlib.contextmanager
 def model_dir(args: argparse.Namespace) -> Iterator[str]:
     if args.model:
         yield args.model
         return
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
-        print(f"building the benchmark model ({ModelShape()}) in {tmp}", file=sys.stderr)
-        yield build_bench_model(tmp, ModelShape(), seed=0)
+        if args.shape == "bench":
+            print(f"building the benchmark model ({ModelShape()}) in {tmp}", file=sys.stderr)
+            yield build_bench_model(tmp, ModelShape(), seed=0)
+        else:
+            print(f"building a {args.shape}-shaped checkpoint with random weights in {tmp}", file=sys.stderr)
+            yield build_shape_checkpoint(tmp, SHAPES[args.shape], seed=0)
 
 
-def engine_config(model: str, args: argparse.Namespace):
+def resolved_dtype(model: str, args: argparse.Namespace) -> str:
+    if args.dtype != "auto":
+        return args.dtype
+    return checkpoint_dtype(model) if args.device.startswith("cuda") else "float32"
+
+
+def engine_config(model: str, args: argparse.Namespace, wl: Workload):
     from shared.config import EngineConfig
 
-    return EngineConfig(model=model, dtype="float32", device=args.device, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=args.kv_cache_bytes)
+    longest = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens))
+    return EngineConfig(model=model, dtype=resolved_dtype(model, args), device=args.device,
+                        load_format="auto" if has_weights(model) else "dummy", max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=args.kv_cache_bytes,
+                        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+                        enforce_eager=args.enforce_eager, max_model_len=args.max_model_len or longest + 1)
 
 
 def greedy(max_tokens: int):
@@ -79,7 +129,9 @@ def greedy(max_tokens: int):
 def run_kvmesh(model: str, wl: Workload, args: argparse.Namespace) -> RunResult:
     from shared.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_config(model, args))
+    from shared.engine.kv_cache import bytes_per_block
+
+    engine = LLMEngine(engine_config(model, args, wl))
     engine.generate([[5, 6, 7, 8]], greedy(4), use_tqdm=False)  # warm-up, before the clock
     start = time.perf_counter()
     outs = engine.generate(wl.prompts, [greedy(n) for n in wl.output_lens], use_tqdm=args.progress)
@@ -88,16 +140,24 @@ def run_kvmesh(model: str, wl: Workload, args: argparse.Namespace) -> RunResult:
     short = [i for i, (o, n) in enumerate(zip(outputs, wl.output_lens)) if len(o) != n]
     if short:
         print(f"WARNING: kvmesh returned the wrong number of tokens for requests {short[:8]}", file=sys.stderr)
+    kv_bytes = engine.num_blocks * bytes_per_block(engine.model_config, engine.config.block_size, engine.kv_dtype)
     details = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-               "kv_cache_bytes": args.kv_cache_bytes}
+               "kv_cache_bytes": kv_bytes, "num_kv_blocks": engine.num_blocks, "dtype": str(engine.dtype),
+               "kv_cache_dtype": str(engine.kv_dtype), "cuda_graphs": engine.runner.graphs is not None,
+               "max_model_len": engine.max_model_len}
     del engine
     gc.collect()  # free its KV pool before transformers allocates its own
     return RunResult("kvmesh", seconds, wl.total_output_tokens, sum(map(len, outputs)), outputs, details)
 
 
-def run_hf(model: str, wl: Workload, args: argparse.Namespace, which: list[str]) -> dict[str, RunResult]:
-    hf_model = hf.load_hf_model(model, args.hf_attn, args.device)
-    settings = hf.ContinuousSettings(args.kv_cache_bytes, args.max_num_batched_tokens, args.max_num_seqs,
+def run_hf(model: str, wl: Workload, args: argparse.Namespace, which: list[str], kv_cache_bytes: int | None,
+           skipped: dict[str, str]) -> dict[str, RunResult]:
+    """The transformers baselines; one that cannot run on this transformers is recorded in `skipped` with
+    the reason, and the others still run."""
+    hf_model = hf.load_hf_model(model, args.hf_attn, args.device, resolved_dtype(model, args))
+    if kv_cache_bytes is None:  # CUDA without a kvmesh run to match: a third of what is free
+        kv_cache_bytes = torch.cuda.mem_get_info()[0] // 3
+    settings = hf.ContinuousSettings(kv_cache_bytes, args.max_num_batched_tokens, args.max_num_seqs,
                                      args.hf_page_size, args.hf_continuous_api == "per-request")
     runners = {
         "batched": lambda: hf.run_static_batched(hf_model, wl, args.hf_batch_size),
@@ -107,7 +167,13 @@ def run_hf(model: str, wl: Workload, args: argparse.Namespace, which: list[str])
     results = {}
     for name in which:
         print(f"transformers {name} ...", file=sys.stderr)
-        results[f"hf_{name}"] = runners[name]()
+        try:
+            results[f"hf_{name}"] = runners[name]()
+        except Exception as e:  # noqa: BLE001 - an API change in transformers must not lose the other runs
+            skipped[f"hf_{name}"] = f"{type(e).__name__}: {e}"
+            print(f"WARNING: transformers {name} skipped: {skipped[f'hf_{name}']}", file=sys.stderr)
+    del hf_model
+    gc.collect()
     return results
 
 
@@ -156,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(which) - set(BASELINES)
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}; choose from {', '.join(BASELINES)}")
+    resolve(args)
     machine = machine_info(args.device)  # before anything runs: its load average is other people's work
     warn_if_busy()
     with model_dir(args) as model:
@@ -163,18 +230,25 @@ def run(args: argparse.Namespace) -> int:
         wl = make_workload(args.num_prompts, (args.input_len_min, args.input_len_max),
                            (args.output_len_min, args.output_len_max), shape["vocab_size"], args.seed)
         runs: dict[str, RunResult] = {}
+        skipped: dict[str, str] = {}
         if not args.skip_kvmesh:
             print("kvmesh ...", file=sys.stderr)
             runs["kvmesh"] = run_kvmesh(model, wl, args)
-        runs |= run_hf(model, wl, args, which) if which else {}
+        kv_bytes = args.kv_cache_bytes or (runs["kvmesh"].details["kv_cache_bytes"] if "kvmesh" in runs else None)
+        runs |= run_hf(model, wl, args, which, kv_bytes, skipped) if which else {}
+        same_weights = has_weights(model)
     summary = summarize(runs)
     report = summary | {
         "tok_s_definition": TOK_S_DEFINITION,
         "workload": wl.description,
-        "model": shape | {"dir": args.model or "(temp dir, seed 0)", "dtype": "float32"},
+        "model": shape | {"dir": args.model or "(temp dir, seed 0)", "shape": args.shape,
+                          "dtype": resolved_dtype(model, args), "same_weights_for_all": same_weights},
+        "preset": args.preset,
         "machine": machine,
         "runs": {name: run.to_json() for name, run in runs.items()},
-        "correctness": check_outputs(runs),
+        "skipped": skipped,
+        # Without shared weights (config-only shapes) the systems' greedy tokens cannot be compared.
+        "correctness": check_outputs(runs) if same_weights else {"oracle": None, "reason": "different random weights"},
     }
     print_table(runs, summary)
     if args.json:

@@ -151,6 +151,13 @@ def machine_info(device: str = "cpu") -> dict:
         # cores, OpenMP barriers wait on descheduled peers and small ops slow down 5-50x.
         "loadavg_1m_5m_15m": list(os.getloadavg()),
     }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
     return info

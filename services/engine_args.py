@@ -15,8 +15,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of the GPU's total memory this worker may use (weights, activations, KV)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=float(os.environ.get("KVMESH_GPU_MEMORY_UTILIZATION", 0.9)),
+                        help="fraction of the GPU's total memory this worker may use (weights, activations, KV); "
+                             "env KVMESH_GPU_MEMORY_UTILIZATION")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: KV cache in float8_e4m3fn with a per-tensor scale (half the memory of bf16)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")

@@ -15,6 +15,7 @@ COMMANDS = {
 BENCH = {
     "offline": ("loadtest.offline", "engine throughput vs transformers, same process"),
     "prefix": ("loadtest.prefix", "time to first token, cold vs prefix-cache warm"),
+    "decode": ("loadtest.decode_bench", "ms per decode step by batch size, GPU-busy share, decode attention bandwidth"),
     "kv-transfer": ("loadtest.kv_transfer", "KV transfer over NATS, and TTFT local vs remote vs kvstore"),
     "serve": ("loadtest.serve.cli", "serving benchmark against any OpenAI-compatible server"),
     "compare": ("loadtest.serve.compare", "same workload against two servers, side by side"),

@@ -98,25 +98,30 @@ def test_logprobs_up_to_20_and_validation(checkpoints):
             SamplingParams(**bad)
 
 
+def _kept(logits: torch.Tensor, **kw) -> list[bool]:
+    out = logits.clone().unsqueeze(0)
+    filter_logits(out, [SamplingParams(**kw)])
+    return (~torch.isinf(out[0])).tolist()
+
+
 def test_filters():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
-    assert torch.isinf(filter_logits(logits.clone(), 2, 1.0, 0.0)).tolist() == [False, False, True, True, True]
+    assert _kept(logits, top_k=2) == [True, True, False, False, False]
     p = logits.softmax(-1)  # ~[0.64, 0.24, 0.09, 0.03, 0.01]
-    kept = ~torch.isinf(filter_logits(logits.clone(), 0, 0.8, 0.0))
-    assert kept.tolist() == [True, True, False, False, False]
-    kept = ~torch.isinf(filter_logits(logits.clone(), 0, 1e-9, 0.0))
-    assert kept.tolist() == [True, False, False, False, False], "top_p keeps at least the top token"
-    kept = ~torch.isinf(filter_logits(logits.clone(), 0, 1.0, 0.1))
-    assert kept.tolist() == (p >= 0.1 * p.max()).tolist()
+    assert _kept(logits, top_p=0.8) == [True, True, False, False, False]
+    assert _kept(logits, top_p=1e-9) == [True, False, False, False, False], "top_p keeps at least the top token"
+    assert _kept(logits, min_p=0.1) == (p >= 0.1 * p.max()).tolist()
+    assert _kept(torch.tensor([4.0, 3.0, 3.0, 1.0]), top_k=2) == [True, True, True, False], "ties with the k-th stay"
 
 
 def test_penalties():
     s = Sequence("x", [0, 1], SamplingParams(repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=0.5))
     s.token_ids += [2, 2]  # outputs
-    logits = torch.tensor([2.0, -2.0, 1.0, 1.0])
-    apply_penalties(logits, s)
+    plain = Sequence("y", [0, 1, 2], SamplingParams())
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0], [2.0, -2.0, 1.0, 1.0]])
+    apply_penalties(logits, [s, plain])
     # rep: 0 -> 1.0, 1 -> -4.0, 2 -> 0.5; presence+frequency on 2 (twice): 0.5 - 1 - 1 = -1.5
-    assert logits.tolist() == [1.0, -4.0, -1.5, 1.0]
+    assert logits.tolist() == [[1.0, -4.0, -1.5, 1.0], [2.0, -2.0, 1.0, 1.0]]
 
 
 def test_priority_orders_admission(checkpoints):
@@ -143,4 +148,14 @@ def test_bad_requests_are_rejected_without_side_effects(checkpoints):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", [1, 2], SamplingParams(max_tokens=2))
     run_to_completion(engine)
+    assert_all_free(engine)
+
+
+def test_token_ids_named_by_sampling_are_checked_against_the_vocabulary(checkpoints):
+    """An out-of-vocabulary stop id once crashed the engine thread inside the sampler; now it is a clean 400."""
+    engine = make_engine(checkpoints["llama"])
+    for bad in (dict(stop_token_ids=[10**9]), dict(logit_bias={10**6: 1.0}), dict(allowed_token_ids=[1, -1])):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request("bad", [1, 2, 3], SamplingParams(**bad))
+    assert not engine.has_unfinished_requests()
     assert_all_free(engine)

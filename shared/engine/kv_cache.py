@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.engine.errors import MemoryBudgetError
 from shared.models.model_config import ModelConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -12,18 +13,20 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * cfg.num_layers * block_size * cfg.kv_size * torch.tensor([], dtype=dtype).element_size()
 
 
-def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: str,
-                   kv_cache_bytes: int | None, gpu_memory_utilization: float) -> int:
+def kv_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    """The cache's element type: the model's, or FP8 e4m3 (dequantized on load by the attention kernels)."""
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype
+
+
+def num_blocks_for(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_bytes: int | None) -> int:
+    """Blocks in a byte budget (the CPU default, or an explicit --kv-cache-bytes on any device)."""
     per_block = bytes_per_block(cfg, block_size, dtype)
     if kv_cache_bytes is None:
-        if device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info(torch.device(device))
-            kv_cache_bytes = int(free * gpu_memory_utilization)
-        else:
-            kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+        kv_cache_bytes = DEFAULT_CPU_KV_BYTES
     n = kv_cache_bytes // per_block
     if n < 1:
-        raise ValueError(f"KV budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes)")
+        raise MemoryBudgetError(f"a KV budget of {kv_cache_bytes} bytes is smaller than one block ({per_block} bytes); "
+                                f"raise --kv-cache-bytes")
     return n
 
 

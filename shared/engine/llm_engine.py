@@ -13,8 +13,11 @@ from tqdm import tqdm
 from shared.block_hash import root_hash
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
-from shared.engine.kv_cache import allocate_kv_cache, num_blocks_for
+from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
+from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
+from shared.engine.profile_run import profile_run
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.engine.sampler import Sampler
 from shared.engine.sampling_params import SamplingParams
@@ -46,9 +49,18 @@ class EngineStats:
     iteration_tokens: CumulativeHistogram | None = None  # tokens computed per step (cumulative)
 
 
+def _copy_blocks(cache: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
+    if cache.element_size() == 1:  # FP8: copied as bytes (CPU has no index_copy_ for float8)
+        cache.view(torch.uint8).index_copy_(0, ids, src.to(cache.device).view(torch.uint8))
+    else:
+        cache.index_copy_(0, ids, src.to(cache.device, cache.dtype))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Taken before the weights load: the memory budget needs what was free before this worker.
+        start = snapshot(config.device) if config.device.startswith("cuda") else None
         self.model, self.model_config = load_model(
             config.model, dtype=config.dtype, device=config.device, load_format=config.load_format,
             seed=config.seed, max_positions=config.max_model_len,
@@ -56,22 +68,47 @@ class LLMEngine:
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.dtype = next(self.model.parameters()).dtype
-        self.num_blocks = config.num_kv_blocks or num_blocks_for(
-            mc, config.block_size, self.dtype, config.device, config.kv_cache_bytes, config.gpu_memory_utilization
-        )
-        kv = allocate_kv_cache(mc, self.num_blocks, config.block_size, self.dtype, config.device)
+        self.kv_dtype = kv_dtype(self.dtype, config.kv_cache_dtype)
+        self.runner = ModelRunner(self.model, [], config.block_size, config.device)
+        self.sampler = Sampler(mc.eos_token_ids, config.seed, config.device)
+        self.num_blocks = self._plan_num_blocks(start)
+        self.runner.kv_caches = allocate_kv_cache(mc, self.num_blocks, config.block_size, self.kv_dtype,
+                                                  config.device)
+        if config.device.startswith("cuda") and not config.enforce_eager:
+            self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, config.block_size,
+                                              self.max_model_len, config.max_num_seqs, config.device, capture=True)
         model_id = config.model_id or Path(config.model).resolve().name
-        root = root_hash(model_id, config.block_size, str(self.dtype).removeprefix("torch."), config.cache_salt)
+        # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
+        root = root_hash(model_id, config.block_size, str(self.kv_dtype).removeprefix("torch."), config.cache_salt)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, root, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, kv, config.block_size, config.device)
-        self.sampler = Sampler(mc.eos_token_ids, config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
         self.capture_kv: dict[str, int] = {}
         self.iteration_tokens = CumulativeHistogram()
-        log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s", mc.architecture, self.num_blocks,
-                 config.block_size, self.dtype)
+        log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
+                 config.block_size, self.dtype, self.kv_dtype)
+
+    def _plan_num_blocks(self, start: DeviceSnapshot | None) -> int:
+        """Explicit block count, else an explicit byte budget (or CPU's default), else the GPU memory budget."""
+        c, mc = self.config, self.model_config
+        if c.num_kv_blocks:
+            return c.num_kv_blocks
+        if start is None or c.kv_cache_bytes is not None:
+            return num_blocks_for(mc, c.block_size, self.kv_dtype, c.kv_cache_bytes)
+        device = torch.device(c.device)
+        weights = torch.cuda.memory_allocated(device)
+        peak = profile_run(self.runner, self.sampler, self.kv_dtype, c.max_num_batched_tokens, c.max_num_seqs,
+                           self.max_model_len)
+        now = snapshot(c.device)
+        # Growth of device memory in use that torch's allocator does not account for (cuBLAS, NCCL, ...).
+        non_torch = max(start.free_bytes - now.free_bytes - torch.cuda.memory_reserved(device), 0)
+        profile = MemoryProfile(start.total_bytes, start.free_bytes, weights, peak, non_torch,
+                                0 if c.enforce_eager else CUDA_GRAPH_RESERVE)
+        plan = plan_kv_pool(profile, c.gpu_memory_utilization, bytes_per_block(mc, c.block_size, self.kv_dtype),
+                            -(-self.max_model_len // c.block_size))
+        log.info("memory: %s", plan.describe(profile))
+        return plan.num_blocks
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -84,6 +121,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.token_ids_named if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"sampling parameters name token id {bad}, outside the vocabulary [0, {vocab})")
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens")
         need = self.block_manager.blocks_for(min(n + params.max_tokens, self.max_model_len))
@@ -130,9 +170,13 @@ class LLMEngine:
         if not layers or tuple(k.shape) != expected or tuple(v.shape) != expected:
             raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)} from layer {first_layer}, "
                              f"expected {expected}")
+        if k.dtype != self.kv_dtype and torch.float8_e4m3fn in (k.dtype, self.kv_dtype):
+            # Converting to or from FP8 here would drop the scales; the hash root keeps the kvstore from
+            # mixing them, and a prefill worker must run the same --kv-cache-dtype as its decode workers.
+            raise ValueError(f"KV blocks in {k.dtype} cannot be written into a {self.kv_dtype} cache")
         for i, (kc, vc) in enumerate(layers):
-            kc.index_copy_(0, ids, k[i].to(kc.device, kc.dtype))
-            vc.index_copy_(0, ids, v[i].to(vc.device, vc.dtype))
+            _copy_blocks(kc, ids, k[i])
+            _copy_blocks(vc, ids, v[i])
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""

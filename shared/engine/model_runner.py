@@ -1,14 +1,50 @@
 """Turns a scheduler plan into tensors, runs the model over the paged cache, returns logits.
 
 It decides no policy: which tokens to compute comes from the plan, what to sample from the sampler.
+Every integer a step needs (token ids, positions, slots, chunk offsets, context lengths, block tables, the
+rows to sample) is written into one host buffer (pinned on CUDA) and sent to the device in one
+non-blocking copy; the metadata are views into that one device buffer. Nothing in the step waits for the
+device: the logits come back on it, and the sampler's single copy of sampled ids is the step's only sync.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import AttentionMetadata, DecodeBatch, PrefillSpan
+from kernels import AttentionMetadata
+from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.sequence import Sequence
 from shared.models.llama import LlamaFamilyForCausalLM
+
+
+class StepBuffers:
+    """One int32 staging buffer on the host (pinned on CUDA) and its twin on the device, grown on demand."""
+
+    def __init__(self, device: str, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self.pinned = device.startswith("cuda")
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=self.pinned)
+        self.dev = self.host if self.device == "cpu" else torch.empty(capacity, dtype=torch.int32, device=self.device)
+
+    def upload(self, chunks: list[list[int]]) -> list[torch.Tensor]:
+        """Copy the concatenated chunks in one transfer; return one device view per chunk."""
+        total = sum(len(c) for c in chunks)
+        if total > self.capacity:
+            self._alloc(max(total, 2 * self.capacity))
+        # torch.tensor from one flat list is the fastest host-side fill for Python ints.
+        flat = [x for c in chunks for x in c]
+        if flat:
+            self.host[:total] = torch.tensor(flat, dtype=torch.int32)
+        if self.dev is not self.host:
+            self.dev[:total].copy_(self.host[:total], non_blocking=True)
+        views, at = [], 0
+        for c in chunks:
+            views.append(self.dev[at : at + len(c)])
+            at += len(c)
+        return views
 
 
 class ModelRunner:
@@ -19,96 +55,75 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sliding_window = model.cfg.sliding_window
-        self.dtype = kv_caches[0][0].dtype
+        self.buffers = StepBuffers(device)
+        self.graphs: DecodeGraphs | None = None  # set by the engine once the KV pool exists (CUDA only)
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def _window(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """Which keys each query may see: causal, and inside the sliding window if the model has one."""
-        allowed = k_pos[None, :] <= q_pos[:, None]
-        if self.sliding_window is not None:
-            allowed &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
-        return allowed
-
-    def build(self, plan: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        prefills: list[PrefillSpan] = []
-        decode_rows: list[int] = []
-        decode_seqs: list[Sequence] = []
-        for seq, n in plan:
-            start = seq.num_computed_tokens
-            row = len(ids)
-            ids.extend(seq.token_ids[start : start + n])
-            positions.append(torch.arange(start, start + n))
-            slots.append(self._slots(seq.block_table, start, start + n))
-            ctx = start + n
-            if n == 1:
-                decode_rows.append(row)
-                decode_seqs.append(seq)
-            elif start == 0:
-                needs_mask = self.sliding_window is not None and n > self.sliding_window
-                pos = torch.arange(n)
-                prefills.append(PrefillSpan(row, n, ctx, None, self._window(pos, pos) if needs_mask else None))
-            else:
-                k_pos = torch.arange(ctx)
-                mask = self._window(torch.arange(start, ctx), k_pos)
-                table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.long)
-                prefills.append(PrefillSpan(row, n, ctx, table, mask))
-        decodes = [self._decode_batch([decode_rows[i] for i in g], [decode_seqs[i] for i in g])
-                   for g in self._group_by_context(decode_seqs)]
-        meta = AttentionMetadata(len(ids), torch.cat(slots), None, prefills, decodes)
-        return torch.tensor(ids, dtype=torch.long), torch.cat(positions), meta
-
-    def _group_by_context(self, seqs: list[Sequence], min_group: int = 8, max_waste: float = 1.3) -> list[list[int]]:
-        """Indices of seqs in groups of similar length: a group is padded to its longest context, and
-        on CPU the padded K/V copy is the cost of decode attention at large batch."""
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_computed_tokens)
-        groups: list[list[int]] = []
-        for i in order:
-            ctx = seqs[i].num_computed_tokens + 1
-            if groups and (len(groups[-1]) < min_group or ctx <= max_waste * (seqs[groups[-1][0]].num_computed_tokens + 1)):
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        return groups
-
-    def _decode_batch(self, rows: list[int], seqs: list[Sequence]) -> DecodeBatch:
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
-        ctx = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
-        max_ctx = int(ctx.max())
-        max_blocks = -(-max_ctx // bs)
-        table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            bt = s.block_table[:max_blocks]
-            table[i, : len(bt)] = torch.tensor(bt, dtype=torch.long)
-        k_pos = torch.arange(max_blocks * bs)[None, :]
-        mask = k_pos < ctx[:, None]
-        if self.sliding_window is not None:
-            mask &= k_pos > (ctx[:, None] - 1) - self.sliding_window
-        additive = torch.zeros(mask.shape, dtype=self.dtype)
-        additive.masked_fill_(~mask, float("-inf"))
-        return DecodeBatch(torch.tensor(rows, dtype=torch.long), table, additive[:, None, None, :])
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def build(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+        """Inputs of one step: (ids, positions, metadata, rows to sample, plan order of the step's rows).
+
+        Rows are reordered so prompt chunks come first and decode rows last; `order[i]` is the plan index
+        of the i-th sequence in the step, and sample_rows are mapped to the new row numbers."""
+        chunks = [i for i, (_, n) in enumerate(plan) if n > 1]  # a 1-token chunk is a decode row like any other
+        decodes = [i for i, (_, n) in enumerate(plan) if n == 1]
+        order = chunks + decodes
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        new_row: dict[int, int] = {}  # old row (plan order) -> new row (step order)
+        old_start = []
+        at = 0
+        for _, n in plan:
+            old_start.append(at)
+            at += n
+        qstart = [0]
+        pctx: list[int] = []
+        ptables: list[list[int]] = []
+        dctx: list[int] = []
+        dtables: list[list[int]] = []
+        bs = self.block_size
+        for i in order:
+            seq, n = plan[i]
+            start = seq.num_computed_tokens
+            ctx = start + n
+            for j in range(n):
+                new_row[old_start[i] + j] = len(ids) + j
+            ids.extend(seq.token_ids[start:ctx])
+            positions.extend(range(start, ctx))
+            slots.extend(self._slots(seq.block_table, start, ctx))
+            table = seq.block_table[: -(-ctx // bs)]
+            if n > 1:
+                qstart.append(qstart[-1] + n)
+                pctx.append(ctx)
+                ptables.append(table)
+            else:
+                dctx.append(ctx)
+                dtables.append(table)
+        pw = max((len(t) for t in ptables), default=0)
+        dw = max((len(t) for t in dtables), default=0)
+        # Padding entries of a block table are never read (each kernel stops at its context length).
+        pflat = [b for t in ptables for b in t + [0] * (pw - len(t))]
+        dflat = [b for t in dtables for b in t + [0] * (dw - len(t))]
+        rows = [new_row[r] for r in sample_rows]
+        (ids_t, pos_t, slot_t, qs_t, pctx_t, ptab_t, dctx_t, dtab_t, rows_t) = self.buffers.upload(
+            [ids, positions, slots, qstart if pctx else [0], pctx, pflat, dctx, dflat, rows])
+        meta = AttentionMetadata(
+            slot_mapping=slot_t, num_prefill_tokens=qstart[-1], prefill_query_start=qs_t,
+            prefill_context_lens=pctx_t, prefill_block_tables=ptab_t.view(len(pctx), pw),
+            max_prefill_query_len=max((b - a for a, b in zip(qstart, qstart[1:])), default=0),
+            decode_context_lens=dctx_t, decode_block_tables=dtab_t.view(len(dctx), dw),
+            sliding_window=self.sliding_window)
+        return ids_t, pos_t, meta, rows_t, order
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; return float32 logits for the given rows (each sampling sequence's last token)."""
-        ids, positions, meta = self.build(plan)
-        dev = self.device
-        if dev != "cpu":
-            ids, positions, meta = ids.to(dev), positions.to(dev), _to_device(meta, dev)
+        """Run one step; return float32 logits, on the device, for the given rows (plan row numbering)."""
+        if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
+            return self.model.compute_logits(self.graphs.run(plan))
+        ids, positions, meta, rows, _ = self.build(plan, sample_rows)
         hidden = self.model(ids, positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)])
-
-
-def _to_device(meta: AttentionMetadata, dev: str) -> AttentionMetadata:
-    def mv(t):
-        return None if t is None else t.to(dev, non_blocking=True)
-
-    prefills = [PrefillSpan(p.q_start, p.q_len, p.ctx_len, mv(p.block_table), mv(p.mask)) for p in meta.prefills]
-    decodes = [DecodeBatch(mv(d.rows), mv(d.block_tables), mv(d.mask)) for d in meta.decodes]
-    return AttentionMetadata(meta.num_tokens, mv(meta.slot_mapping), mv(meta.write_rows), prefills, decodes)
+        return self.model.compute_logits(hidden[rows.long()])

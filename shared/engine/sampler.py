@@ -1,50 +1,117 @@
-"""Turns logits into tokens: penalties, min_tokens, temperature, top-k/top-p/min-p, seeded sampling.
+"""Turns a step's logits into tokens on the device they are on, for the whole batch at once.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), with each seeded request's
-noise drawn from its own generator, so its tokens do not depend on what else is in the batch.
+Order (per row, as OpenAI and vLLM): logit_bias and allowed_token_ids, repetition/presence/frequency
+penalties, min_tokens (stop ids masked), then greedy rows take the argmax; the others are divided by
+their temperature, filtered by top-k, the top-p nucleus and min-p, and sampled with the exponential
+race (argmax of p / E, E ~ Exp(1)). A seeded request draws its noise from its own generator, so its
+tokens do not depend on what else is in the batch; the other rows share one batched draw.
 Logprobs are of the raw model distribution, before any processing (what vLLM and OpenAI report).
+
+Every per-row parameter becomes a small tensor, and only the sampled ids (and requested logprobs)
+come back to the host, in one copy: on a GPU the logits [rows, vocab] never leave the device.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from shared.engine.outputs import TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 
-
-def apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
-    p = seq.params
-    if p.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-        vals = logits[ids]
-        logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
-        out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+NEG_INF = float("-inf")
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside top-k, the top-p nucleus and below min_p * max prob. logits: [V]."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep a token if the mass before it is below top_p (the most likely token always stays).
-        drop = (cum - sorted_logits.softmax(-1)) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if min_p > 0.0:
+@dataclass
+class _Rows:
+    """Host-side lists of (row, token id[, value]) pairs, uploaded together when non-empty."""
+
+    rows: list[int]
+    ids: list[int]
+
+    @classmethod
+    def empty(cls) -> _Rows:
+        return cls([], [])
+
+    def add(self, row: int, ids) -> None:
+        ids = list(ids)
+        self.rows.extend([row] * len(ids))
+        self.ids.extend(ids)
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.tensor([self.rows, self.ids], dtype=torch.long).to(device, non_blocking=True)
+        return t[0], t[1]
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties, in place."""
+    seen, outputs = _Rows.empty(), _Rows.empty()
+    rep = [1.0] * len(seqs)
+    freq = [0.0] * len(seqs)
+    pres = [0.0] * len(seqs)
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.repetition_penalty != 1.0:
+            seen.add(i, set(s.token_ids))
+            rep[i] = p.repetition_penalty
+        if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
+            outputs.add(i, s.output_token_ids)
+            freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
+    dev = logits.device
+    if seen.rows:
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        r, t = seen.tensors(dev)
+        mask[r, t] = True
+        rp = torch.tensor(rep).to(dev, non_blocking=True).unsqueeze(1)
+        logits.copy_(torch.where(mask, torch.where(logits > 0, logits / rp, logits * rp), logits))
+    if outputs.rows:
+        counts = torch.zeros_like(logits)
+        r, t = outputs.tensors(dev)
+        counts.index_put_((r, t), torch.ones(len(outputs.rows), device=dev), accumulate=True)
+        f = torch.tensor(freq).to(dev, non_blocking=True).unsqueeze(1)
+        pr = torch.tensor(pres).to(dev, non_blocking=True).unsqueeze(1)
+        logits.sub_(f * counts + pr * (counts > 0).float())
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """top-k, then top-p over what survives, then min-p; the most likely token always survives."""
+    vocab = logits.shape[-1]
+    dev = logits.device
+    use_k = any(0 < p.top_k < vocab for p in params)
+    use_p = any(p.top_p < 1.0 for p in params)
+    if use_k and not use_p:
+        # top-k alone needs only the k largest values, not a full sort of the vocabulary.
+        ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        top = logits.topk(max(ks), dim=-1).values
+        idx = torch.tensor([max(k, 1) - 1 for k in ks]).to(dev, non_blocking=True).unsqueeze(1)
+        off = torch.tensor([k == 0 for k in ks]).to(dev, non_blocking=True).unsqueeze(1)
+        kth = top.gather(1, idx).masked_fill_(off, NEG_INF)
+        # By value, so tokens tied with the k-th all stay (the per-row rule).
+        logits.masked_fill_(logits < kth, NEG_INF)
+    elif use_p:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        if use_k:
+            k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+            kth = sorted_logits.gather(1, (k - 1).to(dev, non_blocking=True).unsqueeze(1))
+            sorted_logits.masked_fill_(sorted_logits < kth, NEG_INF)
+            logits.masked_fill_(logits < kth, NEG_INF)
+        top_p = torch.tensor([p.top_p for p in params]).to(dev, non_blocking=True).unsqueeze(1)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Keep a token if the mass before it is below top_p.
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        logits.masked_fill_(torch.zeros_like(drop).scatter_(1, order, drop), NEG_INF)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params]).to(dev, non_blocking=True).unsqueeze(1)
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+        logits.masked_fill_(probs < min_p * probs.amax(-1, keepdim=True), NEG_INF)
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.eos_token_ids = eos_token_ids
-        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # rows without a seed
 
     def stop_ids(self, seq: Sequence) -> list[int]:
         ids = list(seq.params.stop_token_ids)
@@ -52,50 +119,111 @@ class Sampler:
             ids.extend(self.eos_token_ids)
         return ids
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-        logits = logits.float().cpu()
-        want_logprobs = any(s.params.logprobs is not None for s in seqs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        greedy_plain = [i for i, s in enumerate(seqs) if s.params.greedy and not s.params.uses_penalties
-                        and s.num_output_tokens >= s.params.min_tokens]
-        tokens = [0] * len(seqs)
-        if greedy_plain:
-            picks = logits[greedy_plain].argmax(-1).tolist()
-            for i, t in zip(greedy_plain, picks):
-                tokens[i] = t
-        plain = set(greedy_plain)
-        for i, seq in enumerate(seqs):
-            if i not in plain:
-                tokens[i] = self._sample_one(logits[i].clone(), seq)
-        results: list[tuple[int, TokenLogprobs | None]] = []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
-            lp = None
-            n = seq.params.logprobs
-            if n is not None:
-                row = raw_logprobs[i]
-                top = []
-                if n > 0:
-                    vals, idx = torch.topk(row, n)
-                    top = list(zip(idx.tolist(), vals.tolist()))
-                lp = TokenLogprobs(tok, float(row[tok]), top)
-            results.append((tok, lp))
-        return results
+    def _own_generator(self, seq: Sequence) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return seq.generator
 
+    @torch.inference_mode()
     def skip_draw(self, seq: Sequence, vocab_size: int) -> None:
         """Advance a seeded request's generator past one sample taken elsewhere (a prefill worker)."""
-        if seq.generator is not None and not seq.params.greedy:
-            torch.empty(vocab_size).exponential_(generator=seq.generator)
+        if seq.params.seed is not None and not seq.params.greedy:
+            torch.empty(vocab_size, device=self.device).exponential_(generator=self._own_generator(seq))
 
-    def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
-        p = seq.params
-        apply_penalties(logits, seq)
-        if seq.num_output_tokens < p.min_tokens:
-            stop = self.stop_ids(seq)
-            if stop:
-                logits[torch.tensor(stop, dtype=torch.long)] = float("-inf")
-        if p.greedy:
-            return int(logits.argmax())
-        logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
+        """logits: [len(seqs), vocab] on the sampler's device (modified in place)."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must be [{len(seqs)}, vocab], got {tuple(logits.shape)}")
+        logits = logits.float()
+        params = [s.params for s in seqs]
+        top_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        raw = torch.log_softmax(logits, dim=-1) if top_n is not None else None
+        if all(p.greedy for p in params) and not self._processes(seqs):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._sample_processed(logits, seqs)
+        return self._to_host(tokens, raw, top_n, params)
+
+    # --- processing -------------------------------------------------------------------------------
+
+    def _processes(self, seqs: list[Sequence]) -> bool:
+        """Whether any row needs more than temperature and sampling (greedy fast path otherwise)."""
+        return any(s.params.uses_penalties or s.params.logit_bias or s.params.allowed_token_ids is not None
+                   or s.num_output_tokens < s.params.min_tokens for s in seqs)
+
+    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        params = [s.params for s in seqs]
+        self._apply_bias_and_allowed(logits, seqs)
+        apply_penalties(logits, seqs)
+        self._apply_min_tokens(logits, seqs)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return logits.argmax(-1)
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
+        logits.div_(temps.to(dev, non_blocking=True).unsqueeze(1))
+        filter_logits(logits, params)
         probs = logits.softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=seq.generator or self.generator)
-        return int((probs / noise).argmax())
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.params.seed is not None and not s.params.greedy:
+                noise[i].exponential_(generator=self._own_generator(s))
+        sampled = (probs / noise).argmax(-1)
+        if any(greedy):
+            is_greedy = torch.tensor(greedy).to(dev, non_blocking=True)
+            sampled = torch.where(is_greedy, logits.argmax(-1), sampled)
+        return sampled
+
+    def _apply_bias_and_allowed(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        bias, values = _Rows.empty(), []
+        allowed, restricted = _Rows.empty(), []
+        for i, s in enumerate(seqs):
+            if s.params.logit_bias:
+                bias.add(i, s.params.logit_bias.keys())
+                values.extend(s.params.logit_bias.values())
+            if s.params.allowed_token_ids is not None:
+                allowed.add(i, s.params.allowed_token_ids)
+                restricted.append(i)
+        if bias.rows:
+            r, t = bias.tensors(logits.device)
+            logits.index_put_((r, t), torch.tensor(values, dtype=logits.dtype).to(logits.device), accumulate=True)
+        if restricted:
+            keep = torch.ones_like(logits, dtype=torch.bool)
+            keep[torch.tensor(restricted).to(logits.device)] = False
+            r, t = allowed.tensors(logits.device)
+            keep[r, t] = True
+            logits.masked_fill_(~keep, NEG_INF)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        stops = _Rows.empty()
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                stops.add(i, self.stop_ids(s))
+        if stops.rows:
+            r, t = stops.tensors(logits.device)
+            logits[r, t] = NEG_INF
+
+    # --- results ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _to_host(tokens: torch.Tensor, raw: torch.Tensor | None, top_n: int | None,
+                 params: list[SamplingParams]) -> list[tuple[int, TokenLogprobs | None]]:
+        if raw is None:
+            return [(t, None) for t in tokens.tolist()]
+        # One transfer: ids are exact in float32 (vocabularies are far below 2**24).
+        cols = [tokens.float().unsqueeze(1), raw.gather(1, tokens.unsqueeze(1))]
+        if top_n:
+            vals, idx = torch.topk(raw, top_n, dim=-1)
+            cols += [vals, idx.float()]
+        packed = torch.cat(cols, 1).tolist()
+        out: list[tuple[int, TokenLogprobs | None]] = []
+        for row, p in zip(packed, params):
+            tok = int(row[0])
+            if p.logprobs is None:
+                out.append((tok, None))
+                continue
+            n = p.logprobs
+            top = [(int(i), v) for v, i in zip(row[2 : 2 + n], row[2 + top_n : 2 + top_n + n])] if n else []
+            out.append((tok, TokenLogprobs(tok, row[1], top)))
+        return out

@@ -21,6 +21,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; n: plus top-n
+    # Added to the logits before anything else, as OpenAI's logit_bias (token id -> bias in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: every other token is masked out.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -43,12 +47,23 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.logit_bias is not None:
+            bad = next((v for v in self.logit_bias.values() if not -100 <= v <= 100), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bad}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
         if self.top_k == -1:
             self.top_k = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def token_ids_named(self) -> list[int]:
+        """Every token id these settings name (the engine checks them against the vocabulary)."""
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def uses_penalties(self) -> bool:

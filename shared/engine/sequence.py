@@ -44,10 +44,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.num_preemptions = 0
-        # A per-request generator keeps a seeded request's samples independent of the batch it runs in.
+        # A seeded request's own generator keeps its samples independent of the batch it runs in; the
+        # sampler creates it on its device the first time the request samples.
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -37,15 +37,55 @@ class MeshOptions:
     # never be served, so every prompt is prefilled locally.
     remote_prefill_threshold: int | None = None
     log_level: str | None = None
+    # GPUs the engine workers are spread over (CUDA ordinals, as CUDA_VISIBLE_DEVICES names them);
+    # empty: CPU, nothing is pinned. Workers sharing a GPU split gpu_memory_utilization (see placement()).
+    devices: tuple[str, ...] = ()
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str | None = None  # None: the workers' default (auto)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in SERVICES:
             assert self.replicas(name) >= 0, f"--{name} must be >= 0"
         assert self.tokenizer >= 1 and self.decode >= 1, "the mesh needs at least one tokenizer and one decode worker"
         assert self.remote_prefill_threshold is None or self.remote_prefill_threshold >= 0
+        assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
+        assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
 
     def replicas(self, service: str) -> int:
         return 1 if service == "gateway" else int(getattr(self, service))
+
+
+# A decode worker holds every running request's KV for its whole life and batches far more requests
+# than a prefill worker, which only keeps a prompt's KV until it is pushed; so on a shared GPU decode
+# gets twice a prefill worker's share of the budget.
+PLACEMENT_WEIGHT = {"decode": 2.0, "prefill": 1.0}
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str  # CUDA_VISIBLE_DEVICES for the worker process
+    gpu_memory_utilization: float  # its share of that GPU's total memory
+
+
+def placement(opts: MeshOptions) -> dict[str, Placement]:
+    """Engine worker instance name -> its GPU and memory share; {} on CPU.
+
+    Workers go round robin over the devices, decode workers first (so with fewer GPUs than workers the
+    decode workers are spread widest); the workers on one GPU split opts.gpu_memory_utilization by
+    PLACEMENT_WEIGHT, rounded down to 0.01 so the shares never add up to more than the total."""
+    if not opts.devices:
+        return {}
+    names = [f"decode-{i}" for i in range(opts.decode)] + [f"prefill-{i}" for i in range(opts.prefill)]
+    device_of = {name: opts.devices[i % len(opts.devices)] for i, name in enumerate(names)}
+    weight_on: dict[str, float] = {}
+    for name, dev in device_of.items():
+        weight_on[dev] = weight_on.get(dev, 0.0) + PLACEMENT_WEIGHT[name.split("-")[0]]
+    out = {}
+    for name, dev in device_of.items():
+        share = opts.gpu_memory_utilization * PLACEMENT_WEIGHT[name.split("-")[0]] / weight_on[dev]
+        out[name] = Placement(dev, int(share * 100) / 100)
+    return out
 
 
 # Large enough that no prompt reaches it: "never prefill remotely".
@@ -69,6 +109,7 @@ class ServiceSpec:
     replicas: int
     args: tuple[str, ...]
     env: Mapping[str, str]
+    placement: Mapping[str, Placement] = field(default_factory=dict)  # instance name -> GPU (local runs only)
 
     @property
     def module(self) -> str:
@@ -81,23 +122,33 @@ class ServiceSpec:
         # Decode workers are addressed by id (per-worker subjects, router affinity) and every engine
         # worker labels its metrics with it, so each local replica gets a stable, readable one;
         # compose leaves it to the worker's default.
+        args: tuple[str, ...] = ()
         if self.service in ("decode", "prefill"):
-            return ("--worker-id", self.instance_name(index))
-        return ()
+            args = ("--worker-id", self.instance_name(index))
+        where = self.placement.get(self.instance_name(index))
+        if where is not None:
+            args += ("--gpu-memory-utilization", f"{where.gpu_memory_utilization:g}")
+        return args
+
+    def instance_env(self, index: int) -> dict[str, str]:
+        where = self.placement.get(self.instance_name(index))
+        return {"CUDA_VISIBLE_DEVICES": where.device} if where is not None else {}
 
     def processes(self, python: str, env: Mapping[str, str]) -> list[ProcessSpec]:
         return [
             ProcessSpec(
                 name=self.instance_name(i),
                 argv=(python, "-m", self.module, *self.args, *self.instance_args(i)),
-                env={**self.env, **env},
+                env={**self.env, **env, **self.instance_env(i)},
             )
             for i in range(self.replicas)
         ]
 
 
 def mesh_services(opts: MeshOptions) -> list[ServiceSpec]:
-    return [ServiceSpec(name, opts.replicas(name), _service_args(name, opts), dict(SERVICE_ENV)) for name in SERVICES]
+    where = placement(opts)
+    return [ServiceSpec(name, opts.replicas(name), _service_args(name, opts), dict(SERVICE_ENV),
+                        {k: v for k, v in where.items() if k.startswith(name + "-")}) for name in SERVICES]
 
 
 def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
@@ -118,6 +169,11 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             threshold = NEVER_REMOTE
         if threshold is not None:
             args += ["--remote-prefill-threshold", str(threshold)]
+    if service in ENGINE_SERVICES:
+        if opts.kv_cache_dtype:
+            args += ["--kv-cache-dtype", opts.kv_cache_dtype]
+        if opts.enforce_eager:
+            args += ["--enforce-eager"]
     if opts.log_level:
         args += ["--log-level", opts.log_level]
     return tuple(args)

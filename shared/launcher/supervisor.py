@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from shared.engine.errors import EXIT_CONFIG
 from shared.launcher.spec import ProcessSpec
 
 Emit = Callable[[str], None]
@@ -57,6 +58,7 @@ class Child:
     starts: int = 0
     last_exit: int | None = None
     stopping: bool = False
+    failed_config: bool = False  # exited EXIT_CONFIG: never restarted
     stopped: asyncio.Event = field(default_factory=asyncio.Event, repr=False)  # ends a restart wait early
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -70,15 +72,19 @@ class Child:
             if self.last_exit is not None:
                 state += f", restarted {self.starts - 1} time(s), last exit {describe_exit(self.last_exit)}"
             return state
+        if self.failed_config:
+            return f"{self.spec.name}: not running (cannot start with its configuration; not restarted)"
         if self.last_exit is None:
             return f"{self.spec.name}: starting"
         return f"{self.spec.name}: not running (exited {self.starts} time(s), last with {describe_exit(self.last_exit)})"
 
 
 class Supervisor:
-    def __init__(self, emit: Emit = print_line, backoff: Backoff = Backoff()) -> None:
+    def __init__(self, emit: Emit = print_line, backoff: Backoff = Backoff(),
+                 on_config_failure: Callable[[str], None] | None = None) -> None:
         self._emit = emit
         self._backoff = backoff
+        self._on_config_failure = on_config_failure  # called with the name of a child that exited EXIT_CONFIG
         self._children: dict[str, Child] = {}
 
     @property
@@ -149,6 +155,15 @@ class Supervisor:
                 child.last_exit = await child.proc.wait()
             if child.stopping:
                 self._emit(f"[kvmesh] {child.spec.name} stopped ({describe_exit(child.last_exit or 0)})")
+                return
+            if child.last_exit == EXIT_CONFIG:
+                # Its configuration cannot work (e.g. the memory budget does not fit): a restart would
+                # fail the same way, over and over, so it stays down and the mesh is told.
+                child.failed_config = True
+                self._emit(f"[kvmesh] {child.spec.name} cannot start with its configuration "
+                           f"({describe_exit(EXIT_CONFIG)}); not restarting it")
+                if self._on_config_failure is not None:
+                    self._on_config_failure(child.spec.name)
                 return
             delay = self._backoff.next(delay, loop.time() - t0)
             self._emit(

@@ -15,6 +15,8 @@ import socket
 import sys
 from pathlib import Path
 
+from shared.engine.errors import EXIT_CONFIG
+from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import NAME as NATS_NAME
 from shared.launcher.local_nats import LocalNats
 from shared.launcher.readiness import wait_healthy
@@ -42,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="uncached prompt tokens from which decode prefills remotely (0: always; default: decode's own)")
     parser.add_argument("--grace", type=float, default=None,
                         help=f"seconds each service may drain on Ctrl-C (default: the services' own, {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--devices", default=None, metavar="LIST",
+                        help="GPUs for the engine workers, e.g. 0,1 (round robin, decode first; default: every "
+                             "visible GPU; 'none': CPU). Workers on one GPU split --gpu-memory-utilization")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                        help=f"share of each GPU's total memory for all the workers on it (default {d.gpu_memory_utilization})")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"], help="engine workers' KV cache dtype")
+    parser.add_argument("--enforce-eager", action="store_true", help="engine workers run without CUDA graphs")
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -53,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
             model=str(model), host=args.host, port=args.port, served_model_name=args.served_model_name,
             prefill=args.prefill, decode=args.decode, tokenizer=args.tokenizer, kvstore=args.kvstore,
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
+            devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
@@ -90,7 +101,16 @@ async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emi
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    supervisor = Supervisor(emit)
+    config_failures: list[str] = []
+
+    def on_config_failure(name: str) -> None:
+        # Prefill workers are optional (decode prefills locally without them); a decode worker whose
+        # configuration cannot work means every decode worker fails the same way: stop the mesh.
+        if name.startswith("decode"):
+            config_failures.append(name)
+            stop.set()
+
+    supervisor = Supervisor(emit, on_config_failure=on_config_failure)
     env: dict[str, str] = {}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
@@ -112,7 +132,10 @@ async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emi
     base = f"http://{_client_host(opts.host)}:{opts.port}"
     problem = await wait_healthy(f"{base}/health", startup_timeout, supervisor, stop)
     rc = 0
-    if stop.is_set():
+    if config_failures:
+        emit(f"[kvmesh] {', '.join(config_failures)} cannot start with this configuration (see its error above)")
+        rc = EXIT_CONFIG
+    elif stop.is_set():
         rc = 130  # interrupted before the mesh was up
     elif problem:
         emit(f"[kvmesh] the mesh did not come up: {problem}")
@@ -120,6 +143,8 @@ async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emi
     else:
         emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health); Ctrl-C stops it")
         await stop.wait()
+        if config_failures:
+            rc = EXIT_CONFIG
     emit("[kvmesh] stopping (Ctrl-C again to kill)")
     timeout = (grace if grace is not None else DEFAULT_GRACE_S) + DRAIN_MARGIN_S
     codes = await supervisor.stop([p.name for p in services], timeout=timeout, hurry=hurry)

@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 q/k/v and gate/up are stored fused so each layer runs two matmuls where transformers runs five;
-the loader splits checkpoint tensors into these fused parameters.
+the loader splits checkpoint tensors into these fused parameters. The hot path runs on kernels/
+(Triton on CUDA, their torch twins on CPU): rotary in place, the residual stream carried through fused
+add+RMSNorm (vLLM's layout: each layer returns (hidden, residual)), store-KV and paged attention.
 """
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, paged_attention
+from kernels.rmsnorm import add_rms_norm, rms_norm
+from kernels.rotary import rotary
 from shared.models.model_config import ModelConfig
-from shared.models.rope import apply_rope, cos_sin_cache
+from shared.models.rope import cos_sin_cache
 
 
 class RMSNorm(nn.Module):
@@ -20,12 +24,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Fused kernel (bit-identical to transformers' formula in float32, ~2x faster on CPU). In half
-        # precision, normalise in float32 and cast back before the weight, exactly as transformers does.
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rms_norm(x), or with a residual (rms_norm(x + residual), x + residual); x and residual may be
+        overwritten (kernels/rmsnorm.py)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -38,18 +42,22 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
+        # Per-tensor scales of an FP8 KV cache (1.0: vLLM's default without calibrated scales).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
-    def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x, positions, cos_sin_cache, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, cfg.q_size))
+        rotary(q, k, positions, cos_sin_cache)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale)
+        return self.o_proj(out.view(tokens, cfg.q_size))
 
 
 class MLP(nn.Module):
@@ -72,9 +80,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos_sin, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, cos_sin_cache, meta, kv_cache):
+        """(hidden, residual) in, (hidden, residual) out; the first layer gets residual None."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_sin_cache, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -96,10 +111,10 @@ class LlamaFamilyForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """Hidden states [tokens, hidden] for the flattened tokens of one step."""
         x = self.embed_tokens(input_ids)
-        cos_sin = self.cos_sin[positions]
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, meta, kv)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.cos_sin, meta, kv)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -30,14 +30,3 @@ def cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.
     inv_freq = inv_frequencies(rope, head_dim)
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos_sin: [tokens, head_dim] gathered at the tokens' positions.
-
-    Uses the rotate-half convention of the Hugging Face Llama family.
-    """
-    half = x.shape[-1] // 2
-    cos, sin = cos_sin[:, None, :half].to(x.dtype), cos_sin[:, None, half:].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -29,6 +29,8 @@ class Sampling(WireModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
     def _valid(self) -> Sampling:

@@ -1,0 +1,24 @@
+"""What every Triton kernel wrapper shares: the optional import, and one interpreter workaround."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional: the CPU path (the torch twins) must import without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - machines without triton
+    triton = None
+    tl = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter (3.9) computes tl.dot of bfloat16 operands wrongly (errors of 1e10), while
+    fp16 and fp32 are right; under the interpreter bf16 operands are upcast to fp32 first. On a GPU the
+    kernels run bf16 dots natively."""
+    return interpreting() and dtype == torch.bfloat16

@@ -1,0 +1,121 @@
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket.
+
+A decode step launches a few hundred small kernels whose shapes depend only on the batch size; launching
+them from Python costs more than running them at small batches. Each bucket's forward (embedding to final
+norm; the logits matmul stays outside so the graphs' outputs are small) is captured once at start, over
+static input buffers. A step of n decodes fills the smallest bucket >= n: its rows are the real ones,
+then padding rows that write nowhere (slot -1) and attend to one token of block 0; their outputs are
+ignored. The decode kernel's launch grid depends on shapes only, and the block-table width is fixed at
+the blocks of max_model_len, so a graph stays valid as contexts grow.
+
+All inputs of a step travel in one host-to-device copy of a [4, max_bs] int32 block (ids, positions,
+slots, context lengths) plus one copy of the used part of the block tables. With capture off (CPU, or
+tests) the same static path runs eagerly, so it is testable without a GPU.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels import AttentionMetadata
+from shared.engine.sequence import Sequence
+from shared.models.llama import LlamaFamilyForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, then every 16 up to max_num_seqs (vLLM's spacing), max_num_seqs included."""
+    sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, max_num_seqs + 16, 16))
+    out = sorted({min(s, max_num_seqs) for s in sizes})
+    return out
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaFamilyForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, max_model_len: int, max_num_seqs: int, device: str, capture: bool) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_bs = self.buckets[-1]
+        self.width = -(-max_model_len // block_size)
+        pinned = device.startswith("cuda")
+        # Rows: ids, positions, slots, context lengths; one copy per step.
+        self.host_vec = torch.zeros(4, self.max_bs, dtype=torch.int32, pin_memory=pinned)
+        self.host_tables = torch.zeros(self.max_bs * self.width, dtype=torch.int32, pin_memory=pinned)
+        self.vec = torch.zeros(4, self.max_bs, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(self.max_bs, self.width, dtype=torch.int32, device=device)
+        empty = torch.zeros(1, dtype=torch.int32, device=device)
+        self._no_prefill = (empty, empty[:0], torch.zeros(0, 0, dtype=torch.int32, device=device))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        qs, pctx, ptab = self._no_prefill
+        return AttentionMetadata(
+            slot_mapping=self.vec[2, :bs], num_prefill_tokens=0, prefill_query_start=qs,
+            prefill_context_lens=pctx, prefill_block_tables=ptab, max_prefill_query_len=0,
+            decode_context_lens=self.vec[3, :bs], decode_block_tables=self.tables[:bs],
+            sliding_window=self.model.cfg.sliding_window)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        return self.model(self.vec[0, :bs], self.vec[1, :bs], self._meta(bs), self.kv_caches)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        # Padding-only inputs: every row writes nowhere and reads one token of block 0.
+        self.vec[2].fill_(-1)
+        self.vec[3].fill_(1)
+        pool = None
+        for bs in reversed(self.buckets):  # largest first, so the smaller graphs reuse its pool memory
+            self._forward(bs)  # warm-up: compiles the Triton kernels, settles cuBLAS workspaces
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self._forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def can_run(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """A decode-only step that fits a bucket (every context fits the table width by construction)."""
+        return 0 < len(plan) <= self.max_bs and all(n == 1 for _, n in plan)
+
+    @torch.inference_mode()
+    def run(self, plan: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Hidden states [len(plan), hidden] of a decode-only step."""
+        n = len(plan)
+        bs = self.bucket(n)
+        bsz = self.block_size
+        ids, positions, slots, ctx = [], [], [], []
+        for seq, _ in plan:
+            pos = seq.num_computed_tokens
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bsz] * bsz + pos % bsz)
+            ctx.append(pos + 1)
+        width = -(-max(ctx) // bsz)
+        pad = bs - n
+        vec = self.host_vec
+        vec[:, :bs] = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, ctx + [1] * pad],
+                                   dtype=torch.int32)
+        rows = [seq.block_table[: -(-c // bsz)] for (seq, _), c in zip(plan, ctx)]
+        host_t = self.host_tables[: bs * width]
+        host_t.copy_(torch.tensor([b for r in rows for b in r + [0] * (width - len(r))] + [0] * (pad * width),
+                                  dtype=torch.int32))
+        self.vec.copy_(vec, non_blocking=True)
+        self.tables[:bs, :width].copy_(host_t.view(bs, width), non_blocking=True)
+        graph = self.graphs.get(bs)
+        if graph is None:
+            return self._forward(bs)[:n]
+        graph.replay()
+        return self.outputs[bs][:n]

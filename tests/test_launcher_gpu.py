@@ -1,0 +1,106 @@
+"""GPU handling in the launcher: placement and memory shares, device discovery, and workers whose
+configuration cannot fit (exit 78) are reported and never restarted."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shared.bus.natsd import NatsServer
+from shared.engine.errors import EXIT_CONFIG
+from shared.launcher.gpus import parse_devices
+from shared.launcher.spec import MeshOptions, ProcessSpec, mesh_services, placement
+from shared.launcher.supervisor import Backoff, Supervisor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _procs(opts: MeshOptions) -> dict[str, ProcessSpec]:
+    return {p.name: p for s in mesh_services(opts) for p in s.processes("py", {})}
+
+
+def _flag(argv: tuple[str, ...], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_one_gpu_is_split_between_decode_and_prefill():
+    procs = _procs(MeshOptions(model="m", devices=("0",)))
+    assert _flag(procs["decode-0"].argv, "--gpu-memory-utilization") == "0.6"
+    assert _flag(procs["prefill-0"].argv, "--gpu-memory-utilization") == "0.3"
+    assert procs["decode-0"].env["CUDA_VISIBLE_DEVICES"] == procs["prefill-0"].env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "CUDA_VISIBLE_DEVICES" not in procs["gateway-0"].env and "CUDA_VISIBLE_DEVICES" not in procs["tokenizer-0"].env
+
+
+def test_workers_go_round_robin_decode_first_and_shares_never_exceed_the_total():
+    opts = MeshOptions(model="m", decode=3, prefill=2, devices=("2", "5"), gpu_memory_utilization=0.8)
+    where = placement(opts)
+    assert {n: p.device for n, p in where.items()} == {
+        "decode-0": "2", "decode-1": "5", "decode-2": "2", "prefill-0": "5", "prefill-1": "2"}
+    for dev in ("2", "5"):
+        assert sum(p.gpu_memory_utilization for p in where.values() if p.device == dev) <= 0.8
+    # GPU 2: two decode (2 parts each) + one prefill (1 part) of 0.8.
+    assert where["decode-0"].gpu_memory_utilization == 0.32 and where["prefill-1"].gpu_memory_utilization == 0.16
+    # One worker per GPU gets the whole share.
+    solo = placement(MeshOptions(model="m", decode=1, prefill=1, devices=("0", "1")))
+    assert solo["decode-0"].gpu_memory_utilization == solo["prefill-0"].gpu_memory_utilization == 0.9
+
+
+def test_cpu_meshes_are_unchanged_and_engine_flags_pass_through():
+    procs = _procs(MeshOptions(model="m"))
+    assert all("CUDA_VISIBLE_DEVICES" not in p.env and "--gpu-memory-utilization" not in p.argv for p in procs.values())
+    procs = _procs(MeshOptions(model="m", kv_cache_dtype="fp8", enforce_eager=True))
+    for name in ("decode-0", "prefill-0"):
+        assert _flag(procs[name].argv, "--kv-cache-dtype") == "fp8" and "--enforce-eager" in procs[name].argv
+    assert "--kv-cache-dtype" not in procs["gateway-0"].argv
+    with pytest.raises(AssertionError):
+        MeshOptions(gpu_memory_utilization=1.5)
+
+
+def test_devices_flag_and_discovery(monkeypatch):
+    assert parse_devices("none") == () and parse_devices("0, 1") == ("0", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert parse_devices(None) == ("3", "5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert parse_devices(None) == ()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: CPU
+    assert parse_devices(None) == ()
+
+
+def test_compose_gpu_overlay_uses_the_launchers_split():
+    gpu = yaml.safe_load((ROOT / "compose" / "docker-compose.gpu.yml").read_text())["services"]
+    where = placement(MeshOptions(model="m", devices=("0",)))
+    for name in ("decode", "prefill"):
+        share = float(gpu[name]["environment"]["KVMESH_GPU_MEMORY_UTILIZATION"])
+        assert share == where[f"{name}-0"].gpu_memory_utilization
+
+
+def test_a_worker_that_exits_78_is_not_restarted():
+    lines: list[str] = []
+    failed: list[str] = []
+
+    async def scenario() -> None:
+        sup = Supervisor(emit=lines.append, backoff=Backoff(initial=0.05), on_config_failure=failed.append)
+        child = await sup.start(ProcessSpec("decode-0", (sys.executable, "-c", f"raise SystemExit({EXIT_CONFIG})")))
+        await asyncio.wait_for(child.task, 10)
+        await asyncio.sleep(0.3)  # a restart would have happened by now
+        assert child.starts == 1 and child.failed_config and not child.running
+        assert "cannot start with its configuration" in child.status()
+
+    asyncio.run(scenario())
+    assert failed == ["decode-0"]
+    assert any("not restarting it" in line for line in lines)
+
+
+def test_a_decode_worker_whose_kv_budget_cannot_fit_exits_78(tmp_path: Path, checkpoints):
+    with NatsServer(workdir=tmp_path) as nats:
+        proc = subprocess.run(
+            [sys.executable, "-m", "services.decode", "--model", str(checkpoints["llama"].path), "--nats-url", nats.url,
+             "--kv-cache-bytes", "1", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_CONFIG, proc.stderr[-2000:]
+    assert "kvmesh decode: cannot start: a KV budget of 1 bytes is smaller than one block" in proc.stderr
+    assert "Traceback" not in proc.stderr
