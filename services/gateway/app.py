@@ -10,9 +10,11 @@ from services.gateway.endpoint import serve_generation
 from services.gateway.errors import install_error_handlers
 from services.gateway.health import check_health
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.prepare import prepare_chat, prepare_completion
+from services.gateway.prepare import check_model, prepare_chat, prepare_completion
+from services.gateway.tokenize import detokenize_body, kvmesh_version, tokenize_body
 from services.gateway.responses import ChatFormatter, CompletionFormatter
-from services.gateway.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, dump
+from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
+                                     TokenizeChatRequest, TokenizeCompletionRequest, dump)
 
 
 def create_app(ctx: GatewayContext) -> FastAPI:
@@ -31,11 +33,31 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve_generation(ctx, request, body, "/v1/chat/completions", prepare_chat, ChatFormatter)
 
+    def card() -> ModelCard:
+        # root is the served name, never the model's path on the server's disk.
+        name = ctx.config.served_model_name
+        return ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.max_model_len())
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> JSONResponse:
-        name = ctx.config.served_model_name
-        card = ModelCard(id=name, created=ctx.created, root=ctx.config.model_dir, max_model_len=ctx.max_model_len())
-        return JSONResponse(dump(ModelList(data=[card])))
+        return JSONResponse(dump(ModelList(data=[card()])))
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str) -> JSONResponse:
+        check_model(ctx, model_id)
+        return JSONResponse(dump(card()))
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> JSONResponse:
+        return JSONResponse(dump(await tokenize_body(ctx, body)))
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(dump(detokenize_body(ctx, body)))
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": kvmesh_version()})
 
     @app.get("/health")
     async def health() -> JSONResponse:

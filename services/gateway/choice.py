@@ -37,8 +37,9 @@ def remote_error(e: bus.RemoteError) -> APIError:
 
 class Choice:
     def __init__(self, ctx: GatewayContext, request_id: str, index: int, prompt: list[int], sampling: Sampling,
-                 priority: int, stops: list[str], worker_id: str | None, span: trace.Span) -> None:
+                 priority: int, stops: list[str], worker_id: str | None, span: trace.Span, prompt_index: int = 0) -> None:
         self.ctx, self.index, self.span = ctx, index, span
+        self.prompt_index = prompt_index
         self.request_id = request_id
         self.worker_id = worker_id
         self._req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, priority=priority)

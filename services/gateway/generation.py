@@ -24,7 +24,7 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prepared.prompt_token_ids)
+        return sum(len(p) for p in self.prepared.prompts)  # a batch of prompts counts each once, as vLLM
 
     @property
     def completion_tokens(self) -> int:
@@ -32,24 +32,31 @@ class Generation:
 
     @property
     def cached_tokens(self) -> int:
-        return max((c.num_cached_tokens for c in self.choices), default=0)
+        per_prompt: dict[int, int] = {}
+        for c in self.choices:
+            per_prompt[c.prompt_index] = max(per_prompt.get(c.prompt_index, 0), c.num_cached_tokens)
+        return sum(per_prompt.values())
 
     async def open(self) -> None:
         """Routes, sends every choice and waits for each one's first chunk; on failure cancels the rest."""
         p = self.prepared
-        try:
-            route = self.ctx.router.pick(p.prompt_token_ids)
-        except NoWorkerError:
-            raise unavailable("no decode worker is alive", code="no_decode_worker") from None
-        except OverloadedError as e:
-            raise unavailable(str(e), code="overloaded") from None
-        self.span.set_attribute("kvmesh.decode.worker", route.worker_id)
-        self.span.set_attribute("kvmesh.route.cached_blocks", route.cached_blocks)
+        per_prompt = len(p.samplings)
+        self.choices = []
+        for k, prompt in enumerate(p.prompts):
+            try:
+                route = self.ctx.router.pick(prompt)
+            except NoWorkerError:
+                raise unavailable("no decode worker is alive", code="no_decode_worker") from None
+            except OverloadedError as e:
+                raise unavailable(str(e), code="overloaded") from None
+            if k == 0:
+                self.span.set_attribute("kvmesh.decode.worker", route.worker_id)
+                self.span.set_attribute("kvmesh.route.cached_blocks", route.cached_blocks)
+            for j, s in enumerate(p.samplings):
+                i = k * per_prompt + j
+                self.choices.append(Choice(self.ctx, f"{p.request_id}-{i}", i, prompt, s, p.priority, p.stops,
+                                           route.worker_id, self.span, prompt_index=k))
         self.ctx.metrics.prompt_tokens.labels(self.ctx.metrics.model).inc(self.prompt_tokens)
-        self.choices = [
-            Choice(self.ctx, f"{p.request_id}-{i}", i, p.prompt_token_ids, s, p.priority, p.stops, route.worker_id, self.span)
-            for i, s in enumerate(p.samplings)
-        ]
         results = await asyncio.gather(*(c.open() for c in self.choices), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, bad_request, unavailable
-from services.gateway.schemas import MAX_STOPS, ChatCompletionRequest, CompletionRequest, _Common
+from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
 from shared import bus, subjects
 from shared.protocol import errors as codes
 from shared.protocol.generate import Sampling
@@ -21,17 +21,23 @@ from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest
 @dataclass(frozen=True)
 class Prepared:
     request_id: str
-    prompt_token_ids: list[int]
-    samplings: list[Sampling]  # one per choice
+    prompts: list[list[int]]  # one or more prompts (completions take a list); each runs every sampling
+    samplings: list[Sampling]  # one per choice of each prompt (n)
     priority: int
     stops: list[str]
     logprobs: int | None  # None: no logprobs; else how many alternatives per token
     max_tokens: int
     model: str
+    echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompts[0]
 
     @property
     def n(self) -> int:
-        return len(self.samplings)
+        """Choices in the answer: n per prompt, indexed prompt by prompt (vLLM's order)."""
+        return len(self.prompts) * len(self.samplings)
 
 
 def check_model(ctx: GatewayContext, model: str | None) -> str:
@@ -43,35 +49,47 @@ def check_model(ctx: GatewayContext, model: str | None) -> str:
 
 async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Prepared:
     model = check_model(ctx, body.model)
-    if body.echo:
-        raise bad_request("echo is not supported", param="echo")
     if body.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
+        raise bad_request("suffix is not supported: the served model has no infilling template", param="suffix")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs needs the prompt's logprobs, which kvmesh does not compute yet",
+                          param="echo")
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request("batched prompts are not supported: send one prompt per request", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", param="prompt", code="empty_prompt")
-        ids = await encode(ctx, EncodeRequest(prompt=prompt))
-    else:
-        ids = list(prompt)  # token ids travel as they are; no round trip to the tokenizer
-    return _finish(ctx, body, model, ids, body.max_tokens, body.logprobs)
+    # One prompt (a string or token ids) or a batch of them (strings or token-id lists).
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if not batch:
+        raise bad_request("prompt must not be empty", param="prompt", code="empty_prompt")
+    if len(batch) * body.n > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts x n)", param="prompt")
+    prompts = []
+    for one in batch:
+        if isinstance(one, str):
+            if not one:
+                raise bad_request("prompt must not be empty", param="prompt", code="empty_prompt")
+            prompts.append(await encode(ctx, EncodeRequest(prompt=one)))
+        else:
+            prompts.append(list(one))  # token ids travel as they are; no round trip to the tokenizer
+    echo = None
+    if body.echo:
+        echo = [one if isinstance(one, str) else ctx.tokenizer.decode(one) for one in batch]
+    return _finish(ctx, body, model, prompts, body.max_tokens, body.logprobs, echo=echo)
 
 
 async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prepared:
     model = check_model(ctx, body.model)
-    # Templates know system/user/assistant/tool; OpenAI's "developer" is the new name for system.
-    messages = [ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()) for m in body.messages]
-    ids = await encode(ctx, EncodeRequest(messages=messages, add_generation_prompt=body.add_generation_prompt))
+    ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
+                                          add_generation_prompt=body.add_generation_prompt))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _finish(ctx, body, model, ids, max_tokens, logprobs, max_tokens_param=param)
+    return _finish(ctx, body, model, [ids], max_tokens, logprobs, max_tokens_param=param)
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    # Templates know system/user/assistant/tool; OpenAI's "developer" is the new name for system.
+    return [ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()) for m in messages]
 
 
 async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None = None) -> list[int]:
@@ -91,18 +109,22 @@ async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None 
     return list(reply.token_ids)
 
 
-def _finish(ctx: GatewayContext, body: _Common, model: str, ids: list[int], max_tokens: int | None,
-            logprobs: int | None, max_tokens_param: str = "max_tokens") -> Prepared:
+def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[int]], max_tokens: int | None,
+            logprobs: int | None, max_tokens_param: str = "max_tokens", echo: list[str] | None = None) -> Prepared:
     if len(body.stop_list()) > MAX_STOPS:
         raise bad_request(f"at most {MAX_STOPS} stop strings are supported", param="stop")
-    if not ids:
-        raise bad_request("prompt must contain at least one token", param="prompt", code="empty_prompt")
     vocab = ctx.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt", code="invalid_token_id")
     limit = ctx.max_model_len()
-    n_prompt = len(ids)
+    room = limit
+    for ids in prompts:
+        if not ids:
+            raise bad_request("prompt must contain at least one token", param="prompt", code="empty_prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
+                              code="invalid_token_id")
+        room = min(room, limit - len(ids))
+    n_prompt = max(len(ids) for ids in prompts)
     if max_tokens is not None:
         if n_prompt + max_tokens > limit:
             raise bad_request(
@@ -112,7 +134,6 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, ids: list[int], max_
                 param=max_tokens_param, code="context_length_exceeded",
             )
     else:
-        room = limit - n_prompt
         if room < 1:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has {n_prompt} "
@@ -124,6 +145,15 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, ids: list[int], max_
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
                           param="min_tokens")
+    logit_bias = _logit_bias(body.logit_bias, vocab)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = getattr(body, name)
+        bad = next((t for t in ids or [] if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})", param=name,
+                              code="invalid_token_id")
+    if body.allowed_token_ids is not None and not body.allowed_token_ids:
+        raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
     samplings = []
     for i in range(body.n):
         try:
@@ -132,13 +162,36 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, ids: list[int], max_
                 top_p=body.top_p, min_p=body.min_p, seed=None if body.seed is None else body.seed + i,
                 repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias,
+                allowed_token_ids=body.allowed_token_ids,
             ))
         except (ValidationError, ValueError) as e:
             raise bad_request(_first_message(e)) from None
     return Prepared(
-        request_id=uuid.uuid4().hex, prompt_token_ids=ids, samplings=samplings, priority=body.priority,
-        stops=body.stop_list(), logprobs=logprobs, max_tokens=max_tokens, model=model,
+        request_id=uuid.uuid4().hex, prompts=prompts, samplings=samplings, priority=body.priority,
+        stops=body.stop_list(), logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo,
     )
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: JSON object keys are token ids as strings; values in [-100, 100]."""
+    if not raw:
+        return None
+    out = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias: key {key!r} is not a token id", param="logit_bias",
+                              code="invalid_value") from None
+        if not 0 <= token < vocab:
+            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})",
+                              param="logit_bias", code="invalid_token_id")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}",
+                              param="logit_bias", code="invalid_value")
+        out[token] = float(value)
+    return out
 
 
 def _first_message(e: Exception) -> str:

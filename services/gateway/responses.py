@@ -34,8 +34,10 @@ class Formatter:
 
     prefix = "cmpl"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model: str, request_id: str, n: int, logprobs: int | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model: str, request_id: str, n: int, logprobs: int | None,
+                 echo: list[str] | None = None, per_prompt: int = 1) -> None:
         self.tok, self.model, self.n, self.logprobs = tokenizer, model, n, logprobs
+        self.echo, self.per_prompt = echo, per_prompt
         self.id = f"{self.prefix}-{request_id}"
         self.created = int(time.time())
         self._acc = [_Acc() for _ in range(n)]
@@ -92,10 +94,25 @@ class CompletionFormatter(Formatter):
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u))
 
+    def _echoed(self, index: int) -> str:
+        return self.echo[index // self.per_prompt] if self.echo else ""
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        # echo streams each choice's prompt text as its first delta (vLLM's behaviour).
+        if not self.echo:
+            return []
+        out = []
+        for i in range(self.n):
+            body = dump(CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                           choices=[CompletionChoice(index=i, text=self._echoed(i))]))
+            body.pop("usage")
+            out.append(body)
+        return out
+
     def final(self, u: Usage) -> dict[str, Any]:
         choices = [
-            CompletionChoice(index=i, text=a.text, logprobs=self._logprobs(i, a.logprobs), finish_reason=a.finish_reason,
-                             stop_reason=a.stop_reason)
+            CompletionChoice(index=i, text=self._echoed(i) + a.text, logprobs=self._logprobs(i, a.logprobs),
+                             finish_reason=a.finish_reason, stop_reason=a.stop_reason)
             for i, a in enumerate(self._acc)
         ]
         return dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))

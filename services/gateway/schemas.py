@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from shared.engine.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 8
+MAX_CHOICES = 64  # prompts x n in one completions request
 MAX_STOPS = 16
 
 
@@ -20,7 +21,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: usage in every chunk, not only the last
 
 
 class _Common(_Request):
@@ -38,12 +40,23 @@ class _Common(_Request):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: StrictBool = False  # "yes" is not a boolean
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0)
     priority: int = 0
     user: str | None = None
+    # OpenAI's logit_bias: token id (a string key in JSON) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extras.
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Common:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given when stream is true")
+        return self
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -53,11 +66,15 @@ class _Common(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
 
 
@@ -79,9 +96,9 @@ class ChatMessageIn(_Request):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
 
 # ------------------------------------------------------------------------------------ responses
@@ -182,6 +199,40 @@ class ModelCard(BaseModel):
     owned_by: str = "kvmesh"
     root: str | None = None
     max_model_len: int
+
+
+class TokenizeCompletionRequest(_Request):
+    """vLLM's POST /tokenize with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's POST /tokenize with chat messages (rendered through the chat template)."""
+
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

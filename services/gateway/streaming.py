@@ -15,6 +15,7 @@ from opentelemetry.trace import Status, StatusCode
 from services.gateway.context import GatewayContext
 from services.gateway.generation import Generation, as_api_error
 from services.gateway.responses import Formatter, usage
+from services.gateway.schemas import dump
 
 DONE = "data: [DONE]\n\n"
 
@@ -23,14 +24,18 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, include_usage: bool,
+                        continuous_usage: bool = False) -> AsyncIterator[str]:
     """The SSE body of an opened generation. Owns the request from here: ends its span and in-flight count."""
     try:
         try:
             for c in fmt.start_chunks():
                 yield sse(c)
             async for d in gen.deltas():
-                yield sse(fmt.chunk(d, include_usage))
+                chunk = fmt.chunk(d, include_usage)
+                if continuous_usage:  # vLLM's continuous_usage_stats: running totals in every chunk
+                    chunk["usage"] = dump(usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
+                yield sse(chunk)
             if include_usage:
                 yield sse(fmt.usage_chunk(usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)))
         except Exception as e:  # noqa: BLE001 - every failure becomes an error chunk

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
@@ -29,7 +29,8 @@ class Sampling(WireModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
+    # Token ids as string keys, as in OpenAI's JSON: our msgpack wire only takes string map keys.
+    logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
@@ -37,8 +38,19 @@ class Sampling(WireModel):
         self.to_params()  # SamplingParams owns the rules; its ValueError becomes a WireError
         return self
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _string_keys(cls, v: object) -> object:
+        return {str(k): b for k, b in v.items()} if isinstance(v, dict) else v
+
     def to_params(self) -> SamplingParams:
-        return SamplingParams(**self.model_dump())
+        fields = self.model_dump()
+        if self.logit_bias is not None:
+            try:
+                fields["logit_bias"] = {int(k): b for k, b in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids") from None
+        return SamplingParams(**fields)
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> Sampling:

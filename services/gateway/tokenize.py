@@ -1,0 +1,39 @@
+"""vLLM's /tokenize and /detokenize, and /version: small endpoints clients use to count and inspect tokens."""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from services.gateway.context import GatewayContext
+from services.gateway.errors import bad_request
+from services.gateway.prepare import chat_messages, check_model, encode
+from services.gateway.schemas import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                      TokenizeCompletionRequest, TokenizeResponse)
+from shared.protocol.tokenizer import EncodeRequest
+
+
+async def tokenize_body(ctx: GatewayContext, body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+    check_model(ctx, body.model)
+    if isinstance(body, TokenizeChatRequest):
+        req = EncodeRequest(messages=chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt)
+    else:
+        req = EncodeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
+    ids = await encode(ctx, req)
+    strs = ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len(), tokens=ids, token_strs=strs)
+
+
+def detokenize_body(ctx: GatewayContext, body: DetokenizeRequest) -> DetokenizeResponse:
+    check_model(ctx, body.model)
+    vocab = ctx.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens",
+                          code="invalid_token_id")
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+
+
+def kvmesh_version() -> str:
+    try:
+        return version("kvmesh")
+    except PackageNotFoundError:  # running from a checkout that was never installed
+        return "0+unknown"
