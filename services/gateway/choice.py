@@ -17,6 +17,9 @@ from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, GenerateRequest, Sampling, TokenChunk, TokenLogprob
 
 
+STRUCTURED_ERRORS = tuple(f"invalid {kind}" for kind in ("json_object", "json_schema", "regex", "choice", "grammar"))
+
+
 @dataclass
 class Delta:
     index: int
@@ -29,7 +32,9 @@ class Delta:
 
 def remote_error(e: bus.RemoteError) -> APIError:
     if e.code == codes.BAD_REQUEST:
-        return APIError(400, e.message, code="invalid_request")
+        # The engine judges structured-output constraints (it compiles them): name the field.
+        param = "response_format" if e.message.startswith(STRUCTURED_ERRORS) else None
+        return APIError(400, e.message, param=param, code="invalid_request")
     if e.code == codes.OVERLOADED:
         return unavailable(f"decode: {e.message}")
     return APIError(500, f"decode failed: {e.message}", code=e.code)

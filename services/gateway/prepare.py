@@ -4,6 +4,7 @@ Everything that can reject a request happens here, before anything is published 
 """
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from services.gateway.errors import APIError, bad_request, unavailable
 from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
 from shared import bus, subjects
 from shared.protocol import errors as codes
-from shared.protocol.generate import Sampling
+from shared.protocol.generate import Sampling, StructuredSpec
 from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest
 
 
@@ -154,6 +155,7 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
                               code="invalid_token_id")
     if body.allowed_token_ids is not None and not body.allowed_token_ids:
         raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
+    structured = structured_spec(body)
     samplings = []
     for i in range(body.n):
         try:
@@ -163,7 +165,7 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
                 repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
                 stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias,
-                allowed_token_ids=body.allowed_token_ids,
+                allowed_token_ids=body.allowed_token_ids, structured=structured,
             ))
         except (ValidationError, ValueError) as e:
             raise bad_request(_first_message(e)) from None
@@ -171,6 +173,35 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
         request_id=uuid.uuid4().hex, prompts=prompts, samplings=samplings, priority=body.priority,
         stops=body.stop_list(), logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo,
     )
+
+
+def structured_spec(body: _Common) -> StructuredSpec | None:
+    """response_format / vLLM's structured_outputs -> the engine's constraint (compiled, and judged, there)."""
+    rf, so = body.response_format, body.structured_outputs
+    spec = None
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            spec = StructuredSpec(kind="json_object")
+        else:
+            if rf.json_schema is None:
+                raise bad_request("response_format of type json_schema needs a json_schema", param="response_format")
+            spec = StructuredSpec(kind="json_schema", spec=json.dumps(rf.json_schema.schema_))
+    if so is not None:
+        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar)) if v is not None}
+        if len(given) != 1 or spec is not None:
+            raise bad_request("structured_outputs takes exactly one of json, regex, choice, grammar, and not "
+                              "together with response_format", param="structured_outputs")
+        ((key, value),) = given.items()
+        if key == "json":
+            spec = StructuredSpec(kind="json_schema", spec=value if isinstance(value, str) else json.dumps(value))
+        elif key == "choice":
+            if not value:
+                raise bad_request("structured_outputs.choice must not be empty", param="structured_outputs")
+            spec = StructuredSpec(kind="choice", spec=json.dumps(value))
+        else:
+            spec = StructuredSpec(kind=key, spec=value)
+    return spec
 
 
 def _logit_bias(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:

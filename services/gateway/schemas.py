@@ -25,6 +25,29 @@ class StreamOptions(_Request):
     continuous_usage_stats: StrictBool = False  # vLLM: usage in every chunk, not only the last
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's structured_outputs extension: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _Common(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -51,6 +74,8 @@ class _Common(_Request):
     # vLLM's sampling extras.
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Common:

@@ -14,6 +14,7 @@ from shared.block_hash import root_hash
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.grammar import GrammarBackend
 from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
@@ -86,6 +87,7 @@ class LLMEngine:
         self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
         self.capture_kv: dict[str, int] = {}
         self.iteration_tokens = CumulativeHistogram()
+        self._grammar: GrammarBackend | None = None
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
                  config.block_size, self.dtype, self.kv_dtype)
 
@@ -124,6 +126,8 @@ class LLMEngine:
         bad = next((t for t in params.token_ids_named if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"sampling parameters name token id {bad}, outside the vocabulary [0, {vocab})")
+        if params.structured is not None:
+            self.grammar().compile(params.structured)  # a bad schema or grammar is the request's error
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens")
         need = self.block_manager.blocks_for(min(n + params.max_tokens, self.max_model_len))
@@ -223,7 +227,17 @@ class LLMEngine:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        return Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
+        if params.structured is not None:
+            seq.matcher = self.grammar().matcher(params.structured)
+        return seq
+
+    def grammar(self) -> GrammarBackend:
+        """The structured-output backend, built on the first structured request (xgrammar loads slowly)."""
+        if self._grammar is None:
+            self._grammar = GrammarBackend(self.config.model, self.model_config.vocab_size,
+                                           self.model_config.eos_token_ids)
+        return self._grammar
 
     def _track(self, seq: Sequence, capture_kv_from_block: int | None) -> None:
         self.seqs[seq.request_id] = seq
@@ -268,17 +282,30 @@ class LLMEngine:
             last_row.append(end - 1)
         rows = [last_row[i] for i, _ in sampling]
         logits = self.runner.execute(plan.scheduled, rows)
+        # On CUDA the forward is still running here: the grammar masks are filled on the host meanwhile.
+        bitmask = self._token_bitmask([s for _, s in sampling])
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         if not rows:
             return []
         now = time.time()
-        samples = self.sampler.sample(logits, [s for _, s in sampling])
+        samples = self.sampler.sample(logits, [s for _, s in sampling], token_bitmask=bitmask)
         return [self._append_token(seq, token, lp, now) for (_, seq), (token, lp) in zip(sampling, samples)]
+
+    def _token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        rows = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        mask = self.grammar().allocate(len(seqs))
+        for i, matcher in rows:
+            matcher.fill_next_token_bitmask(mask, i)
+        return mask
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
         seq.token_ids.append(token)
+        if seq.matcher is not None and not seq.matcher.is_terminated():
+            seq.matcher.accept_token(token)
         if lp is not None:
             seq.logprobs.append(lp)
         if seq.first_token_time is None:
@@ -299,6 +326,8 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop"  # the grammar is complete (it accepted a stop token)
         if seq.num_output_tokens >= p.min_tokens and token in self.sampler.stop_ids(seq):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
@@ -131,14 +132,19 @@ class Sampler:
             torch.empty(vocab_size, device=self.device).exponential_(generator=self._own_generator(seq))
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-        """logits: [len(seqs), vocab] on the sampler's device (modified in place)."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], token_bitmask: torch.Tensor | None = None
+               ) -> list[tuple[int, TokenLogprobs | None]]:
+        """logits: [len(seqs), vocab] on the sampler's device (modified in place). token_bitmask: int32
+        [len(seqs), ceil(vocab / 32)] in xgrammar's layout (structured outputs; rows of -1 are free)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [{len(seqs)}, vocab], got {tuple(logits.shape)}")
         logits = logits.float()
         params = [s.params for s in seqs]
         top_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw = torch.log_softmax(logits, dim=-1) if top_n is not None else None
+        if token_bitmask is not None:
+            # Before everything else, like logit_bias: the grammar decides what may come next at all.
+            apply_token_bitmask(logits, token_bitmask)
         if all(p.greedy for p in params) and not self._processes(seqs):
             tokens = logits.argmax(-1)
         else:

@@ -4,6 +4,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output, enforced by token masks while decoding (shared/engine/grammar.py).
+
+    kind: json_object (any JSON object), json_schema (spec: the schema as JSON text), regex (spec: the
+    pattern), choice (spec: a JSON list of the allowed strings), grammar (spec: EBNF, xgrammar's dialect).
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output {self.kind} needs a specification")
 
 
 @dataclass
@@ -25,6 +44,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: every other token is masked out.
     allowed_token_ids: list[int] | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

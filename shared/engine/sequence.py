@@ -5,6 +5,8 @@ import enum
 import itertools
 import time
 
+from typing import Any
+
 import torch
 
 from shared.block_hash import BlockHash
@@ -47,6 +49,7 @@ class Sequence:
         # A seeded request's own generator keeps its samples independent of the batch it runs in; the
         # sampler creates it on its device the first time the request samples.
         self.generator: torch.Generator | None = None
+        self.matcher: Any = None  # xgrammar GrammarMatcher of a structured-output request
 
     @property
     def num_tokens(self) -> int:

@@ -7,10 +7,15 @@ from typing import ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import SamplingParams, StructuredOutput
 from shared.wire import Message, WireModel
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class StructuredSpec(WireModel):
+    kind: str
+    spec: str = ""
 
 
 class Sampling(WireModel):
@@ -32,6 +37,7 @@ class Sampling(WireModel):
     # Token ids as string keys, as in OpenAI's JSON: our msgpack wire only takes string map keys.
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured: StructuredSpec | None = None
 
     @model_validator(mode="after")
     def _valid(self) -> Sampling:
@@ -50,11 +56,16 @@ class Sampling(WireModel):
                 fields["logit_bias"] = {int(k): b for k, b in self.logit_bias.items()}
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids") from None
+        if self.structured is not None:
+            fields["structured"] = StructuredOutput(self.structured.kind, self.structured.spec)
         return SamplingParams(**fields)
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> Sampling:
-        return cls(**asdict(params))
+        fields = asdict(params)
+        if params.logit_bias is not None:
+            fields["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+        return cls(**fields)
 
 
 class GenerateRequest(Message):
