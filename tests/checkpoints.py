@@ -43,9 +43,10 @@ class Checkpoint:
     hf_model: torch.nn.Module
 
 
-def build_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Checkpoint:
+def build_checkpoint(arch: str, out_dir: Path, seed: int = 0, **overrides) -> Checkpoint:
+    """overrides: config fields on top of COMMON and the architecture's (e.g. a longer max_position_embeddings)."""
     config_cls, model_cls, extra = ARCHS[arch]
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**(COMMON | extra | overrides))
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     model.generation_config.eos_token_id = EOS

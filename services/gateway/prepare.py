@@ -12,11 +12,12 @@ from pydantic import ValidationError
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, bad_request, unavailable
+from services.gateway.tools import ToolPlan, plan_tools
 from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
 from shared import bus, subjects
 from shared.protocol import errors as codes
 from shared.protocol.generate import Sampling, StructuredSpec
-from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest
+from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest, ToolCall, ToolCallFunction
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Prepared:
     max_tokens: int
     model: str
     echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
+    tools: ToolPlan | None = None  # chat with tools: how the answer's tool calls are made and found
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -78,19 +80,29 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
 
 async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prepared:
     model = check_model(ctx, body.model)
+    tools = plan_tools(body, getattr(ctx.tokenizer, "chat_template", None))
     ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
-                                          add_generation_prompt=body.add_generation_prompt))
+                                          add_generation_prompt=body.add_generation_prompt,
+                                          tools_json=tools.tools_json if tools is not None else None))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _finish(ctx, body, model, [ids], max_tokens, logprobs, max_tokens_param=param)
+    return _finish(ctx, body, model, [ids], max_tokens, logprobs, max_tokens_param=param, tools=tools)
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     # Templates know system/user/assistant/tool; OpenAI's "developer" is the new name for system.
-    return [ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()) for m in messages]
+    out = []
+    for m in messages:
+        calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.function.name, arguments=c.function.arguments))
+                 for c in m.tool_calls or []] or None
+        if m.role == "tool" and not m.tool_call_id:
+            raise bad_request("a message with role tool needs tool_call_id", param="messages")
+        out.append(ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text(), tool_calls=calls,
+                               tool_call_id=m.tool_call_id))
+    return out
 
 
 async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None = None) -> list[int]:
@@ -111,7 +123,8 @@ async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None 
 
 
 def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[int]], max_tokens: int | None,
-            logprobs: int | None, max_tokens_param: str = "max_tokens", echo: list[str] | None = None) -> Prepared:
+            logprobs: int | None, max_tokens_param: str = "max_tokens", echo: list[str] | None = None,
+            tools: ToolPlan | None = None) -> Prepared:
     if len(body.stop_list()) > MAX_STOPS:
         raise bad_request(f"at most {MAX_STOPS} stop strings are supported", param="stop")
     vocab = ctx.vocab_size
@@ -155,7 +168,7 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
                               code="invalid_token_id")
     if body.allowed_token_ids is not None and not body.allowed_token_ids:
         raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
-    structured = structured_spec(body)
+    structured = (tools.constraint() if tools is not None else None) or structured_spec(body)
     samplings = []
     for i in range(body.n):
         try:
@@ -171,7 +184,7 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
             raise bad_request(_first_message(e)) from None
     return Prepared(
         request_id=uuid.uuid4().hex, prompts=prompts, samplings=samplings, priority=body.priority,
-        stops=body.stop_list(), logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo,
+        stops=body.stop_list(), logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo, tools=tools,
     )
 
 

@@ -10,7 +10,9 @@ from transformers import PreTrainedTokenizerBase
 from services.gateway.choice import Delta
 from services.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                       ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, CompletionChoice,
-                                      CompletionLogprobs, CompletionResponse, TopLogprob, Usage, dump)
+                                      CompletionLogprobs, CompletionResponse, FunctionCallDelta, FunctionCallOut,
+                                      ToolCallDelta, ToolCallOut, TopLogprob, Usage, dump)
+from services.gateway.tools import ParsedCall, ToolPlan, ToolStream
 from shared.protocol.generate import TokenLogprob
 
 
@@ -35,9 +37,11 @@ class Formatter:
     prefix = "cmpl"
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model: str, request_id: str, n: int, logprobs: int | None,
-                 echo: list[str] | None = None, per_prompt: int = 1) -> None:
+                 echo: list[str] | None = None, per_prompt: int = 1, tools: ToolPlan | None = None) -> None:
         self.tok, self.model, self.n, self.logprobs = tokenizer, model, n, logprobs
         self.echo, self.per_prompt = echo, per_prompt
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        self._tool_streams = [ToolStream(self.tools) for _ in range(n)] if self.tools else []
         self.id = f"{self.prefix}-{request_id}"
         self.created = int(time.time())
         self._acc = [_Acc() for _ in range(n)]
@@ -141,20 +145,45 @@ class ChatFormatter(Formatter):
                 for i in range(self.n)]
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
-        delta = ChatDelta(content=d.text) if d.text or not d.finish_reason else ChatDelta()
-        choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=d.finish_reason)
+        finish = d.finish_reason
+        if self.tools is None:
+            delta = ChatDelta(content=d.text) if d.text or not d.finish_reason else ChatDelta()
+        else:
+            stream = self._tool_streams[d.index]
+            content = stream.feed(d.text)
+            calls: list[ParsedCall] = []
+            if d.finish_reason:
+                rest, calls = stream.finish()
+                content += rest
+                finish = self._finish_reason(d.finish_reason, calls)
+            delta = ChatDelta(content=content or None, tool_calls=[
+                ToolCallDelta(index=k, id=c.id, type="function", function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                for k, c in enumerate(calls)] or None)
+        choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=finish)
         body = dump(self._chunk([choice]))
         if not include_usage:
             body.pop("usage")
         return body
 
+    def _finish_reason(self, reason: str, calls: list[ParsedCall]) -> str:
+        # OpenAI: "tool_calls" when the model chose to call; a forced named function ends with "stop".
+        return "tool_calls" if calls and self.tools is not None and self.tools.mode != "named" and reason == "stop" else reason
+
+    def _message(self, a: _Acc) -> tuple[ChatMessageOut, str | None]:
+        if self.tools is None:
+            return ChatMessageOut(content=a.text), a.finish_reason
+        content, calls = self.tools.parse(a.text)
+        out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+        reason = self._finish_reason(a.finish_reason, calls) if a.finish_reason else None
+        return ChatMessageOut(content=content, tool_calls=out), reason
+
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return dump(self._chunk([], u))
 
     def final(self, u: Usage) -> dict[str, Any]:
-        choices = [
-            ChatChoice(index=i, message=ChatMessageOut(content=a.text), logprobs=self._logprobs(a.logprobs),
-                       finish_reason=a.finish_reason, stop_reason=a.stop_reason)
-            for i, a in enumerate(self._acc)
-        ]
+        choices = []
+        for i, a in enumerate(self._acc):
+            message, reason = self._message(a)
+            choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(a.logprobs), finish_reason=reason,
+                                      stop_reason=a.stop_reason))
         return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))

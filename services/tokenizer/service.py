@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -90,8 +91,10 @@ class TokenizerService(Service):
     def _encode_sync(self, req: EncodeRequest) -> list[int]:
         if req.messages is not None:
             try:
-                return encode_chat(self.tokenizer, [m.model_dump() for m in req.messages], req.add_generation_prompt)
-            except (ValueError, jinja2.TemplateError) as e:  # no template, or the template rejects the conversation
+                tools = json.loads(req.tools_json) if req.tools_json else None
+                messages = [m.model_dump(exclude_none=True) for m in req.messages]
+                return encode_chat(self.tokenizer, messages, req.add_generation_prompt, tools)
+            except (ValueError, TypeError, jinja2.TemplateError) as e:  # no template, or the template rejects the conversation
                 raise bus.RemoteError(codes.BAD_REQUEST, f"chat template: {e}") from None
         return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
 

@@ -23,12 +23,35 @@ PAD = "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END, PAD)
 MODEL_MAX_LENGTH = 2048
 
-# ChatML. `bos_token` comes from the tokenizer's special tokens map, which transformers passes to
-# every template render.
+# ChatML, with tools the way Qwen2.5/Qwen3 (Hermes-style) render them: the function signatures in a
+# system block inside <tools></tools>, the assistant's calls as <tool_call>{json}</tool_call>, tool
+# results as <tool_response> in a user turn. `bos_token` comes from the tokenizer's special tokens map.
 DEFAULT_CHAT_TEMPLATE = (
     "{{- bos_token -}}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and tools and loop.first -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') -%}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' + call['function']['name'] + '\\\", \\\"arguments\\\": ' "
+    "+ call['function']['arguments'] + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"

@@ -29,6 +29,7 @@ def encode_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, object]],
     add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """Prompt ids for `messages` ({"role", "content"} dicts) through the checkpoint's chat template.
 
@@ -40,6 +41,7 @@ def encode_chat(
     out = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         add_generation_prompt=add_generation_prompt,
+        tools=tools or None,
         tokenize=True,
         return_dict=False,
     )

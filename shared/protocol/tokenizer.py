@@ -8,9 +8,22 @@ from pydantic import model_validator
 from shared.wire import Message, WireModel
 
 
+class ToolCallFunction(WireModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(WireModel):
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(WireModel):
     role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class EncodeRequest(Message):
@@ -23,6 +36,9 @@ class EncodeRequest(Message):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # only with messages
     add_special_tokens: bool = True  # only with prompt
+    # Function tools for the chat template, as a JSON array of OpenAI tool objects (JSON schemas are
+    # arbitrarily nested; as text they cross the wire without a schema of their own).
+    tools_json: str | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> EncodeRequest:

@@ -1,0 +1,218 @@
+"""Tool calling: the request's rules, the constraint that enforces `required` and a named tool_choice,
+and the parsers that find tool calls in a model's own text (for `auto`), chosen by the chat template.
+
+- `required` / a named function: the output is constrained (structured outputs) to a JSON array of
+  {"name", "parameters"} objects (vLLM's shape) / to the named function's parameters, so the calls
+  always parse and match the schemas.
+- `auto`: the model decides; its text is parsed in the format its chat template teaches: Hermes-style
+  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Qwen2/Qwen3, and the demo template) or
+  Llama 3.x's JSON form (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.gateway.errors import bad_request
+from services.gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
+from shared.protocol.generate import StructuredSpec
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+class ToolParser:
+    """Finds tool calls in generated text; `start` marks where calls begin, for streaming."""
+
+    start: str = ""
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        raise NotImplementedError
+
+    def begins_calls(self, text: str) -> int | None:
+        """Index in `text` where tool calls begin, if they have."""
+        i = text.find(self.start)
+        return None if i < 0 else i
+
+    def holdback(self, text: str) -> int:
+        """How many trailing characters of `text` could still turn out to be the start of the calls."""
+        return next((k for k in range(min(len(text), len(self.start) - 1), 0, -1) if self.start.startswith(text[-k:])), 0)
+
+
+def _call(obj: object, args_key: str) -> ParsedCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", {}))
+    return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+class HermesParser(ToolParser):
+    start = "<tool_call>"
+    _call_re = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        calls = []
+        for body in self._call_re.findall(text):
+            try:
+                call = _call(json.loads(body), "arguments")
+            except json.JSONDecodeError:
+                call = None
+            if call is not None:
+                calls.append(call)
+        if not calls:
+            return text, []
+        content = text[: text.find(self.start)].strip()
+        return content or None, calls
+
+
+class Llama3JsonParser(ToolParser):
+    start = "<|python_tag|>"
+
+    def begins_calls(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith(self.start) or stripped.startswith("{"):
+            return len(text) - len(stripped)
+        return None
+
+    def holdback(self, text: str) -> int:
+        stripped = text.lstrip()
+        return len(text) if not stripped or self.start.startswith(stripped) else 0
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip().removeprefix(self.start).strip()
+        calls = []
+        for part in [p for p in body.split(";") if p.strip()] if body.startswith("{") else []:
+            try:
+                call = _call(json.loads(part), "parameters")
+            except json.JSONDecodeError:
+                return text, []
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (None, calls) if calls else (text, [])
+
+
+def parser_for_template(template: str | None) -> ToolParser | None:
+    if not template:
+        return None
+    if "<tool_call>" in template:
+        return HermesParser()
+    if "<|python_tag|>" in template or '"parameters"' in template:
+        return Llama3JsonParser()
+    return None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: Literal["none", "auto", "required", "named"]
+    tools: list[Tool]
+    parallel: bool = True
+    name: str | None = None  # the named function
+    parser: ToolParser | None = None  # auto
+
+    @property
+    def tools_json(self) -> str:
+        return json.dumps([t.model_dump(mode="json") for t in self.tools], ensure_ascii=False)
+
+    def constraint(self) -> StructuredSpec | None:
+        if self.mode == "named":
+            fn = next(t.function for t in self.tools if t.function.name == self.name)
+            return StructuredSpec(kind="json_schema", spec=json.dumps(fn.parameters))
+        if self.mode == "required":
+            items = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                                  "parameters": t.function.parameters},
+                                "required": ["name", "parameters"], "additionalProperties": False}
+                               for t in self.tools]}
+            schema: dict = {"type": "array", "items": items, "minItems": 1}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredSpec(kind="json_schema", spec=json.dumps(schema))
+        return None
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """The final text of a choice -> (content, calls)."""
+        if self.mode == "named":
+            return None, [ParsedCall(self.name or "", text)]
+        if self.mode == "required":
+            try:
+                calls = [_call(c, "parameters") for c in json.loads(text)]
+            except (json.JSONDecodeError, TypeError):
+                return text, []
+            return None, [c for c in calls if c is not None]
+        if self.mode == "auto" and self.parser is not None:
+            content, calls = self.parser.parse(text)
+            return content, calls if self.parallel else calls[:1]
+        return text, []
+
+
+def plan_tools(body: ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:
+    """The request's tool mode, or a 400 for an inconsistent request. None: no tools involved."""
+    choice = body.tool_choice
+    if not body.tools:
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            raise bad_request("tool_choice needs tools: the request has none", param="tool_choice")
+        return None
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", param="tools")
+    if choice == "none":
+        return ToolPlan("none", body.tools)
+    if (body.response_format is not None and body.response_format.type != "text") or body.structured_outputs:
+        if choice is not None and choice != "auto":
+            raise bad_request("tool_choice required or a named function cannot be combined with response_format",
+                              param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                              param="tool_choice")
+        return ToolPlan("named", body.tools, body.parallel_tool_calls, name=choice.function.name)
+    if choice == "required":
+        return ToolPlan("required", body.tools, body.parallel_tool_calls)
+    parser = parser_for_template(chat_template)
+    if parser is None:
+        raise bad_request("tool_choice auto needs a chat template with a tool-call format (Hermes <tool_call> or "
+                          "Llama 3 JSON); use tool_choice required or a named function", param="tool_choice")
+    return ToolPlan("auto", body.tools, body.parallel_tool_calls, parser=parser)
+
+
+class ToolStream:
+    """One choice's streamed text under a tool plan: content is passed on until tool calls may begin,
+    then held back; at the end the held text is parsed into calls."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.sent = 0  # characters of text already passed on as content
+        self.holding = plan.mode in ("named", "required")  # constrained output is all calls
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.holding:
+            return ""
+        parser = self.plan.parser
+        if self.plan.mode != "auto" or parser is None:
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out
+        begin = parser.begins_calls(self.text)
+        if begin is not None:
+            self.holding = True
+            out, self.sent = self.text[self.sent:begin], max(self.sent, begin)
+            return out
+        end = max(len(self.text) - parser.holdback(self.text), self.sent)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        """(content not yet sent, calls) once the choice is over."""
+        content, calls = self.plan.parse(self.text)
+        if calls:
+            rest = (content or "")[self.sent:] if content and len(content) > self.sent else ""
+            return rest, calls
+        return self.text[self.sent:], []
