@@ -1,16 +1,20 @@
 """The FastAPI app: OpenAI routes, /health and /metrics, over one GatewayContext."""
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import Depends, FastAPI, Header, Request
+from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway.auth import check_api_key
 from services.gateway.context import GatewayContext
 from services.gateway.endpoint import serve_generation
-from services.gateway.errors import install_error_handlers
+from services.gateway.errors import bad_request, install_error_handlers
+from services.gateway.openai_responses import ResponsesFormatter, ResponsesRequest, to_chat
 from services.gateway.health import check_health
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.prepare import check_model, prepare_chat, prepare_completion
+from services.gateway.prepare import first_message, check_model, prepare_chat, prepare_completion
 from services.gateway.tokenize import detokenize_body, kvmesh_version, tokenize_body
 from services.gateway.responses import ChatFormatter, CompletionFormatter
 from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
@@ -37,6 +41,15 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         # root is the served name, never the model's path on the server's disk.
         name = ctx.config.served_model_name
         return ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.max_model_len())
+
+    @app.post("/v1/responses", dependencies=[Depends(authorized)])
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        try:
+            chat = to_chat(body)
+        except ValidationError as e:
+            raise bad_request(first_message(e), param="input") from None
+        return await serve_generation(ctx, request, chat, "/v1/responses", prepare_chat,
+                                      partial(ResponsesFormatter, request=body))
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> JSONResponse:

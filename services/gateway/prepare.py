@@ -181,7 +181,7 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
                 allowed_token_ids=body.allowed_token_ids, structured=structured,
             ))
         except (ValidationError, ValueError) as e:
-            raise bad_request(_first_message(e)) from None
+            raise bad_request(first_message(e)) from None
     return Prepared(
         request_id=uuid.uuid4().hex, prompts=prompts, samplings=samplings, priority=body.priority,
         stops=body.stop_list(), logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo, tools=tools,
@@ -238,7 +238,7 @@ def _logit_bias(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | 
     return out
 
 
-def _first_message(e: Exception) -> str:
+def first_message(e: Exception) -> str:
     if isinstance(e, ValidationError) and e.errors():
         return str(e.errors()[0].get("msg", e)).removeprefix("Value error, ")
     return str(e)

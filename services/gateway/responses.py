@@ -1,6 +1,7 @@
 """Deltas -> OpenAI bodies: whole responses and SSE chunks, for completions and chat completions."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,8 +58,20 @@ class Formatter:
     def token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)
 
+    done = "data: [DONE]\n\n"  # what ends the SSE stream
+
+    def sse(self, data: dict[str, Any]) -> str:
+        return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
+
+    def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
+        """The SSE events of one delta (one chunk for chat and completions)."""
+        return [self.chunk(d, include_usage)]
+
+    def error_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
+        return body
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         raise NotImplementedError
