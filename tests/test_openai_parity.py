@@ -4,6 +4,7 @@ types, through the real openai client against a real nats-server, tokenizer serv
 from __future__ import annotations
 
 import httpx
+import torch
 import openai
 import pytest
 
@@ -13,9 +14,13 @@ from tests.test_gateway_api import expect_error
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):  # noqa: ANN001, ANN201
-    model_dir = build_checkpoint("llama", tmp_path_factory.mktemp("parity") / "llama").path
-    m = Mesh(tmp_path_factory.mktemp("nats"), model_dir)
+def ckpt(tmp_path_factory):  # noqa: ANN001, ANN201
+    return build_checkpoint("llama", tmp_path_factory.mktemp("parity") / "llama")
+
+
+@pytest.fixture(scope="module")
+def mesh(ckpt, tmp_path_factory):  # noqa: ANN001, ANN201
+    m = Mesh(tmp_path_factory.mktemp("nats"), ckpt.path)
     try:
         m.start_tokenizer()
         m.start_decoder("d0")
@@ -60,8 +65,28 @@ def test_echo_puts_the_prompt_first(client) -> None:  # noqa: ANN001
     streamed = "".join(c.choices[0].text for c in greedy(client, prompt="Hello there", max_tokens=5, echo=True,
                                                          stream=True) if c.choices)
     assert streamed == "Hello there" + plain
-    expect_error(openai.BadRequestError, lambda: greedy(client, prompt="x", echo=True, logprobs=1), 400, "echo")
+
     expect_error(openai.BadRequestError, lambda: greedy(client, prompt="x", suffix="y"), 400, "suffix")
+
+
+def test_echo_with_logprobs_reports_the_prompt_tokens_like_transformers(client, ckpt) -> None:  # noqa: ANN001
+    prompt = [5, 17, 99, 3, 250, 41]
+    r = greedy(client, prompt=prompt, max_tokens=3, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(ckpt.hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    for i in range(1, len(prompt)):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
+        assert len(lp.top_logprobs[i]) <= 2
+    assert lp.text_offset == sorted(lp.text_offset)
+    streamed = [c for c in greedy(client, prompt=prompt, max_tokens=3, echo=True, logprobs=2, stream=True) if c.choices]
+    slp = streamed[0].choices[0].logprobs
+    assert slp.token_logprobs[0] is None and len(slp.tokens) >= len(prompt)
+    assert sum(len(c.choices[0].logprobs.tokens) for c in streamed) == len(prompt) + 3
+    # Twice: the prompt logprobs do not depend on a cached prefix.
+    again = greedy(client, prompt=prompt, max_tokens=3, echo=True, logprobs=2).choices[0].logprobs
+    assert again.token_logprobs == lp.token_logprobs
 
 
 def test_logit_bias_forces_and_bans_tokens_and_is_validated(client, mesh) -> None:  # noqa: ANN001

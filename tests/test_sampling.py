@@ -159,3 +159,23 @@ def test_token_ids_named_by_sampling_are_checked_against_the_vocabulary(checkpoi
             engine.add_request("bad", [1, 2, 3], SamplingParams(**bad))
     assert not engine.has_unfinished_requests()
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompt_logprobs_over_chunked_prefill_match_transformers(checkpoints, arch):
+    """Chunks of 16 tokens: every prompt position's logits are kept, across chunk boundaries, and a cached
+    prefix is not used (its positions would have no logits)."""
+    ckpt = checkpoints[arch]
+    engine = make_engine(ckpt, max_num_batched_tokens=16)
+    prompt = random_prompts([45], seed=9)[0]
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # warms the cache
+    out = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(ckpt.hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    for i in range(1, len(prompt)):
+        lp = out.prompt_logprobs[i]
+        assert lp.token_id == prompt[i] and lp.logprob == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-4)
+        assert [t for t, _ in lp.top] == ref[i - 1].topk(3).indices.tolist()
+    one = engine.generate([[7]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert one.prompt_logprobs == [None]

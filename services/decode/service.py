@@ -158,11 +158,13 @@ class DecodeService(EngineWorker):
                 span.set_attribute("kvmesh.prefill", "local-queued")
                 self.queued_local += 1
                 return
-            cached = await self.load_from_kvstore(rid, res)
+            # Prompt logprobs need the logits of every prompt position: computed here, nothing fetched.
+            here = params.prompt_logprobs is not None
+            cached = 0 if here else await self.load_from_kvstore(rid, res)
             a.num_cached_tokens = cached
             span.set_attribute("kvmesh.cached_tokens", cached)
             tail = len(req.prompt_token_ids) - cached
-            remote = tail >= self.settings.remote_prefill_threshold
+            remote = tail >= self.settings.remote_prefill_threshold and not here
             span.set_attribute("kvmesh.prefill", "remote" if remote else "local")
         if remote and await self._remote_prefill(a, res, cached):
             return
@@ -239,7 +241,11 @@ class DecodeService(EngineWorker):
         lps = None
         if a.req.sampling.logprobs is not None and out.logprobs:
             lps = [TokenLogprob.from_engine(lp) for lp in out.logprobs[-len(out.new_token_ids):]]
+        plps = None
+        if a.next_seq == 0 and out.prompt_logprobs is not None:
+            plps = [None if lp is None else TokenLogprob.from_engine(lp) for lp in out.prompt_logprobs]
         chunk = TokenChunk(request_id=out.request_id, seq=a.next_seq, token_ids=out.new_token_ids, logprobs=lps,
+                           prompt_logprobs=plps,
                            finish_reason=out.finish_reason if out.finished else None,
                            num_cached_tokens=max(a.num_cached_tokens, out.num_cached_tokens) if a.next_seq == 0 else None,
                            timings=request_timings(out) if out.finished else None)

@@ -26,6 +26,7 @@ class Delta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when requested
     finish_reason: str | None = None
     stop_reason: str | None = None  # the stop string, when one ended the text
 
@@ -138,7 +139,7 @@ class Choice:
             raise APIError(500, f"generation failed: {chunk.error or 'unknown error'}", code="generation_error")
         if chunk.finish_reason == "abort":
             raise unavailable("the decode worker aborted the request", code="aborted")
-        delta = Delta(self.index)
+        delta = Delta(self.index, prompt_logprobs=chunk.prompt_logprobs)
         if chunk.token_ids:
             if self.first_token_time is None:
                 self.first_token_time = now
@@ -166,7 +167,7 @@ class Choice:
             delta.finish_reason = self.finish_reason
             m.finished(self.finish_reason or "stop")
             m.choice_done(len(self._req.prompt_token_ids), self.num_tokens, self._req.sampling.max_tokens, chunk.timings)
-        if not delta.text and not delta.token_ids and not delta.finish_reason:
+        if not delta.text and not delta.token_ids and not delta.finish_reason and delta.prompt_logprobs is None:
             return None
         return delta
 

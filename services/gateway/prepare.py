@@ -54,9 +54,6 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
     model = check_model(ctx, body.model)
     if body.suffix:
         raise bad_request("suffix is not supported: the served model has no infilling template", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs needs the prompt's logprobs, which kvmesh does not compute yet",
-                          param="echo")
     prompt = body.prompt
     # One prompt (a string or token ids) or a batch of them (strings or token-id lists).
     batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
@@ -179,6 +176,8 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
                 frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
                 stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias,
                 allowed_token_ids=body.allowed_token_ids, structured=structured,
+                # echo with logprobs reports the prompt's tokens too.
+                prompt_logprobs=logprobs if echo is not None and logprobs is not None else None,
             ))
         except (ValidationError, ValueError) as e:
             raise bad_request(first_message(e)) from None

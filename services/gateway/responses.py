@@ -28,6 +28,7 @@ class _Acc:
 
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | None = None
 
@@ -38,9 +39,11 @@ class Formatter:
     prefix = "cmpl"
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model: str, request_id: str, n: int, logprobs: int | None,
-                 echo: list[str] | None = None, per_prompt: int = 1, tools: ToolPlan | None = None) -> None:
+                 echo: list[str] | None = None, per_prompt: int = 1, tools: ToolPlan | None = None,
+                 prompts: list[list[int]] | None = None) -> None:
         self.tok, self.model, self.n, self.logprobs = tokenizer, model, n, logprobs
-        self.echo, self.per_prompt = echo, per_prompt
+        self.echo, self.per_prompt, self.prompts = echo, per_prompt, prompts
+        self._echo_sent = [False] * n
         self.tools = tools if tools is not None and tools.mode != "none" else None
         self._tool_streams = [ToolStream(self.tools) for _ in range(n)] if self.tools else []
         self.id = f"{self.prefix}-{request_id}"
@@ -52,6 +55,8 @@ class Formatter:
         a = self._acc[d.index]
         a.text += d.text
         a.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            a.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason:
             a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
 
@@ -86,22 +91,41 @@ class Formatter:
 class CompletionFormatter(Formatter):
     prefix = "cmpl"
 
-    def _logprobs(self, index: int, lps: list[TokenLogprob]) -> CompletionLogprobs | None:
+    def _logprobs(self, index: int, lps: list[TokenLogprob],
+                  prompt: list[TokenLogprob | None] | None = None) -> CompletionLogprobs | None:
         if self.logprobs is None:
             return None
         out = CompletionLogprobs(top_logprobs=[] if self.logprobs else None)
-        for lp in lps:
-            text = self.token_text(lp.token_id)
+        # echo with logprobs: the prompt's tokens first, the first one without a logprob (vLLM, OpenAI).
+        entries: list[tuple[TokenLogprob | None, int | None]] = []
+        if prompt is not None:
+            ids = self._prompt_ids(index)
+            entries += [(lp, tok) for lp, tok in zip(prompt, ids)]
+        entries += [(lp, None) for lp in lps]
+        for lp, tok in entries:
+            text = self.token_text(lp.token_id if lp is not None else tok)
             out.tokens.append(text)
-            out.token_logprobs.append(lp.logprob)
+            out.token_logprobs.append(lp.logprob if lp is not None else None)
             out.text_offset.append(self._offsets[index])
             self._offsets[index] += len(text)
             if out.top_logprobs is not None:
-                out.top_logprobs.append({self.token_text(t): p for t, p in zip(lp.top_ids, lp.top_logprobs)})
+                out.top_logprobs.append(None if lp is None else
+                                        {self.token_text(t): p for t, p in zip(lp.top_ids, lp.top_logprobs)})
         return out
 
+    def _prompt_ids(self, index: int) -> list[int]:
+        return self.prompts[index // self.per_prompt] if self.prompts else []
+
+    def _echoed(self, index: int) -> str:
+        return self.echo[index // self.per_prompt] if self.echo else ""
+
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
-        choice = CompletionChoice(index=d.index, text=d.text, logprobs=self._logprobs(d.index, d.logprobs),
+        text, prompt = d.text, None
+        if self.echo and not self._echo_sent[d.index]:
+            # echo: the prompt's text (and its logprobs) lead the choice's first chunk.
+            self._echo_sent[d.index] = True
+            text, prompt = self._echoed(d.index) + text, d.prompt_logprobs
+        choice = CompletionChoice(index=d.index, text=text, logprobs=self._logprobs(d.index, d.logprobs, prompt),
                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason)
         body = dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
         if not include_usage:
@@ -111,24 +135,10 @@ class CompletionFormatter(Formatter):
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         return dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u))
 
-    def _echoed(self, index: int) -> str:
-        return self.echo[index // self.per_prompt] if self.echo else ""
-
-    def start_chunks(self) -> list[dict[str, Any]]:
-        # echo streams each choice's prompt text as its first delta (vLLM's behaviour).
-        if not self.echo:
-            return []
-        out = []
-        for i in range(self.n):
-            body = dump(CompletionResponse(id=self.id, created=self.created, model=self.model,
-                                           choices=[CompletionChoice(index=i, text=self._echoed(i))]))
-            body.pop("usage")
-            out.append(body)
-        return out
-
     def final(self, u: Usage) -> dict[str, Any]:
         choices = [
-            CompletionChoice(index=i, text=self._echoed(i) + a.text, logprobs=self._logprobs(i, a.logprobs),
+            CompletionChoice(index=i, text=self._echoed(i) + a.text,
+                             logprobs=self._logprobs(i, a.logprobs, a.prompt_logprobs if self.echo else None),
                              finish_reason=a.finish_reason, stop_reason=a.stop_reason)
             for i, a in enumerate(self._acc)
         ]

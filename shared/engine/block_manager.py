@@ -51,8 +51,8 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks covering the longest prefix of seq; at least one token is always left to compute."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed here
         self._update_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

@@ -26,6 +26,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with params.prompt_logprobs
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None  # first step that computed any of its tokens

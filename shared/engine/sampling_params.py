@@ -45,6 +45,10 @@ class SamplingParams:
     # vLLM's allowed_token_ids: every other token is masked out.
     allowed_token_ids: list[int] | None = None
     structured: StructuredOutput | None = None
+    # vLLM's prompt_logprobs: the logprob of every prompt token after the first (and the top-n), as
+    # completions' echo with logprobs reports them. Such a request skips the prefix cache (cached
+    # blocks have no logits) and is prefilled locally.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -67,6 +71,8 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.logit_bias is not None:
             bad = next((v for v in self.logit_bias.values() if not -100 <= v <= 100), None)
             if bad is not None:

@@ -42,6 +42,7 @@ class Sequence:
         self.block_hashes: list[BlockHash] = []  # hashes of the leading full blocks, filled lazily
         self.finish_reason: str | None = None
         self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] = []  # filled as prompt chunks run
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

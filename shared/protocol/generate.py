@@ -38,6 +38,7 @@ class Sampling(WireModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured: StructuredSpec | None = None
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _valid(self) -> Sampling:
@@ -115,6 +116,8 @@ class TokenChunk(Message):
     seq: int  # 0, 1, 2, ... per request; gaps mean lost messages
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # one per token id when requested
+    # With sampling.prompt_logprobs, on the first chunk: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None  # one of FINISH_REASONS
     error: str | None = None  # set with finish_reason "error"
     num_cached_tokens: int | None = None  # prompt tokens served from cache; sent on the first chunk
