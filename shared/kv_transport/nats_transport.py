@@ -62,6 +62,9 @@ class NatsKVTransport(KVTransport):
         if worker_id is not None:
             self._served = await bus.serve(self.nc, subjects.decode_kv_push(worker_id), None, self._on_chunk,
                                            KVBlockChunk)
+            # A round trip to the server: once it answers, the subscription is registered there, so a
+            # sender on another connection can no longer get "no responders" for this worker.
+            await self.nc.flush()
 
     async def stop(self) -> None:
         if self._served is not None:
