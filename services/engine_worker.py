@@ -11,6 +11,7 @@ from opentelemetry import trace
 
 from shared import bus
 from shared.config import EngineConfig
+from shared.engine.commands import Stats, WriteBlocks
 from shared.engine.engine_thread import EngineThread
 from shared.engine.llm_engine import LLMEngine, Reservation
 from shared.engine.offload import Offloader, collect
@@ -54,7 +55,7 @@ class EngineWorker(Service):
         await bus.publish(self.nc, self.load_subject(), beat)
 
     async def _load_snapshot(self) -> LoadBeat:
-        stats = await self.thread.call(lambda e: e.stats())
+        stats = await self.thread.run(Stats())
         e = self.engine
         kv_dtype = str(e.runner.kv_caches[0][0].dtype).removeprefix("torch.")
         return load_beat(self.worker_id, self.role, stats, self.kvstore_hit_tokens, self.block_size,
@@ -91,13 +92,7 @@ class EngineWorker(Service):
             if got is None:
                 return res.num_cached_tokens
             k, v = got
-            def write(e: LLMEngine) -> bool:
-                if rid not in e.held:  # cancelled meanwhile
-                    return False
-                e.write_blocks(rid, own, k, v)
-                return True
-
-            if not await self.thread.call(write):
+            if not await self.thread.run(WriteBlocks(rid, own, k, v)):  # cancelled meanwhile
                 return res.num_cached_tokens
             span.set_attribute("kvmesh.blocks_loaded", k.shape[1])
         self.kvstore_hit_tokens += k.shape[1] * self.block_size

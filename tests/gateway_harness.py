@@ -116,8 +116,7 @@ class Mesh:
         """The worker goes silent as a killed process would: no more tokens, beats or answers."""
         async def go() -> None:
             d = self.decoders.pop(worker_id)
-            for t in d._tasks:
-                t.cancel()
+            d.outbox.stop()
             d.beats.stop()
             await d.micro.stop()
             await d.cancel_sub.unsubscribe()

@@ -17,6 +17,7 @@ from opentelemetry import trace
 
 from shared import bus, subjects
 from shared.config import EngineConfig
+from shared.engine.commands import Abort, Commit, Enqueue, Reserve
 from shared.engine.outputs import RequestOutput
 from shared.kv_transport import TransferError
 from shared.protocol import errors as codes
@@ -120,19 +121,19 @@ class PrefillService(EngineWorker):
             return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error=f"KV push failed: {e}")
         finally:
             if self.pending.pop(rid, None) is not None and not fut.done():
-                await self.thread.call(lambda e: e.abort(rid))
+                await self.thread.run(Abort(rid))
         lp = TokenLogprob.from_engine(out.logprobs[0]) if out.logprobs else None
         return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, first_token_id=out.output_token_ids[0],
                                   logprobs=lp, num_cached_tokens=cached)
 
     async def _admit(self, rid: str, prompt: list[int], params, first_block: int) -> int:
         """Queue the request, reusing this worker's prefix cache and the kvstore; returns cached tokens."""
-        res = await self.thread.call(lambda e: e.reserve(rid, prompt, params, capture_kv_from_block=first_block))
+        res = await self.thread.run(Reserve(rid, prompt, params, capture_kv_from_block=first_block))
         if res is None:
-            await self.thread.call(lambda e: e.add_request(rid, prompt, params, capture_kv_from_block=first_block))
+            await self.thread.run(Enqueue(rid, prompt, params, capture_kv_from_block=first_block))
             return 0
         cached = await self.load_from_kvstore(rid, res)
-        await self.thread.call(lambda e: e.commit_held(rid, cached) if rid in e.held else None)
+        await self.thread.run(Commit(rid, cached))
         return cached
 
     def _on_step(self, outputs: list[RequestOutput], events, offload) -> None:
@@ -155,7 +156,7 @@ class PrefillService(EngineWorker):
         fut = self.pending.get(rid)
         if fut is None:
             return
-        out = await self.thread.call(lambda e: e.abort(rid))
+        out = await self.thread.run(Abort(rid))
         if not fut.done():
             if out is not None:
                 fut.set_result(out)

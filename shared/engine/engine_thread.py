@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from shared.engine.block_events import BlockEvent
+from shared.engine.commands import Command
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 
@@ -43,8 +44,22 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
+    async def run(self, command: Command[T]) -> T:
+        """Run a typed command on the engine thread between steps and return its result."""
+        if not command.delivers_output:
+            return await self.call(command.run)
+
+        def run_and_deliver(engine: LLMEngine) -> T:
+            out = command.run(engine)
+            if out is not None:
+                # Tokens a command produced go out like a step's, ahead of any later step's tokens.
+                self.loop.call_soon_threadsafe(self.on_step, [out], [], None)
+            return out
+        return await self.call(run_and_deliver)
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run fn(engine) on the engine thread between steps and return its result."""
+        """Run fn(engine) on the engine thread between steps (services use run(Command); this is for
+        benchmarks and tests that need to look inside)."""
         fut: Future = Future()
         if self._stopped.is_set():
             raise RuntimeError("engine thread is not running")
@@ -63,9 +78,11 @@ class EngineThread:
         fn, fut = item
         if fut.set_running_or_notify_cancel():
             try:
-                fut.set_result(fn(self.engine))
+                result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - the caller gets the error, the loop lives on
                 fut.set_exception(e)
+                return True
+            fut.set_result(result)
         return True
 
     def _run(self) -> None:

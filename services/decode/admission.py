@@ -1,0 +1,198 @@
+"""One request's way into this decode worker's engine, as an explicit state machine.
+
+    RECEIVED --reserve--> RESERVED --kvstore--> FETCHED --(long tail)--> REMOTE --KV + first token--> RUNNING
+        |                    |                     |                       |
+        | (pool full)        |                     +--(short tail)---------+--(failure: local)-----> RUNNING
+        v                    |
+      QUEUED (computed here once blocks free up)
+    any state --cancel--> CANCELLED (blocks freed, transfer forgotten, prefill worker told)
+    RECEIVED --invalid--> FAILED (400 to the client)
+
+The Admission owns everything the request holds while it is admitted: the reservation of blocks, the
+kvstore fetch, the remote prefill (transfer id, the prefill worker's work) and its cancellation. It
+talks to the engine only with typed commands (shared/engine/commands.py). Whatever fails on the
+remote path (no prefill worker, timeout, bad transfer) falls back to computing locally, so the output
+never changes.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from nats.aio.client import Client
+from opentelemetry import trace
+
+from shared import bus, subjects
+from shared.engine.commands import Abort, Commit, Enqueue, Reserve, WriteBlocks
+from shared.engine.engine_thread import EngineThread
+from shared.engine.llm_engine import Reservation
+from shared.kv_transport import NatsKVTransport, TransferError
+from shared.protocol.generate import CancelRequest, GenerateRequest
+from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
+
+log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.decode")
+
+
+class State(enum.Enum):
+    RECEIVED = "received"
+    RESERVED = "reserved"
+    FETCHED = "fetched"  # the kvstore's chain (if any) is in the reservation
+    REMOTE = "remote_prefill"
+    QUEUED = "queued_local"
+    RUNNING = "running"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    worker_id: str
+    block_size: int
+    remote_prefill_threshold: int
+    remote_prefill_timeout_s: float
+    kv_transfer_timeout_s: float
+
+
+class Host(Protocol):
+    """What an admission needs from its worker."""
+
+    nc: Client
+    thread: EngineThread
+    transport: NatsKVTransport
+
+    async def load_from_kvstore(self, rid: str, res: Reservation) -> int: ...
+
+    async def reject(self, admission: Admission, message: str) -> None: ...
+
+    def admitted(self, admission: Admission) -> None: ...
+
+
+class InvalidRequest(Exception):
+    """The engine refused the request (a 400 for the client)."""
+
+
+class Admission:
+    def __init__(self, req: GenerateRequest, host: Host, settings: AdmissionSettings, span: trace.Span) -> None:
+        self.req = req
+        self.rid = req.request_id
+        self.host = host
+        self.settings = settings
+        self.span = span
+        self.state = State.RECEIVED
+        self.reservation: Reservation | None = None
+        self.num_cached_tokens = 0
+        self.transfer_id: str | None = None
+        self.went_remote = False
+        self.fell_back = False
+        self._task: asyncio.Task | None = None
+
+    # --- driving ------------------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Task:
+        self._task = asyncio.ensure_future(self._run())
+        return self._task
+
+    async def _run(self) -> None:
+        try:
+            await self._admit()
+        except InvalidRequest as e:
+            await self.host.reject(self, str(e))
+            return
+        self.host.admitted(self)
+
+    async def _admit(self) -> None:
+        req, rid, host = self.req, self.rid, self.host
+        params = req.sampling.to_params()
+        with _tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(self.span)) as span:
+            try:
+                res = await host.thread.run(Reserve(rid, req.prompt_token_ids, params, req.priority))
+            except ValueError as e:
+                self.state = State.FAILED
+                raise InvalidRequest(str(e)) from None
+            if self.state is State.CANCELLED:  # cancelled while reserving: the reservation goes too
+                await host.thread.run(Abort(rid))
+                return
+            if res is None:  # the pool is full right now: queue it like any local request
+                await host.thread.run(Enqueue(rid, req.prompt_token_ids, params, req.priority))
+                self.state = State.QUEUED
+                span.set_attribute("kvmesh.prefill", "local-queued")
+                return
+            self.reservation, self.state = res, State.RESERVED
+            # Prompt logprobs need the logits of every prompt position: computed here, nothing fetched.
+            here = params.prompt_logprobs is not None
+            cached = res.num_cached_tokens if here else await host.load_from_kvstore(rid, res)
+            if self.state is State.CANCELLED:
+                return
+            self.num_cached_tokens, self.state = cached, State.FETCHED
+            span.set_attribute("kvmesh.cached_tokens", cached)
+            remote = len(req.prompt_token_ids) - cached >= self.settings.remote_prefill_threshold and not here
+            span.set_attribute("kvmesh.prefill", "remote" if remote else "local")
+        if remote and await self._remote_prefill(res, cached):
+            return
+        if self.state is not State.CANCELLED:
+            await host.thread.run(Commit(rid, cached))
+            self.state = State.RUNNING
+
+    async def _remote_prefill(self, res: Reservation, cached: int) -> bool:
+        """True when the prompt's KV arrived and the first token was emitted; False to compute locally."""
+        rid, req, host, s = self.rid, self.req, self.host, self.settings
+        first_block = cached // s.block_size
+        self.transfer_id = transfer_id = uuid.uuid4().hex
+        self.state, self.went_remote = State.REMOTE, True
+
+        async def write(block_start: int, k, v, first_layer: int) -> None:  # noqa: ANN001
+            if not await host.thread.run(WriteBlocks(rid, block_start, k, v, first_layer)):
+                raise TransferError("request is no longer waiting for KV")
+
+        done = host.transport.expect(transfer_id, res.num_blocks, write, s.kv_transfer_timeout_s)
+        msg = RemotePrefillRequest(request_id=rid, transfer_id=transfer_id, prompt_token_ids=req.prompt_token_ids,
+                                   num_cached_tokens=cached, decode_worker_id=s.worker_id,
+                                   num_dest_blocks=res.num_blocks - first_block, block_size=s.block_size,
+                                   sampling=req.sampling)
+        with _tracer.start_as_current_span("decode.remote_prefill", context=trace.set_span_in_context(self.span),
+                                           attributes={"kvmesh.transfer_id": transfer_id}) as span:
+            try:
+                reply = await bus.request(host.nc, subjects.PREFILL_PREFILL, msg, timeout=s.remote_prefill_timeout_s,
+                                          expect=RemotePrefillReply)
+                if reply.error is not None or reply.first_token_id is None:
+                    raise TransferError(f"prefill worker failed: {reply.error}")
+                await asyncio.wait_for(done, timeout=s.kv_transfer_timeout_s)
+            except (bus.BusError, TransferError, asyncio.TimeoutError, asyncio.CancelledError) as e:
+                host.transport.forget(transfer_id)
+                if not done.done():
+                    done.cancel()
+                self.transfer_id = None
+                span.set_attribute("kvmesh.fallback", str(e) or type(e).__name__)
+                await bus.publish(host.nc, subjects.PREFILL_CANCEL, CancelRequest(request_id=rid, reason="fallback"))
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                log.warning("remote prefill of %s failed (%s); computing locally", rid, e or type(e).__name__)
+                self.fell_back = True
+                return False
+        self.transfer_id = None
+        if self.state is State.CANCELLED:
+            return True
+        lp = reply.logprobs.to_engine() if reply.logprobs is not None else None
+        await host.thread.run(Commit(rid, len(req.prompt_token_ids), reply.first_token_id, lp))
+        self.state = State.RUNNING
+        return True
+
+    # --- cancellation -------------------------------------------------------------------------------
+
+    async def cancel(self, reason: str) -> None:
+        """Give up the request wherever its admission is: blocks, the transfer, the prefill worker's work."""
+        if self.state in (State.CANCELLED, State.FAILED):
+            return
+        self.state = State.CANCELLED
+        await self.host.thread.run(Abort(self.rid))
+        if self.transfer_id is not None:
+            self.host.transport.forget(self.transfer_id)
+            await bus.publish(self.host.nc, subjects.PREFILL_CANCEL, CancelRequest(request_id=self.rid, reason=reason))
+        if self._task is not None and not self._task.done() and self._task is not asyncio.current_task():
+            self._task.cancel()
+

@@ -1,0 +1,108 @@
+"""Typed commands the engine thread runs between steps: what services may ask of an engine.
+
+Each command is a small frozen dataclass whose `run(engine)` is the only code that touches the engine
+for it. Commands about a held request are no-ops (returning False/None) when the request is no longer
+held, because cancellation races with every step of an admission and losing that race is normal.
+A command that produces a RequestOutput (a remote first token) has it delivered to the step callback
+by the engine thread, so it reaches the event loop before any later step's tokens.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
+from shared.engine.outputs import RequestOutput, TokenLogprobs
+from shared.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class Command(Generic[T]):
+    delivers_output = False  # True: a RequestOutput it returns also goes to the step callback
+
+    def run(self, engine: LLMEngine) -> T:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Reserve(Command[Reservation | None]):
+    """Admit without scheduling: prefix-cache match and blocks for the whole prompt (None: pool full now)."""
+
+    request_id: str
+    prompt_token_ids: Seq[int]
+    params: SamplingParams
+    priority: int = 0
+    capture_kv_from_block: int | None = None
+
+    def run(self, engine: LLMEngine) -> Reservation | None:
+        return engine.reserve(self.request_id, self.prompt_token_ids, self.params, self.priority,
+                              capture_kv_from_block=self.capture_kv_from_block)
+
+
+@dataclass(frozen=True)
+class Enqueue(Command[None]):
+    """Queue a request to be computed here from scratch (its prefix cache still applies)."""
+
+    request_id: str
+    prompt_token_ids: Seq[int]
+    params: SamplingParams
+    priority: int = 0
+    capture_kv_from_block: int | None = None
+
+    def run(self, engine: LLMEngine) -> None:
+        engine.add_request(self.request_id, self.prompt_token_ids, self.params, self.priority,
+                           capture_kv_from_block=self.capture_kv_from_block)
+
+
+@dataclass(frozen=True)
+class WriteBlocks(Command[bool]):
+    """K/V of a held request's logical blocks; False when it is no longer held."""
+
+    request_id: str
+    first_block: int
+    k: torch.Tensor
+    v: torch.Tensor
+    first_layer: int = 0
+
+    def run(self, engine: LLMEngine) -> bool:
+        if self.request_id not in engine.held:
+            return False
+        engine.write_blocks(self.request_id, self.first_block, self.k, self.v, self.first_layer)
+        return True
+
+
+@dataclass(frozen=True)
+class Commit(Command[RequestOutput | None]):
+    """Hand a held request to the scheduler with its first num_computed_tokens in place (and, after a
+    remote prefill, its first token)."""
+
+    delivers_output = True
+    request_id: str
+    num_computed_tokens: int
+    first_token: int | None = None
+    logprobs: TokenLogprobs | None = None
+
+    def run(self, engine: LLMEngine) -> RequestOutput | None:
+        if self.request_id not in engine.held:
+            return None
+        return engine.commit_held(self.request_id, self.num_computed_tokens, self.first_token, self.logprobs)
+
+
+@dataclass(frozen=True)
+class Abort(Command[RequestOutput | None]):
+    """Stop a request wherever it is (held, waiting or running) and free its blocks."""
+
+    request_id: str
+
+    def run(self, engine: LLMEngine) -> RequestOutput | None:
+        return engine.abort(self.request_id)
+
+
+@dataclass(frozen=True)
+class Stats(Command[EngineStats]):
+    def run(self, engine: LLMEngine) -> EngineStats:
+        return engine.stats()
