@@ -8,7 +8,7 @@ PORT ?= 8000
 # instead of the multi-GB CUDA one; GPU users install kvmesh with their own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv run test test-slow bench clean
+.PHONY: venv run test test-slow bench bench-gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ test-slow: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/kvmesh bench offline --json loadtest/results/offline.json
 	$(BIN)/kvmesh bench prefix --json loadtest/results/prefix.json
+
+# On a CUDA machine (H100): nano-vllm's workload at the Qwen3-0.6B shape, and the decode step figures.
+bench-gpu: $(VENV)/.installed
+	$(BIN)/kvmesh bench offline --preset nano-vllm --device cuda --json loadtest/results/offline-nano-vllm-cuda.json
+	$(BIN)/kvmesh bench decode --shape qwen3-0.6b --device cuda --json loadtest/results/decode-cuda.json
 
 clean:
 	rm -rf $(VENV) .models .pytest_cache

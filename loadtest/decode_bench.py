@@ -62,7 +62,7 @@ def _fill(engine, batch: int, context_len: int, steps: int, vocab: int, seed: in
     """Prefill `batch` requests so that each is about to decode at context_len; return their ids."""
     import random
 
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     ids = [f"b{batch}-{i}" for i in range(batch)]

@@ -44,7 +44,7 @@ def _engine_config(model: str, args: argparse.Namespace):
 async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Random) -> dict:
     from shared import bus
     from shared.engine.llm_engine import LLMEngine
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     from shared.kv_transport import NatsKVTransport
 
     src, dst = LLMEngine(_engine_config(model, args)), LLMEngine(_engine_config(model, args))
@@ -106,7 +106,7 @@ async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random)
     from services.kvstore.service import KVStoreService
     from services.prefill.service import PrefillService, PrefillSettings
     from shared import bus, subjects
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
     from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
 
     cfg = _engine_config(model, args)

@@ -53,9 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed (the model is always built from seed 0)")
     p.add_argument("--device", default="cpu", help="cpu or cuda; both systems run there")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="kvmesh max_num_seqs; also transformers CB's cap")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="kvmesh per-step token budget; also transformers CB's max_batch_tokens")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="kvmesh max_num_seqs; also transformers CB's cap (default 64 on CPU, 256 on CUDA)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="kvmesh per-step token budget; also transformers CB's max_batch_tokens (2048 CPU, 16384 CUDA)")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV budget for kvmesh and transformers CB (default: 1 GiB on CPU; on CUDA kvmesh's memory "
                         "budget, and transformers CB gets the bytes kvmesh's pool ended up with)")
@@ -82,8 +83,15 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, default))
+    cuda = args.device.startswith("cuda")
     if args.hf_batch_size is None:
-        args.hf_batch_size = 128 if args.device.startswith("cuda") else 16
+        args.hf_batch_size = 128 if cuda else 16
+    # nano-vllm's engine limits on a GPU (512 sequences there; 256 here, the largest graph bucket we capture
+    # by default), the CPU-sized ones elsewhere.
+    if args.max_num_seqs is None:
+        args.max_num_seqs = 256 if cuda else 64
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = 16384 if cuda else 2048
     if args.kv_cache_bytes is None and not args.device.startswith("cuda"):
         args.kv_cache_bytes = 1 << 30
     return args
@@ -121,7 +129,7 @@ def engine_config(model: str, args: argparse.Namespace, wl: Workload):
 
 
 def greedy(max_tokens: int):
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 

@@ -44,7 +44,7 @@ def make_engine(model: str, args: argparse.Namespace):
 
 def time_to_first_token(engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
     """Seconds from add_request to the first token, and the prompt tokens the cache served."""
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     start = time.perf_counter()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))

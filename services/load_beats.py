@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from shared.engine.llm_engine import EngineStats
@@ -75,7 +74,7 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
     hist = stats.iteration_tokens
     return LoadBeat(
         worker_id=worker_id, role=role, running=stats.running, waiting=stats.waiting,
-        free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, ts=time.time(), block_size=block_size,
+        free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, block_size=block_size,
         hash_root=hash_root, max_model_len=max_model_len, num_preemptions=stats.num_preemptions,
         prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits + kvstore_hit_tokens,
         iteration_token_buckets=list(hist.buckets) if hist else [],

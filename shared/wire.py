@@ -90,7 +90,7 @@ def decode(data: bytes | bytearray | memoryview, expect: type[M] | tuple[type[Me
         raise WireError("not a kvmesh message: missing 'kind'")
     cls = _registry().get(kind)
     if cls is None:
-        raise WireError(f"unknown message kind {kind!r}")
+        raise WireError(f"unknown message kind {kind!r}" + (f"; expected {_names(expect)}" if expect else ""))
     if expect is not None and not issubclass(cls, expect):
         raise WireError(f"unexpected message kind {kind!r}; expected {_names(expect)}")
     if type(version) is not int or version < 1:
@@ -105,8 +105,8 @@ def decode(data: bytes | bytearray | memoryview, expect: type[M] | tuple[type[Me
 
 
 def _registry() -> dict[str, type[Message]]:
-    import shared.protocol  # noqa: F401  (importing it defines, and so registers, every kind)
-
+    # Kinds register when their module is imported; a process knows the kinds of the modules it uses
+    # (importing shared.protocol here made the wire depend on the layer above it).
     return Message._registry
 
 

@@ -6,7 +6,7 @@ import torch
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from tests.checkpoints import VOCAB, Checkpoint
 
 LOGPROB_TOL = 1e-4

@@ -7,7 +7,7 @@ import itertools
 
 from shared import bus, subjects
 from shared.config import EngineConfig
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
 from services.decode.service import DecodeService, DecodeSettings
 from services.kvstore.cpu_tier import CPUTier

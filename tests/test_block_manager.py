@@ -7,7 +7,7 @@ import sys
 from shared.block_hash import hash_blocks, root_hash
 from shared.engine.block_events import BlockRemoved, BlockStored
 from shared.engine.block_manager import BlockManager
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 
 BS = 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from shared.engine.cuda_graphs import DecodeGraphs, batch_buckets
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from tests.engine_helpers import greedy, make_engine, random_prompts
 
 

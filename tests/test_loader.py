@@ -10,7 +10,7 @@ import torch
 
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.models.errors import CheckpointError
 from shared.models.loader import load_model
 

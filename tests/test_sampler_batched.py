@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shared.engine.sampler import Sampler
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 from tests.sampler_reference import ReferenceSampler
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shared.engine.sampler import apply_penalties, filter_logits
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 from tests.checkpoints import EOS
 from tests.engine_helpers import assert_all_free, make_engine, random_prompts, run_to_completion

@@ -54,7 +54,6 @@ SAMPLES: list[Message] = [
     ),  # fmt: skip
     p.RemotePrefillReply(request_id="r1", transfer_id="t1", first_token_id=3, logprobs=p.TokenLogprob(token_id=3, logprob=-0.1)),
     _kv_chunk(),
-    p.KVTransferDone(transfer_id="t1", request_id="r1", num_chunks=1, num_blocks=2),
     p.KVChunkAck(transfer_id="t1", seq=0, ok=False, error="checksum mismatch on chunk 0"),
     p.PutRequest(blocks=[_block(b"\x01" * 16), _block(b"\x02" * 16)]),
     p.PutReply(num_stored=2),
@@ -66,7 +65,7 @@ SAMPLES: list[Message] = [
     p.StatsReply(cpu_blocks=1, cpu_bytes=2, disk_blocks=3, disk_bytes=4, hits=5, misses=6),
     p.BlockStored(worker_id="d0", hashes=[b"a" * 16, b"b" * 16], parent=b"z" * 16),
     p.BlockRemoved(worker_id="d0", hashes=[b"a" * 16]),
-    p.LoadBeat(worker_id="d0", running=3, waiting=1, free_blocks=100, total_blocks=128, ts=1700000000.25),
+    p.LoadBeat(worker_id="d0", running=3, waiting=1, free_blocks=100, total_blocks=128),
 ]
 
 
@@ -225,7 +224,7 @@ def test_expect_restricts_kind() -> None:
 def test_sampling_mirrors_engine_params() -> None:
     from dataclasses import fields
 
-    from shared.engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
     assert [f.name for f in fields(SamplingParams)] == list(p.Sampling.model_fields)
     sp = SamplingParams(max_tokens=5, temperature=0.0, top_k=-1, stop_token_ids=[3], logprobs=2)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from shared.engine.sampling_params import MAX_TOP_LOGPROBS
+from shared.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 8
 MAX_CHOICES = 64  # prompts x n in one completions request

@@ -192,7 +192,7 @@ class Reassembler:
 
 def _refusal(subject: str, ack: Msg) -> BusError:
     from shared import wire
-    from shared.protocol.errors import ErrorReply
+    from shared.bus.error_reply import ErrorReply
 
     try:
         err = wire.decode(ack.data, ErrorReply)

@@ -30,7 +30,7 @@ class StreamGapError(BusError):
 
 
 class RemoteError(BusError):
-    """The responder answered with an ErrorReply; `code` is one of shared.protocol.errors' codes."""
+    """The responder answered with an ErrorReply; `code` is one of shared.bus.error_reply's codes."""
 
     def __init__(self, code: str, message: str, subject: str = "") -> None:
         where = f" from {subject!r}" if subject else ""

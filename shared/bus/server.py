@@ -28,8 +28,8 @@ from shared.bus.chunks import Envelope, Reassembler, receive_upload, send_direct
 from shared.bus.errors import BusError, RemoteError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.stream import StreamReply
-from shared.protocol import errors as codes
-from shared.protocol.errors import ErrorReply
+from shared.bus import error_reply as codes
+from shared.bus.error_reply import ErrorReply
 
 M = TypeVar("M", bound=wire.Message)
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from shared.bus import headers as H
 from shared.bus.chunks import Envelope, Reassembler, send_direct, unsubscribe_quietly
 from shared.bus.errors import BusError, BusTimeout, NoRespondersError, RemoteError, StreamGapError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
-from shared.protocol.errors import ErrorReply
+from shared.bus.error_reply import ErrorReply
 
 M = TypeVar("M", bound=wire.Message)
 

@@ -16,7 +16,7 @@ import torch
 
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.outputs import RequestOutput, TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

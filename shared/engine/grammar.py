@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shared.engine.sampling_params import StructuredOutput
+from shared.sampling_params import StructuredOutput
 
 
 # xgrammar 0.2.8 writes strings with maxLength/minLength/pattern-free bounds as [^"\\\r\n]{m,n}, which

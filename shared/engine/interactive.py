@@ -6,7 +6,7 @@ import sys
 
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.models.tokenizer import encode_chat, load_tokenizer
 
 

@@ -21,7 +21,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.profile_run import profile_run
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.engine.sampler import Sampler
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.engine.scheduler import Scheduler
 from shared.engine.step_metrics import CumulativeHistogram
 from shared.engine.sequence import Sequence, SequenceStatus

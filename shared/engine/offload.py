@@ -11,14 +11,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from shared.engine.block_events import BlockEvent, BlockStored
 from shared.engine.llm_engine import LLMEngine
-from shared.kvstore_client import KVStoreClient
 
 log = logging.getLogger(__name__)
+
+
+class BlockStore(Protocol):
+    """Where offloaded blocks go (the kvstore client is one; the engine layer does not know the bus)."""
+
+    def needs_offload(self, block_hash: bytes) -> bool: ...
+
+    async def put(self, hashes: list[bytes], parents: list[bytes | None], k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -29,7 +37,7 @@ class OffloadBatch:
     v: torch.Tensor
 
 
-def collect(engine: LLMEngine, events: list[BlockEvent], client: KVStoreClient) -> OffloadBatch | None:
+def collect(engine: LLMEngine, events: list[BlockEvent], client: BlockStore) -> OffloadBatch | None:
     """Engine thread: copy out the KV of blocks stored by this step that the kvstore lacks."""
     stored = [e for e in events if isinstance(e, BlockStored) and client.needs_offload(e.block_hash)]
     if not stored:
@@ -39,7 +47,7 @@ def collect(engine: LLMEngine, events: list[BlockEvent], client: KVStoreClient) 
 
 
 class Offloader:
-    def __init__(self, client: KVStoreClient, max_in_flight: int = 4) -> None:
+    def __init__(self, client: BlockStore, max_in_flight: int = 4) -> None:
         self.client = client
         self.max_in_flight = max_in_flight
         self._tasks: set[asyncio.Task] = set()

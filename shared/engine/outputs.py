@@ -1,20 +1,13 @@
 """What the engine hands back per request, per step (streaming) or at the end (offline)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-if TYPE_CHECKING:  # the wire protocol imports these types: the gateway must not pull torch in through them
-    import torch
+import torch
 
+from shared.token_logprobs import TokenLogprobs
 
-@dataclass
-class TokenLogprobs:
-    """Logprob of the sampled token and the top-n alternatives, from the raw model distribution."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+__all__ = ["RequestOutput", "TokenLogprobs"]
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from shared.engine.kv_cache import allocate_kv_cache
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sampler import Sampler
-from shared.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from shared.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from shared.engine.sequence import Sequence
 
 

@@ -18,7 +18,7 @@ import torch
 
 from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 
 NEG_INF = float("-inf")

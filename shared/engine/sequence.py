@@ -11,7 +11,7 @@ import torch
 
 from shared.block_hash import BlockHash
 from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

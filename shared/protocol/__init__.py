@@ -13,14 +13,14 @@ from shared.protocol.kvstore import (
     StatsRequest,
     StoredBlock,
 )
-from shared.protocol.kvtransfer import KVBlockChunk, KVChunkAck, KVTransferDone
+from shared.protocol.kvtransfer import KVBlockChunk, KVChunkAck
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 from shared.protocol.tokenizer import ChatMessage, DecodeReply, DecodeRequest, EncodeReply, EncodeRequest
 
 __all__ = [
     "BlockRemoved", "BlockStored", "CancelRequest", "ChatMessage", "ContainsReply", "ContainsRequest",
     "DecodeReply", "DecodeRequest", "EncodeReply", "EncodeRequest", "ErrorReply", "GenerateRequest",
-    "GetReply", "GetRequest", "KVBlockChunk", "KVChunkAck", "KVTransferDone", "LoadBeat", "PutReply", "PutRequest",
+    "GetReply", "GetRequest", "KVBlockChunk", "KVChunkAck", "LoadBeat", "PutReply", "PutRequest",
     "RemotePrefillReply", "RemotePrefillRequest", "Sampling", "StatsReply", "StatsRequest", "StoredBlock",
     "TokenChunk", "TokenLogprob",
 ]  # fmt: skip

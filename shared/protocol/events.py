@@ -37,7 +37,6 @@ class LoadBeat(Message):
     waiting: int
     free_blocks: int
     total_blocks: int
-    ts: float  # sender's time.time(); receivers use it to expire silent workers
     # What a router needs to hash prompts the way this worker does (shared/block_hash.py).
     block_size: int = 16
     hash_root: bytes = b""

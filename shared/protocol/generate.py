@@ -6,8 +6,8 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from shared.engine.outputs import TokenLogprobs
-from shared.engine.sampling_params import SamplingParams, StructuredOutput
+from shared.token_logprobs import TokenLogprobs
+from shared.sampling_params import SamplingParams, StructuredOutput
 from shared.wire import Message, WireModel
 
 FINISH_REASONS = ("stop", "length", "abort", "error")

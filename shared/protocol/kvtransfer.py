@@ -1,4 +1,4 @@
-"""prefill -> decode KV push: a transfer is `total` KVBlockChunks then one KVTransferDone.
+"""prefill -> decode KV push: a transfer is `total` KVBlockChunks, each acknowledged by a KVChunkAck.
 
 Each chunk carries K and V for a layer range and a block range of one request, as
 `tensors = [k(layer_start), v(layer_start), k(layer_start+1), ...]`, each shaped
@@ -48,16 +48,6 @@ class KVBlockChunk(Message):
 
     def verify(self) -> bool:
         return self.checksum_algo == CHECKSUM_ALGO and checksum(self.tensors) == self.checksum
-
-
-class KVTransferDone(Message):
-    KIND: ClassVar[str] = "kv.done"
-
-    transfer_id: str
-    request_id: str
-    num_chunks: int
-    num_blocks: int
-    error: str | None = None
 
 
 class KVChunkAck(Message):

@@ -1,4 +1,8 @@
-"""Per-request sampling settings, validated once at construction."""
+"""Per-request sampling settings, validated once at construction.
+
+It sits below both the engine (which samples with it) and the wire protocol (whose Sampling message is
+validated by it), so neither has to import the other.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
