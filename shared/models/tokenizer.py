@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -22,7 +22,10 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
             f"no tokenizer.json in {str(path)!r}: kvmesh needs a fast (tokenizers) tokenizer; "
             f"found {sorted(p.name for p in path.iterdir())}"
         )
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    # The generic fast tokenizer, not AutoTokenizer: AutoTokenizer resolves the model's config classes,
+    # which imports torch, and the gateway and tokenizer processes have no use for torch. Every fast
+    # tokenizer is tokenizer.json plus tokenizer_config.json (specials, chat template), which this loads.
+    return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
 
 
 def encode_chat(
