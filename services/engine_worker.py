@@ -27,6 +27,7 @@ _tracer = trace.get_tracer("kvmesh.worker")
 
 class EngineWorker(Service):
     role: str  # "decode" | "prefill": the label of this worker's metrics
+    transport_class: type[NatsKVTransport] = NatsKVTransport  # tests swap in a network test double
 
     def __init__(self, engine_config: EngineConfig, use_kvstore: bool, worker_id: str,
                  beat_interval_s: float = 1.0) -> None:
@@ -45,7 +46,7 @@ class EngineWorker(Service):
         self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
                                    self._post_step if self.kvstore else None)
         self.thread.start()
-        self.transport = NatsKVTransport(nc)
+        self.transport = self.transport_class(nc)
         self.beats = LoadBeats(self.beat_interval_s, self._load_snapshot, self._publish_load)
 
     def load_subject(self) -> str:

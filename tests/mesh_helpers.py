@@ -12,6 +12,7 @@ from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
 from services.decode.service import DecodeService, DecodeSettings
 from services.kvstore.cpu_tier import CPUTier
 from services.kvstore.service import KVStoreService
+from tests.faulty_transport import faulty_transport
 from services.prefill.service import PrefillService, PrefillSettings
 
 
@@ -33,8 +34,12 @@ _prefill_ids = itertools.count()
 
 
 def prefill_service(model, fault=None, kvstore=True, worker_id=None, **engine) -> PrefillService:
-    return PrefillService(engine_config(model, **engine), PrefillSettings(
-        worker_id=worker_id or f"p{next(_prefill_ids)}", use_kvstore=kvstore, fault=fault, kv_transfer_timeout_s=3.0))
+    """fault: "drop" or "corrupt" the last chunk of every KV push (tests/faulty_transport.py)."""
+    service = PrefillService(engine_config(model, **engine), PrefillSettings(
+        worker_id=worker_id or f"p{next(_prefill_ids)}", use_kvstore=kvstore, kv_transfer_timeout_s=3.0))
+    if fault is not None:
+        service.transport_class = faulty_transport(fault)
+    return service
 
 
 def kvstore_service(capacity=64 << 20) -> KVStoreService:

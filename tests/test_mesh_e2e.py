@@ -104,9 +104,8 @@ def test_two_prefill_two_decode_under_32_concurrent_requests(ckpt, hf_reference,
 
 def test_killed_prefill_worker_never_hangs_or_returns_wrong_text(ckpt, hf_reference, tmp_path):
     mesh = Mesh(tmp_path, ckpt.path)
-    proc = subprocess.Popen([sys.executable, "-m", "services.prefill", "--nats-url", mesh.nats.url, "--model",
-                             str(ckpt.path), "--no-kvstore", "--fault-inject", "stall", "--log-level", "WARNING"],
-                            start_new_session=True)
+    # A stand-in prefill worker that takes the request and never answers, killed while it holds it.
+    proc = subprocess.Popen([sys.executable, "-m", "tests.stalling_prefill", mesh.nats.url], start_new_session=True)
     try:
         mesh.start_tokenizer()
         d0 = mesh.start_decoder("d0", threshold=0, remote_timeout_s=3.0)

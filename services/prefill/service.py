@@ -37,7 +37,6 @@ class PrefillSettings:
     use_kvstore: bool = True
     beat_interval_s: float = 1.0
     kv_transfer_timeout_s: float = 30.0
-    fault: str | None = None  # test-only: "drop" or "corrupt" the KV pushes, or "stall" before computing
 
 
 class PrefillService(EngineWorker):
@@ -52,7 +51,6 @@ class PrefillService(EngineWorker):
 
     async def start(self, nc: Client) -> None:
         await self.start_engine(nc)
-        self.transport.fault = self.settings.fault if self.settings.fault in ("drop", "corrupt") else None
         await self.transport.start(None)
         self.cancel_sub = await bus.subscribe(nc, subjects.PREFILL_CANCEL, self._on_cancel, CancelRequest)
         self.micro = await bus.add_micro_service(nc, subjects.SERVICE_PREFILL, VERSION, [
@@ -92,8 +90,6 @@ class PrefillService(EngineWorker):
         rid = req.request_id
         if rid in self.pending:
             raise bus.RemoteError(codes.BAD_REQUEST, f"request {rid!r} is already being prefilled")
-        if self.settings.fault == "stall":  # test-only: a worker that takes a request and never answers
-            await asyncio.Event().wait()
         first_block = req.num_cached_tokens // self.block_size
         sampling = req.sampling.to_params()
         params = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
@@ -169,9 +165,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default=os.environ.get("KVMESH_WORKER_ID") or default_worker_id("prefill"))
     parser.add_argument("--no-kvstore", action="store_true")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)
-    parser.add_argument("--fault-inject", choices=["drop", "corrupt", "stall"], default=None, help=argparse.SUPPRESS)
 
 
 def build(args: argparse.Namespace) -> PrefillService:
     return PrefillService(engine_config_from_args(args), PrefillSettings(
-        worker_id=args.worker_id, use_kvstore=not args.no_kvstore, kv_transfer_timeout_s=args.kv_transfer_timeout, fault=args.fault_inject))
+        worker_id=args.worker_id, use_kvstore=not args.no_kvstore, kv_transfer_timeout_s=args.kv_transfer_timeout))

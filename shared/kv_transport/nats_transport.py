@@ -56,7 +56,6 @@ class NatsKVTransport(KVTransport):
         self.window = window
         self._incoming: dict[str, _Incoming] = {}
         self._served: bus.Served | None = None
-        self.fault: str | None = None  # test-only fault injection on send: "drop" or "corrupt"
 
     async def start(self, worker_id: str | None) -> None:
         if worker_id is not None:
@@ -74,6 +73,10 @@ class NatsKVTransport(KVTransport):
 
     # --- sending (prefill side) -------------------------------------------------------------------
 
+    def outgoing(self, chunk: KVBlockChunk) -> KVBlockChunk | None:
+        """The chunk as it goes on the wire (a seam for network test doubles; None: not sent)."""
+        return chunk
+
     async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
                    deadline_s: float) -> int:
         layers, n = k.shape[0], k.shape[1]
@@ -89,13 +92,10 @@ class NatsKVTransport(KVTransport):
             tensors = []
             for layer in range(l0, l1):
                 tensors += [tensor_to_wire(k[layer, b0:b1].contiguous()), tensor_to_wire(v[layer, b0:b1].contiguous())]
-            crc = checksum(tensors)
-            if self.fault == "corrupt" and seq == len(chunks) - 1:
-                crc ^= 1
-            chunk = KVBlockChunk(transfer_id=transfer_id, seq=seq, total=len(chunks), layer_start=l0, layer_end=l1,
-                                 block_start=first_block + b0, block_end=first_block + b1, tensors=tensors,
-                                 checksum=crc)
-            if self.fault == "drop" and seq == len(chunks) - 1:
+            chunk = self.outgoing(KVBlockChunk(
+                transfer_id=transfer_id, seq=seq, total=len(chunks), layer_start=l0, layer_end=l1,
+                block_start=first_block + b0, block_end=first_block + b1, tensors=tensors, checksum=checksum(tensors)))
+            if chunk is None:
                 return
             async with window:
                 remaining = deadline - time.monotonic()
