@@ -34,9 +34,35 @@ class Service(abc.ABC):
     async def start(self, nc: Client) -> None:
         """Subscribe endpoints and start background tasks; return once serving."""
 
-    @abc.abstractmethod
     async def drain(self, grace_s: float) -> None:
-        """Stop taking new work; finish (or cancel) in-flight work within grace_s seconds."""
+        """The one shutdown sequence of every service: stop taking new work, give the work in flight up
+        to grace_s seconds to finish, abort what is left (its callers get an answer), release the rest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        await self.stop_intake()
+        while self.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight():
+            log.warning("%s: %d requests still running after %.1fs; aborting them", self.name, self.in_flight(), grace_s)
+            await self.abort_in_flight()
+        await self.release(max(0.0, deadline - loop.time()))
+
+    @abc.abstractmethod
+    async def stop_intake(self) -> None:
+        """New work is refused (or no longer delivered) from here on; work in flight goes on."""
+
+    @abc.abstractmethod
+    def in_flight(self) -> int:
+        """Requests still being served."""
+
+    async def abort_in_flight(self) -> None:
+        """End what is still running after the grace period, answering its callers (default: nothing
+        to do, release() cancels it)."""
+
+    @abc.abstractmethod
+    async def release(self, remaining_s: float) -> None:
+        """Let go of subscriptions, threads and servers; remaining_s is what is left of the grace period
+        (for flushing write-behind work)."""
 
     async def wait_closed(self) -> None:
         """Services that can end on their own (the gateway's HTTP server) override this."""

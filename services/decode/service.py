@@ -85,17 +85,21 @@ class DecodeService(EngineWorker):
         await self.beats.beat()
         self.beats.start()
 
-    async def drain(self, grace_s: float) -> None:
+    async def stop_intake(self) -> None:
         self.draining = True
         await self.micro.stop()
-        deadline = time.monotonic() + grace_s
-        while self.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+
+    def in_flight(self) -> int:
+        return len(self.requests)
+
+    async def abort_in_flight(self) -> None:
         for rid in self.requests.ids():
             await self._abort(rid, "worker shutting down", error=True)
+
+    async def release(self, remaining_s: float) -> None:
         await self.outbox.flush()
         if self.offloader:
-            await self.offloader.flush(max(0.0, deadline - time.monotonic()))
+            await self.offloader.flush(remaining_s)
         self.outbox.stop()
         self.beats.stop()
         await self.cancel_sub.unsubscribe()

@@ -107,14 +107,15 @@ class GatewayService(Service):
             await asyncio.sleep(0.02)
         log.info("gateway listening on %s for model %s", self.url, cfg.served_model_name)
 
-    async def drain(self, grace_s: float) -> None:
-        """New requests get 503 at once; in-flight ones have grace_s to finish, then the server closes."""
+    async def stop_intake(self) -> None:
         if self.ctx is not None:
-            self.ctx.draining = True
-            try:
-                await asyncio.wait_for(self.ctx.wait_idle(), grace_s)
-            except asyncio.TimeoutError:
-                log.warning("%d requests still running after %.1fs; closing anyway", self.ctx.in_flight, grace_s)
+            self.ctx.draining = True  # new requests get 503 at once
+
+    def in_flight(self) -> int:
+        return self.ctx.in_flight if self.ctx is not None else 0
+
+    async def release(self, remaining_s: float) -> None:
+        """Closes the HTTP server (cancelling what still runs), then the bus side."""
         if self._server is not None:
             self._server.should_exit = True
             if self._serving is not None:

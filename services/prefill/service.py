@@ -63,21 +63,24 @@ class PrefillService(EngineWorker):
     def load_subject(self) -> str:
         return subjects.prefill_load(self.settings.worker_id)
 
-    async def drain(self, grace_s: float) -> None:
-        # Refuse new work first; stopping the endpoint would cancel handlers still answering.
+    async def stop_intake(self) -> None:
+        # Refuse new work; stopping the endpoint now would cancel handlers still answering.
         self.draining = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        while self.pending and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    async def abort_in_flight(self) -> None:
         if self.thread.error is None:
             for rid in list(self.pending):
                 await self._cancel(rid)
         await asyncio.sleep(0.05)  # let cancelled handlers send their replies
+
+    async def release(self, remaining_s: float) -> None:
         await self.micro.stop()
         self.beats.stop()
         if self.offloader:
-            await self.offloader.flush(max(0.0, deadline - loop.time()))
+            await self.offloader.flush(remaining_s)
         await self.cancel_sub.unsubscribe()
         await self.transport.stop()
         self.thread.stop()

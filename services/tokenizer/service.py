@@ -52,14 +52,17 @@ class TokenizerService(Service):
         )  # fmt: skip
         await nc.flush()  # the server has our subscriptions once start() returns, so "serving" is true
 
-    async def drain(self, grace_s: float) -> None:
-        if self._micro is None:
-            return
-        await self._micro.service.stop()  # unsubscribe: no new work; delivered messages still run
-        if not await self._inflight.wait_idle(grace_s):
-            log.warning("%d tokenizer requests still running after %.1fs; cancelling them", self._inflight.count, grace_s)
-        await self._micro.stop()  # cancels whatever is left
-        self._micro = None
+    async def stop_intake(self) -> None:
+        if self._micro is not None:
+            await self._micro.service.stop()  # unsubscribe: no new work; delivered messages still run
+
+    def in_flight(self) -> int:
+        return self._inflight.count
+
+    async def release(self, remaining_s: float) -> None:
+        if self._micro is not None:
+            await self._micro.stop()  # cancels whatever is left
+            self._micro = None
 
     # ------------------------------------------------------------------ handlers
 
