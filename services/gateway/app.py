@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response
 
-from services.gateway.auth import check_api_key
+from services.gateway.intake import Intake, default_body_limit
 from services.gateway.context import GatewayContext
 from services.gateway.endpoint import serve_generation
 from services.gateway.errors import bad_request, install_error_handlers
@@ -26,14 +26,15 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
 
-    def authorized(authorization: str | None = Header(default=None)) -> None:
-        check_api_key(ctx.config.api_key, authorization)
+    # Before anything is parsed: the API key, then the body size (413 above the limit).
+    app.add_middleware(Intake, api_key=ctx.config.api_key, on_error=ctx.metrics.error,
+                       max_body_bytes=lambda: ctx.config.max_body_bytes or default_body_limit(ctx.max_model_len()))
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serve_generation(ctx, request, body, "/v1/completions", prepare_completion, CompletionFormatter)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve_generation(ctx, request, body, "/v1/chat/completions", prepare_chat, ChatFormatter)
 
@@ -42,7 +43,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         name = ctx.config.served_model_name
         return ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.max_model_len())
 
-    @app.post("/v1/responses", dependencies=[Depends(authorized)])
+    @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         try:
             chat = to_chat(body)
@@ -51,20 +52,20 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         return await serve_generation(ctx, request, chat, "/v1/responses", prepare_chat,
                                       partial(ResponsesFormatter, request=body))
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(dump(ModelList(data=[card()])))
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         check_model(ctx, model_id)
         return JSONResponse(dump(card()))
 
-    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> JSONResponse:
         return JSONResponse(dump(await tokenize_body(ctx, body)))
 
-    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         return JSONResponse(dump(detokenize_body(ctx, body)))
 

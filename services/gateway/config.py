@@ -15,7 +15,8 @@ class GatewayConfig:
     # Absent max_tokens: this many, capped by what is left of the context; 0 means "the rest of the
     # context" (vLLM's rule), which on a large context can run for a long time.
     default_max_tokens: int = 256
-    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set, every path but /health, /metrics, /version needs `Authorization: Bearer <key>`
+    max_body_bytes: int | None = None  # request body limit (413 above); default: 1 MiB + 64 bytes per context token
     tokenizer_timeout_s: float = 10.0
     stream_idle_timeout_s: float = 120.0  # longest silence from a decode worker (covers a long prefill)
     health_timeout_s: float = 1.0

@@ -146,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=128,
                         help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help="request body limit, 413 above it (default: 1 MiB + 64 bytes per token of context)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
                         help="max_tokens when a request gives none, capped by the context left; 0: the whole context")
     parser.add_argument("--stream-idle-timeout", type=float, default=120.0,
@@ -158,7 +160,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         served_model_name=args.served_model_name or Path(args.model).resolve().name,
         host=args.host, port=args.port, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
-        api_key=os.environ.get("KVMESH_API_KEY") or None,
+        api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
     ))
 
 

@@ -27,13 +27,17 @@ from shared.service_runner import Service
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+# A tokenizer call cannot be interrupted once it runs (it is native code in a thread), so oversized input
+# is refused before it starts: far above any context window, far below what exhausts memory.
+DEFAULT_MAX_INPUT_CHARS = 8 << 20
 
 
 class TokenizerService(Service):
     name = "tokenizer"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_input_chars: int = DEFAULT_MAX_INPUT_CHARS) -> None:
         self.tokenizer = tokenizer
+        self.max_input_chars = max_input_chars
         # len() counts the added special tokens too; tokenizer.vocab_size does not.
         self.vocab_size = len(tokenizer)
         self._micro: bus.MicroService | None = None
@@ -76,6 +80,10 @@ class TokenizerService(Service):
             raise bus.RemoteError(codes.BAD_REQUEST, "empty prompt")
         if req.messages is not None and not req.messages:
             raise bus.RemoteError(codes.BAD_REQUEST, "empty prompt: messages is an empty list")
+        size = len(req.prompt or "") + len(req.tools_json or "") + sum(len(m.content) for m in req.messages or [])
+        if size > self.max_input_chars:
+            raise bus.RemoteError(codes.BAD_REQUEST, f"input of {size} characters exceeds the tokenizer's limit of "
+                                                     f"{self.max_input_chars}")
         ids = await asyncio.to_thread(self._encode_sync, req)
         if not ids:
             raise bus.RemoteError(codes.BAD_REQUEST, "the prompt encodes to no tokens")
@@ -115,8 +123,10 @@ class TokenizerService(Service):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=os.environ.get("KVMESH_MODEL"), required="KVMESH_MODEL" not in os.environ,
                         help="Hugging Face checkpoint directory with tokenizer.json (env KVMESH_MODEL)")
+    parser.add_argument("--max-input-chars", type=int, default=DEFAULT_MAX_INPUT_CHARS,
+                        help="longest prompt (characters, chat messages together) the tokenizer takes")
 
 
 def build(args: argparse.Namespace) -> TokenizerService:
     # Loaded before connecting: a bad model directory fails fast, before the service is announced.
-    return TokenizerService(load_tokenizer(args.model))
+    return TokenizerService(load_tokenizer(args.model), args.max_input_chars)
