@@ -2,6 +2,7 @@
 turned into text deltas (incremental detokenization, then stop strings)."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from opentelemetry import trace
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, unavailable
+from services.gateway.router import NoWorkerError, OverloadedError
 from services.gateway.stop import StopMatcher
 from shared import bus, subjects
 from shared.detokenizer import IncrementalDetokenizer
@@ -18,6 +20,14 @@ from shared.protocol.generate import CancelRequest, GenerateRequest, Sampling, T
 
 
 STRUCTURED_ERRORS = tuple(f"invalid {kind}" for kind in ("json_object", "json_schema", "regex", "choice", "grammar"))
+
+
+# How often a waiting stream checks that its worker still beats (detection is bounded by the router's expiry).
+WATCH_INTERVAL_S = 0.25
+
+
+class WorkerLost(Exception):
+    """The decode worker serving a choice stopped beating."""
 
 
 @dataclass
@@ -49,6 +59,10 @@ class Choice:
         self.request_id = request_id
         self.worker_id = worker_id
         self._req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, priority=priority)
+        self._origin = self._req  # the request as the client asked it (a migration sends a continuation)
+        self._generated: list[int] = []  # every token streamed so far, across migrations
+        self.migrations = 0
+        self._dead: set[str] = set()  # workers this choice lost
         self._detok = IncrementalDetokenizer(ctx.tokenizer, prompt)
         self._stop = StopMatcher(stops)
         self._stream: bus.ReplyStream[TokenChunk] | None = None
@@ -109,15 +123,26 @@ class Choice:
                     yield delta
                 if self.finished:
                     return
-                chunk = await self._next()
+                try:
+                    chunk = await self._next()
+                except WorkerLost:
+                    chunk = await self._migrate()
             raise APIError(500, "decode ended the stream before the last token", code="stream_ended")
         finally:
             await self._stream.aclose()
 
     async def _next(self) -> TokenChunk | None:
+        """The next chunk; WorkerLost as soon as the router stops hearing from the worker (missed beats)."""
         assert self._stream is not None
+        pending = asyncio.ensure_future(self._stream.__anext__())
         try:
-            return await self._stream.__anext__()
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=WATCH_INTERVAL_S)
+                if done:
+                    break
+                if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
+                    raise WorkerLost(self.worker_id)
+            return pending.result()
         except StopAsyncIteration:
             return None
         except bus.RemoteError as e:
@@ -126,13 +151,54 @@ class Choice:
             raise APIError(504, f"decode sent nothing for {self.ctx.config.stream_idle_timeout_s:g}s", code="timeout") from None
         except bus.BusError as e:
             raise APIError(500, f"lost the token stream: {e}", code="stream_error") from None
+        finally:
+            if not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+
+    async def _migrate(self) -> TokenChunk:
+        """Continue on another decode worker: the prompt plus every token streamed so far, what is left of
+        max_tokens. Greedy output is identical to an undisturbed run; the client sees no break."""
+        lost = self.worker_id
+        if lost is not None:
+            self._dead.add(lost)
+            self.ctx.router.forget(lost)
+        self.cancel_soon("worker lost")  # if it is only slow, it must not run on
+        await self._stream.aclose()
+        while True:
+            if self.migrations >= self.ctx.config.migration_limit:
+                raise unavailable(f"decode worker {lost} stopped answering and the request may not move again "
+                                  f"(--migration-limit {self.ctx.config.migration_limit})", code="worker_lost")
+            self.migrations += 1
+            self.ctx.metrics.migrations.labels(self.ctx.metrics.model).inc()
+            o, n = self._origin, len(self._generated)
+            sampling = o.sampling.model_copy(update={
+                "max_tokens": o.sampling.max_tokens - n, "min_tokens": max(0, o.sampling.min_tokens - n),
+                "prompt_logprobs": None})
+            self.request_id = f"{o.request_id}-m{self.migrations}"
+            self._req = GenerateRequest(request_id=self.request_id, prompt_token_ids=o.prompt_token_ids + self._generated,
+                                        sampling=sampling, priority=o.priority)
+            try:
+                route = self.ctx.router.pick(self._req.prompt_token_ids, exclude=frozenset(self._dead))
+            except (NoWorkerError, OverloadedError):
+                raise unavailable(f"decode worker {lost} stopped answering and no other worker can take the request",
+                                  code="worker_lost") from None
+            self.worker_id = route.worker_id
+            self.span.add_event("migrated", {"kvmesh.from": lost or "", "kvmesh.to": route.worker_id,
+                                             "kvmesh.tokens_done": n})
+            try:
+                return await self._send(subjects.decode_generate(route.worker_id))
+            except bus.NoRespondersError:
+                self._dead.add(route.worker_id)
+                self.ctx.router.forget(route.worker_id)
+                lost = route.worker_id
 
     def _on_chunk(self, chunk: TokenChunk) -> Delta | None:
         m = self.ctx.metrics
         now = time.monotonic()
-        if chunk.num_cached_tokens is not None:
+        if chunk.num_cached_tokens is not None and not self.migrations:
             self.num_cached_tokens = chunk.num_cached_tokens
-            m.prefix_lookup(len(self._req.prompt_token_ids), chunk.num_cached_tokens)
+            m.prefix_lookup(len(self._origin.prompt_token_ids), chunk.num_cached_tokens)
         if chunk.finish_reason in ("error", "abort"):
             self.sent = False
         if chunk.finish_reason == "error":
@@ -147,6 +213,7 @@ class Choice:
                 m.itl.labels(m.model).observe(now - self._last_chunk_time)
             self._last_chunk_time = now
             self.num_tokens += len(chunk.token_ids)
+            self._generated.extend(chunk.token_ids)
             m.generation_tokens.labels(m.model).inc(len(chunk.token_ids))
             delta.token_ids = list(chunk.token_ids)
             delta.logprobs = list(chunk.logprobs or [])
@@ -166,7 +233,8 @@ class Choice:
         if self.finished:
             delta.finish_reason = self.finish_reason
             m.finished(self.finish_reason or "stop")
-            m.choice_done(len(self._req.prompt_token_ids), self.num_tokens, self._req.sampling.max_tokens, chunk.timings)
+            m.choice_done(len(self._origin.prompt_token_ids), self.num_tokens, self._origin.sampling.max_tokens,
+                          chunk.timings)
         if not delta.text and not delta.token_ids and not delta.finish_reason and delta.prompt_logprobs is None:
             return None
         return delta
@@ -179,9 +247,10 @@ class Choice:
         """Tells every worker to drop this choice, at most once, from a task that outlives the request."""
         if self.sent:
             self.sent = False
-            self.ctx.spawn(self._publish_cancel(reason))
+            # The id now: a migration gives the choice a new one before this task runs.
+            self.ctx.spawn(self._publish_cancel(self.request_id, reason))
 
-    async def _publish_cancel(self, reason: str) -> None:
+    async def _publish_cancel(self, request_id: str, reason: str) -> None:
         # Unknown ids are ignored by the workers, so a cancel racing the last token is harmless.
         with trace.use_span(self.span, end_on_exit=False):
-            await bus.publish(self.ctx.nc, subjects.DECODE_CANCEL, CancelRequest(request_id=self.request_id, reason=reason))
+            await bus.publish(self.ctx.nc, subjects.DECODE_CANCEL, CancelRequest(request_id=request_id, reason=reason))

@@ -20,9 +20,13 @@ class GatewayConfig:
     tokenizer_timeout_s: float = 10.0
     stream_idle_timeout_s: float = 120.0  # longest silence from a decode worker (covers a long prefill)
     health_timeout_s: float = 1.0
-    worker_expiry_s: float = 3.0
+    # A decode worker whose beats stop for this long is dead to the router, and its requests migrate.
+    worker_expiry_s: float = 2.0
+    # How many times one request may move to another decode worker after its worker died (Dynamo's rule).
+    migration_limit: int = 3
 
     def __post_init__(self) -> None:
         assert self.max_waiting > 0, "max_waiting must be positive"
         assert self.default_max_tokens >= 0
+        assert self.migration_limit >= 0
         assert self.max_model_len is None or self.max_model_len > 0

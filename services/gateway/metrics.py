@@ -102,6 +102,8 @@ class GatewayMetrics:
                               m + ["status"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed", m, registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated", m, registry=r)
+        self.migrations = Counter(f"{PREFIX}request_migrations", "Choices moved to another decode worker after "
+                                  "theirs stopped answering", m, registry=r)
         self.hit_rate = Gauge(f"{PREFIX}prefix_cache_hit_rate", "Prompt tokens served from a cache / prompt tokens, "
                               "over the requests this gateway served", m, registry=r)
         self.in_flight = Gauge(f"{PREFIX}gateway_requests_in_flight", "HTTP generation requests being served",

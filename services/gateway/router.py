@@ -85,12 +85,16 @@ class Router:
             del self._workers[wid]
         return [w for w in self._workers.values() if w.beat is not None and now - w.seen <= self.config.expiry_s]
 
+    def is_alive(self, worker_id: str) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and w.beat is not None and self._clock() - w.seen <= self.config.expiry_s
+
     def max_model_len(self) -> int | None:
         lens = [w.beat.max_model_len for w in self.alive() if w.beat and w.beat.max_model_len > 0]
         return min(lens) if lens else None
 
-    def pick(self, prompt_token_ids: Sequence[int]) -> Route:
-        workers = self.alive()
+    def pick(self, prompt_token_ids: Sequence[int], exclude: frozenset[str] = frozenset()) -> Route:
+        workers = [w for w in self.alive() if w.worker_id not in exclude]
         if not workers:
             raise NoWorkerError("no decode worker is alive")
         open_ = [w for w in workers if w.beat and w.beat.waiting < self.config.max_waiting]

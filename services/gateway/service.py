@@ -146,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, default=128,
                         help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")
+    parser.add_argument("--migration-limit", type=int, default=3,
+                        help="times a request may move to another decode worker when its worker dies (0: never)")
     parser.add_argument("--max-body-bytes", type=int, default=None,
                         help="request body limit, 413 above it (default: 1 MiB + 64 bytes per token of context)")
     parser.add_argument("--default-max-tokens", type=int, default=256,
@@ -161,6 +163,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         host=args.host, port=args.port, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
+        migration_limit=args.migration_limit,
     ))
 
 

@@ -1,0 +1,103 @@
+"""Nothing lost when a decode worker dies (issue 9 item 2): the gateway notices the missing beats and
+moves the request (prompt + tokens streamed so far) to another worker; the client's stream goes on and
+the greedy text equals an undisturbed run. Real nats-server, real services, the real openai client."""
+from __future__ import annotations
+
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.checkpoints import build_checkpoint
+from tests.gateway_harness import Mesh
+
+MAX_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
+    return build_checkpoint("llama", tmp_path_factory.mktemp("migrate") / "llama", max_position_embeddings=1024).path
+
+
+def _mesh(tmp_path, model_dir, **gateway):  # noqa: ANN001, ANN003, ANN202
+    m = Mesh(tmp_path, model_dir, **gateway)
+    m.start_tokenizer()
+    for wid in ("d0", "d1"):
+        m.start_decoder(wid, num_kv_blocks=128)
+    m.wait_until(lambda: len(m.gateway.ctx.router.alive()) == 2)
+    return m
+
+
+def _kill_serving_worker(mesh) -> tuple[threading.Thread, list[str]]:  # noqa: ANN001
+    """Kills (silences, as SIGKILL would) the worker serving the next request, once it has streamed a while."""
+    killed: list[str] = []
+
+    def kill() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            serving = [w for w, d in list(mesh.decoders.items()) if d.requests.ids()]
+            if serving:
+                time.sleep(0.2)  # tokens stream meanwhile
+                mesh.crash(serving[0])
+                killed.append(serving[0])
+                return
+            time.sleep(0.005)
+    t = threading.Thread(target=kill)
+    t.start()
+    return t, killed
+
+
+def _migrations(mesh) -> float:  # noqa: ANN001
+    for line in mesh.gateway.ctx.metrics.render().decode().splitlines():
+        if line.startswith("kvmesh:request_migrations_total"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_dead_decode_worker_does_not_lose_the_stream(model_dir, tmp_path, stream) -> None:  # noqa: ANN001
+    mesh = _mesh(tmp_path, model_dir)
+    try:
+        client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="tiny", prompt="Once upon a time", max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})
+        undisturbed = client.completions.create(**kw).choices[0].text
+        killer, killed = _kill_serving_worker(mesh)
+        t0 = time.monotonic()
+        if stream:
+            text, reason = "", None
+            for c in client.completions.create(stream=True, **kw):
+                if c.choices:
+                    text += c.choices[0].text
+                    reason = c.choices[0].finish_reason or reason
+        else:
+            r = client.completions.create(**kw)
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+            assert r.usage.completion_tokens == MAX_TOKENS
+        killer.join(10)
+        assert killed, "the serving worker was never killed"
+        assert text == undisturbed and reason == "length"
+        assert time.monotonic() - t0 < 30
+        assert _migrations(mesh) == 1.0
+        (survivor,) = mesh.decoders.values()
+        assert survivor.num_received >= 1
+    finally:
+        mesh.close()
+
+
+def test_no_migration_allowed_gives_a_clean_error(model_dir, tmp_path) -> None:  # noqa: ANN001
+    mesh = _mesh(tmp_path, model_dir, migration_limit=0)
+    try:
+        client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        killer, killed = _kill_serving_worker(mesh)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError) as info:
+            for _ in client.completions.create(model="tiny", prompt="Hello", max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+                pass
+        killer.join(10)
+        assert killed
+        assert "migration-limit" in str(info.value) and time.monotonic() - t0 < 15
+    finally:
+        mesh.close()
