@@ -108,7 +108,7 @@ def test_killed_prefill_worker_never_hangs_or_returns_wrong_text(ckpt, hf_refere
     proc = subprocess.Popen([sys.executable, "-m", "tests.stalling_prefill", mesh.nats.url], start_new_session=True)
     try:
         mesh.start_tokenizer()
-        d0 = mesh.start_decoder("d0", threshold=0, remote_timeout_s=3.0)
+        d0 = mesh.start_decoder("d0", threshold=0, remote_timeout_s=2.0)  # the default: dead prefill noticed in ~2 s
         mesh.wait_until(lambda: mesh.gateway.ctx.router.alive())
 
         async def prefill_is_up() -> bool:
@@ -128,7 +128,7 @@ def test_killed_prefill_worker_never_hangs_or_returns_wrong_text(ckpt, hf_refere
         prompt = random_prompts([60], seed=33)[0]
         t0 = time.monotonic()
         check_completion(client_for(mesh), ckpt, hf_reference, prompt)
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 8
         spy.result(5)
         assert proc.wait(5) == -signal.SIGKILL
         assert (d0.remote_prefills, d0.remote_fallbacks) == (0, 1)

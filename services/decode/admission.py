@@ -56,6 +56,7 @@ class AdmissionSettings:
     remote_prefill_threshold: int
     remote_prefill_timeout_s: float
     kv_transfer_timeout_s: float
+    remote_prefill_timeout_per_token_s: float = 0.0
 
 
 class Host(Protocol):
@@ -157,7 +158,9 @@ class Admission:
         with _tracer.start_as_current_span("decode.remote_prefill", context=trace.set_span_in_context(self.span),
                                            attributes={"kvmesh.transfer_id": transfer_id}) as span:
             try:
-                reply = await bus.request(host.nc, subjects.PREFILL_PREFILL, msg, timeout=s.remote_prefill_timeout_s,
+                deadline = s.remote_prefill_timeout_s + s.remote_prefill_timeout_per_token_s * (
+                    len(req.prompt_token_ids) - cached)
+                reply = await bus.request(host.nc, subjects.PREFILL_PREFILL, msg, timeout=deadline,
                                           expect=RemotePrefillReply)
                 if reply.error is not None or reply.first_token_id is None:
                     raise TransferError(f"prefill worker failed: {reply.error}")

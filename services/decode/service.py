@@ -40,7 +40,10 @@ class DecodeSettings:
     worker_id: str
     remote_prefill_threshold: int = 512  # uncached prompt tokens at which prefill goes remote; 0 = always
     use_kvstore: bool = True
-    remote_prefill_timeout_s: float = 60.0
+    # A remote prefill must answer within base + per-token x uncached tokens, or decode computes locally:
+    # a dead (or stuck) prefill worker costs about two seconds, a long prompt gets the time it needs.
+    remote_prefill_timeout_s: float = 2.0
+    remote_prefill_timeout_per_token_s: float = 0.002
     kv_transfer_timeout_s: float = 30.0
     beat_interval_s: float = 1.0
 
@@ -70,7 +73,8 @@ class DecodeService(EngineWorker):
         await self.start_engine(nc)
         s = self.settings
         self.admission_settings = AdmissionSettings(s.worker_id, self.block_size, s.remote_prefill_threshold,
-                                                    s.remote_prefill_timeout_s, s.kv_transfer_timeout_s)
+                                                    s.remote_prefill_timeout_s, s.kv_transfer_timeout_s,
+                                                    s.remote_prefill_timeout_per_token_s)
         self.outbox = Outbox(nc, subjects.decode_events(s.worker_id))
         await self.transport.start(s.worker_id)
         self.cancel_sub = await bus.subscribe(nc, subjects.DECODE_CANCEL, self._on_cancel, CancelRequest)
@@ -218,7 +222,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="uncached prompt tokens at which prefill goes to a prefill worker (0: always, "
                              "a huge number: never)")
     parser.add_argument("--no-kvstore", action="store_true", help="neither fetch from nor offload to the kvstore")
-    parser.add_argument("--remote-prefill-timeout", type=float, default=60.0)
+    parser.add_argument("--remote-prefill-timeout", type=float, default=2.0,
+                        help="seconds a prefill worker has to answer, plus --remote-prefill-timeout-per-token for "
+                             "each uncached prompt token; past it decode prefills locally")
+    parser.add_argument("--remote-prefill-timeout-per-token", type=float, default=0.002)
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)
 
 
@@ -226,4 +233,5 @@ def build(args: argparse.Namespace) -> DecodeService:
     return DecodeService(engine_config_from_args(args), DecodeSettings(
         worker_id=args.worker_id, remote_prefill_threshold=args.remote_prefill_threshold,
         use_kvstore=not args.no_kvstore, remote_prefill_timeout_s=args.remote_prefill_timeout,
+        remote_prefill_timeout_per_token_s=args.remote_prefill_timeout_per_token,
         kv_transfer_timeout_s=args.kv_transfer_timeout))
