@@ -27,6 +27,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--served-model-name", default=None, help="model id folded into block hashes")
+    # Not a flag (it would show in `ps`): the mesh's secret, folded into every block hash so nobody can
+    # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
+    parser.set_defaults(cache_salt=os.environ.get("KVMESH_CACHE_SALT", ""))
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
 
 
@@ -40,4 +43,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        model_id=args.served_model_name)
+                        model_id=args.served_model_name, cache_salt=args.cache_salt)

@@ -350,7 +350,7 @@ def test_up_end_to_end(demo_model: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(demo_model), "--port", str(port),
-         "--grace", str(GRACE_S), "--startup-timeout", "120"],
+         "--grace", str(GRACE_S), "--startup-timeout", "120", "--remote-prefill-threshold", "0"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -367,6 +367,18 @@ def test_up_end_to_end(demo_model: Path) -> None:
         completion = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0)
         assert completion.choices[0].finish_reason in ("stop", "length")
         assert completion.usage is not None and completion.usage.completion_tokens >= 1
+        # Every path through the locked-down bus (remote prefill and its KV push, kvstore offload and
+        # fetch, streaming, block events, beats) works with the per-role permissions.
+        long_prompt = "The mesh moves KV blocks between workers. " * 12
+        first = client.completions.create(model=model, prompt=long_prompt, max_tokens=6, temperature=0)
+        again = client.completions.create(model=model, prompt=long_prompt, max_tokens=6, temperature=0)
+        assert first.choices[0].text == again.choices[0].text
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True)
+            if c.choices)
+        assert streamed
+        assert "per-role users and subject permissions" in "\n".join(out.lines)
+        assert not any("Violation" in line for line in out.lines), [l for l in out.lines if "Violation" in l]
 
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)

@@ -9,6 +9,8 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from shared.bus.roles import ROLES, inbox_prefix
+
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -20,7 +22,8 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
     Environment variables:
       NATS_URL       server URL(s), comma separated (default nats://127.0.0.1:4222);
                      may embed user:password@ or a token@
-      NATS_USER, NATS_PASSWORD   username/password authentication
+      NATS_USER, NATS_PASSWORD   username/password authentication; a kvmesh role name as the user
+                     (shared/bus/roles.py) also sets the inbox prefix its permissions allow
       NATS_TOKEN     token authentication
       NATS_CREDS     path of a .creds file (user JWT + nkey seed, decentralized auth)
       NATS_NKEY      path of an nkey seed file (nkey authentication without a JWT)
@@ -35,6 +38,8 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
     if env.get("NATS_USER"):
         kwargs["user"] = env["NATS_USER"]
         kwargs["password"] = env.get("NATS_PASSWORD", "")
+        if env["NATS_USER"] in ROLES:  # a locked-down mesh: this role may only read its own inboxes
+            kwargs["inbox_prefix"] = inbox_prefix(env["NATS_USER"])
     if env.get("NATS_TOKEN"):
         kwargs["token"] = env["NATS_TOKEN"]
     if env.get("NATS_CREDS"):

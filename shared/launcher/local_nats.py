@@ -3,12 +3,22 @@ binary, supervised like the services (its own process group, stopped after them)
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import json
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from shared.bus.natsd import free_port, nats_server_binary
+from shared.bus.roles import ROLES, permissions
 from shared.launcher.spec import ProcessSpec
 
 NAME = "nats"
+
+
+def role_passwords() -> dict[str, str]:
+    """A fresh password per service role, for one mesh's lifetime."""
+    return {role: secrets.token_urlsafe(24) for role in ROLES}
 
 
 @dataclass(frozen=True)
@@ -16,10 +26,33 @@ class LocalNats:
     host: str
     port: int
     http_port: int  # monitoring: /healthz, /varz, /connz
+    # role -> password: the server admits only these users, each with its role's subject permissions
+    # (shared/bus/roles.py). Empty: an open server (--insecure-bus).
+    passwords: dict[str, str] = field(default_factory=dict)
+    config_dir: Path | None = None  # where the server's config (it holds the passwords) is written
 
     @classmethod
-    def on_free_ports(cls, host: str = "127.0.0.1") -> LocalNats:
-        return cls(host, free_port(host), free_port(host))
+    def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
+                      config_dir: Path | None = None) -> LocalNats:
+        return cls(host, free_port(host), free_port(host), passwords or {}, config_dir)
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """What a service of `role` needs to connect (nothing for an open server)."""
+        if not self.passwords:
+            return {}
+        return {"NATS_USER": role, "NATS_PASSWORD": self.passwords[role]}
+
+    def write_config(self) -> Path:
+        """nats-server's config (JSON is valid nats-server config), readable by this user only."""
+        assert self.config_dir is not None, "config_dir is needed for a locked-down server"
+        users = [{"user": role, "password": pw, "permissions": permissions(role)} for role, pw in self.passwords.items()]
+        config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}",
+                  "authorization": {"users": users}}
+        path = self.config_dir / "nats-server.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f)
+        return path
 
     @property
     def url(self) -> str:
@@ -30,6 +63,8 @@ class LocalNats:
         return f"http://{self.host}:{self.http_port}"
 
     def process(self) -> ProcessSpec:
+        if self.passwords:
+            return ProcessSpec(NAME, (nats_server_binary(), "-c", str(self.write_config())))
         argv = (nats_server_binary(), "--addr", self.host, "--port", str(self.port),
                 "--http_port", str(self.http_port))
         return ProcessSpec(NAME, argv)

@@ -10,15 +10,17 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import secrets
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG
 from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import NAME as NATS_NAME
-from shared.launcher.local_nats import LocalNats
+from shared.launcher.local_nats import LocalNats, role_passwords
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, SERVICES, MeshOptions, mesh_services
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
@@ -51,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"share of each GPU's total memory for all the workers on it (default {d.gpu_memory_utilization})")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"], help="engine workers' KV cache dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="engine workers run without CUDA graphs")
+    parser.add_argument("--insecure-bus", action="store_true",
+                        help="run the local nats-server open (no users, no subject permissions); by default "
+                             "every service connects as its role with a generated password")
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -85,14 +90,21 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"[kvmesh] building the demo model in {model}", flush=True)
         build_demo_model(model)
-    return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout))
+    return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus))
 
 
 def missing_services() -> list[str]:
     return [name for name in SERVICES if importlib.util.find_spec(f"services.{name}.__main__") is None]
 
 
-async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line) -> int:
+async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
+             secure_bus: bool = True) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-up-") as secrets_dir:
+        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir))
+
+
+async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
+              secrets_dir: Path) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -111,22 +123,26 @@ async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emi
             stop.set()
 
     supervisor = Supervisor(emit, on_config_failure=on_config_failure)
-    env: dict[str, str] = {}
+    # The mesh's secret: folded into every block hash, so blocks cannot be planted for a predicted prompt.
+    env: dict[str, str] = {"KVMESH_CACHE_SALT": secrets.token_hex(16)}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
     nats_url = os.environ.get("NATS_URL")
+    nats: LocalNats | None = None
     if not nats_url:
-        nats = LocalNats.on_free_ports()
+        nats = LocalNats.on_free_ports(passwords=role_passwords() if secure_bus else None, config_dir=secrets_dir)
         await supervisor.start(nats.process())
         if not await nats.wait_ready(timeout=15):
             emit("[kvmesh] nats-server did not start")
             await supervisor.stop([NATS_NAME], timeout=5)
             return 1
         nats_url = nats.url
-        emit(f"[kvmesh] nats-server at {nats_url} (monitoring {nats.monitor_url})")
+        access = "per-role users and subject permissions" if nats.passwords else "open (--insecure-bus)"
+        emit(f"[kvmesh] nats-server at {nats_url} (monitoring {nats.monitor_url}; {access})")
     env["NATS_URL"] = nats_url
 
-    services = [p for spec in mesh_services(opts) for p in spec.processes(sys.executable, env)]
+    services = [p for spec in mesh_services(opts)
+                for p in spec.processes(sys.executable, {**env, **(nats.role_env(spec.service) if nats else {})})]
     for proc in services:
         await supervisor.start(proc)
     base = f"http://{_client_host(opts.host)}:{opts.port}"

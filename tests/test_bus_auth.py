@@ -1,0 +1,97 @@
+"""The locked-down bus (issue 9 item 3): the nats-server `kvmesh up` starts admits only its role users,
+and each role may only publish and subscribe where its work needs. A bare client and clients holding
+one role's password try what the issue's attacker did; the server refuses."""
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from nats.errors import NoServersError
+
+from shared import bus, subjects
+from shared.launcher.local_nats import LocalNats, role_passwords
+
+
+@pytest.fixture
+def server(tmp_path):  # noqa: ANN001, ANN201
+    import subprocess
+
+    srv = LocalNats.on_free_ports(passwords=role_passwords(), config_dir=tmp_path)
+    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert asyncio.run(srv.wait_ready(15))
+        yield srv
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+async def _as(srv: LocalNats, role: str | None, errors: list[str]):  # noqa: ANN202
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+    kw = {"user": role, "password": srv.passwords[role]} if role else {}
+    return await nats.connect(srv.url, error_cb=on_error, max_reconnect_attempts=0, allow_reconnect=False,
+                              inbox_prefix=f"_INBOX.{role or 'anon'}", **kw)
+
+
+def test_anonymous_and_wrong_password_clients_are_refused(server) -> None:  # noqa: ANN001
+    async def go() -> None:
+        with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+            await nats.connect(server.url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2)
+        with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+            await nats.connect(server.url, user="gateway", password="guess", max_reconnect_attempts=0,
+                               allow_reconnect=False, connect_timeout=2)
+    asyncio.run(go())
+
+
+def test_roles_cannot_read_or_forge_what_is_not_theirs(server) -> None:  # noqa: ANN001
+    async def go() -> list[str]:
+        errors: list[str] = []
+        gateway = await _as(server, "gateway", errors)
+        decode = await _as(server, "decode", errors)
+        tokenizer = await _as(server, "tokenizer", errors)
+        # The gateway cannot read other clients' prompts, nor the decode role's inboxes.
+        await gateway.subscribe(subjects.TOKENIZER_ENCODE)
+        await gateway.subscribe("_INBOX.decode.>")
+        await gateway.flush()
+        # A tokenizer cannot forge a load beat, a generate request or a kvstore put.
+        await tokenizer.publish(subjects.decode_load("fake"), b"x")
+        await tokenizer.publish(subjects.DECODE_GENERATE, b"x")
+        await tokenizer.publish(subjects.KVSTORE_PUT, b"x")
+        await tokenizer.flush()
+        # A decode worker cannot send generate requests or cancel other clients' streams.
+        await decode.publish(subjects.DECODE_GENERATE, b"x")
+        await decode.publish(subjects.DECODE_CANCEL, b"x")
+        await decode.flush()
+        await asyncio.sleep(0.3)
+        # What each role needs still works: a decode worker beats, the gateway hears it.
+        heard = await gateway.subscribe(subjects.DECODE_LOAD_ALL)
+        await gateway.flush()
+        await decode.publish(subjects.decode_load("d0"), b"beat")
+        msg = await heard.next_msg(timeout=2)
+        assert msg.data == b"beat"
+        for nc in (gateway, decode, tokenizer):
+            await nc.close()
+        return errors
+
+    errors = asyncio.run(go())
+    violations = [e.lower() for e in errors if "permissions violation" in e.lower()]
+    for what in ('subscription to "kvmesh.tokenizer.encode"', 'subscription to "_inbox.decode.>"',
+                 'publish to "kvmesh.decode.load.fake"', 'publish to "kvmesh.decode.generate"',
+                 'publish to "kvmesh.kvstore.put"', 'publish to "kvmesh.decode.cancel"'):
+        assert any(what in v for v in violations), (what, violations)
+
+
+def test_services_connect_with_their_role_and_inbox(server, monkeypatch) -> None:  # noqa: ANN001
+    env = server.role_env("kvstore")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    async def go() -> str:
+        nc = await bus.connect(server.url)
+        try:
+            return nc.new_inbox()
+        finally:
+            await nc.close()
+    assert asyncio.run(go()).startswith("_INBOX.kvstore.")
