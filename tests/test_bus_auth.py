@@ -66,12 +66,14 @@ def test_roles_cannot_read_or_forge_what_is_not_theirs(server) -> None:  # noqa:
         await decode.flush()
         await asyncio.sleep(0.3)
         # What each role needs still works: a decode worker beats, the gateway hears it.
-        heard = await gateway.subscribe(subjects.DECODE_LOAD_ALL)
-        await gateway.flush()
-        await decode.publish(subjects.decode_load("d0"), b"beat")
+        # (fresh connections: nats-py may drop a subscription when an earlier one on its connection was denied)
+        listener, worker = await _as(server, "gateway", []), await _as(server, "decode", [])
+        heard = await listener.subscribe(subjects.DECODE_LOAD_ALL)
+        await listener.flush()
+        await worker.publish(subjects.decode_load("d0"), b"beat")
         msg = await heard.next_msg(timeout=2)
         assert msg.data == b"beat"
-        for nc in (gateway, decode, tokenizer):
+        for nc in (gateway, decode, tokenizer, listener, worker):
             await nc.close()
         return errors
 

@@ -105,3 +105,21 @@ def test_router_spreads_a_burst_between_beats() -> None:
     r.on_beat(beat("b"))
     picks = [r.pick([1, 2, 3, 4, 5]).worker_id for _ in range(4)]
     assert sorted(picks) == ["a", "a", "b", "b"]
+
+
+def test_beats_inconsistent_with_their_subject_or_the_model_are_ignored() -> None:
+    from services.gateway.beat_check import beat_problem
+    from shared import subjects
+
+    ok = LoadBeat(worker_id="d0", running=1, waiting=0, free_blocks=10, total_blocks=20, block_size=16, max_model_len=512)
+    assert beat_problem(ok, subjects.decode_load("d0"), 512, "decode") is None
+    assert "another worker's subject" in beat_problem(ok, subjects.decode_load("d1"), 512, "decode")
+    assert "max_model_len 1" in beat_problem(ok.model_copy(update={"max_model_len": 1}), subjects.decode_load("d0"),
+                                             512, "decode")
+    assert "max_model_len 4096" in beat_problem(ok.model_copy(update={"max_model_len": 4096}),
+                                                subjects.decode_load("d0"), 512, "decode")
+    assert "power of two" in beat_problem(ok.model_copy(update={"block_size": 12}), subjects.decode_load("d0"), 512,
+                                          "decode")
+    assert "inconsistent" in beat_problem(ok.model_copy(update={"free_blocks": 30}), subjects.decode_load("d0"), 512,
+                                          "decode")
+    assert "prefill subject" in beat_problem(ok, subjects.prefill_load("d0"), 512, "prefill")

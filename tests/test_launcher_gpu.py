@@ -121,7 +121,7 @@ def test_compose_files_validate_and_merge_with_docker_compose():
     secrets = {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt"}
     missing = subprocess.run([exe, "-f", "docker-compose.yml", "config"], cwd=ROOT / "compose", capture_output=True,
                              text=True, timeout=60, env=env)
-    assert "required variable KVMESH_NATS_GATEWAY_PASSWORD is missing" in missing.stderr, "the secrets are required"
+    assert "required variable KVMESH_" in missing.stderr, "the secrets are required"
     env |= secrets
     out = subprocess.run([exe, "-f", "docker-compose.yml", "-f", "docker-compose.gpu.yml", "config", "--format", "json"],
                          cwd=ROOT / "compose", capture_output=True, text=True, timeout=60, env=env)

@@ -17,6 +17,7 @@ from nats.aio.subscription import Subscription
 from opentelemetry import trace
 
 from services.gateway.app import create_app
+from services.gateway.beat_check import beat_problem
 from services.gateway.config import GatewayConfig
 from services.gateway.context import GatewayContext
 from services.gateway.metrics import GatewayMetrics
@@ -82,11 +83,19 @@ class GatewayService(Service):
             else:
                 router.on_removed(ev)
 
-        async def on_beat(beat: LoadBeat, _: bus.RequestContext) -> None:
-            router.on_beat(beat)
+        def believable(beat: LoadBeat, msg: bus.RequestContext, role: str) -> bool:
+            problem = beat_problem(beat, msg.subject, ctx.model_max_len, role)
+            if problem is not None:
+                log.warning("ignoring a load beat: %s", problem)
+            return problem is None
 
-        async def on_prefill_beat(beat: LoadBeat, _: bus.RequestContext) -> None:
-            ctx.metrics.prefill_workers.on_beat(beat)
+        async def on_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
+            if believable(beat, msg, "decode"):
+                router.on_beat(beat)
+
+        async def on_prefill_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
+            if believable(beat, msg, "prefill"):
+                ctx.metrics.prefill_workers.on_beat(beat)
 
         self._subs = [
             await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved)),
