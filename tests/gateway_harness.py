@@ -124,6 +124,17 @@ class Mesh:
             d.thread.stop()
         self.call(go())
 
+    def crash_prefill(self) -> None:
+        """The (first) prefill worker goes silent as a killed process would."""
+        async def go() -> None:
+            p = self.prefills.pop(0)
+            p.beats.stop()
+            await p.micro.stop()
+            await p.cancel_sub.unsubscribe()
+            await p.transport.stop()
+            p.thread.stop()
+        self.call(go())
+
     def wait_until(self, predicate, timeout: float = 5.0) -> None:  # noqa: ANN001
         end = time.monotonic() + timeout
         while not predicate():

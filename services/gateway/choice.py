@@ -83,6 +83,8 @@ class Choice:
         subject = subjects.decode_generate(self.worker_id) if self.worker_id else subjects.DECODE_GENERATE
         try:
             self._first = await self._send(subject)
+        except WorkerLost:  # it died before the first token (e.g. while prefilling): start over elsewhere
+            self._first = await self._migrate()
         except bus.NoRespondersError:
             if self.worker_id is None:
                 raise unavailable("no decode worker is available", code="no_decode_worker") from None
@@ -101,7 +103,7 @@ class Choice:
         self.sent = True
         self._stream = stream
         try:
-            return await stream.__anext__()
+            return await self._watched(stream.__anext__())
         except StopAsyncIteration:
             raise APIError(500, "decode ended the stream without a token") from None
         except bus.NoRespondersError:
@@ -131,18 +133,25 @@ class Choice:
         finally:
             await self._stream.aclose()
 
-    async def _next(self) -> TokenChunk | None:
-        """The next chunk; WorkerLost as soon as the router stops hearing from the worker (missed beats)."""
-        assert self._stream is not None
-        pending = asyncio.ensure_future(self._stream.__anext__())
+    async def _watched(self, work) -> TokenChunk:  # noqa: ANN001
+        """Awaits the stream's next chunk; WorkerLost as soon as the router stops hearing from the worker."""
+        pending = asyncio.ensure_future(work)
         try:
             while True:
                 done, _ = await asyncio.wait({pending}, timeout=WATCH_INTERVAL_S)
                 if done:
-                    break
+                    return pending.result()
                 if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
                     raise WorkerLost(self.worker_id)
-            return pending.result()
+        finally:
+            if not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+
+    async def _next(self) -> TokenChunk | None:
+        assert self._stream is not None
+        try:
+            return await self._watched(self._stream.__anext__())
         except StopAsyncIteration:
             return None
         except bus.RemoteError as e:
@@ -151,10 +160,6 @@ class Choice:
             raise APIError(504, f"decode sent nothing for {self.ctx.config.stream_idle_timeout_s:g}s", code="timeout") from None
         except bus.BusError as e:
             raise APIError(500, f"lost the token stream: {e}", code="stream_error") from None
-        finally:
-            if not pending.done():
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
 
     async def _migrate(self) -> TokenChunk:
         """Continue on another decode worker: the prompt plus every token streamed so far, what is left of
@@ -164,7 +169,8 @@ class Choice:
             self._dead.add(lost)
             self.ctx.router.forget(lost)
         self.cancel_soon("worker lost")  # if it is only slow, it must not run on
-        await self._stream.aclose()
+        if self._stream is not None:
+            await self._stream.aclose()
         while True:
             if self.migrations >= self.ctx.config.migration_limit:
                 raise unavailable(f"decode worker {lost} stopped answering and the request may not move again "
@@ -188,9 +194,10 @@ class Choice:
                                              "kvmesh.tokens_done": n})
             try:
                 return await self._send(subjects.decode_generate(route.worker_id))
-            except bus.NoRespondersError:
+            except (bus.NoRespondersError, WorkerLost):
                 self._dead.add(route.worker_id)
                 self.ctx.router.forget(route.worker_id)
+                self.cancel_soon("worker lost")
                 lost = route.worker_id
 
     def _on_chunk(self, chunk: TokenChunk) -> Delta | None:

@@ -1,0 +1,147 @@
+"""Soak (issue 9 item 6): many requests (chat and completions, streamed and not, 20% cancelled by their
+clients at random moments) while a decode worker and the prefill worker die. Nothing may be lost: every
+request gets its whole answer or a clean error within a bound; no KV block leaks on the surviving
+workers; greedy output afterwards is what it was before. A short version runs in `make test`; the
+1,000-request one with `make test-slow`."""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.checkpoints import build_checkpoint
+from tests.gateway_harness import Mesh
+
+BOUND_S = 45.0  # no request may take longer than this, faults included
+
+
+@dataclass
+class Outcome:
+    kind: str  # "complete" | "clean_error" | "cancelled" | "lost"
+    seconds: float
+    detail: str = ""
+
+
+def _one(base: str, rng: random.Random, i: int) -> Outcome:
+    chat = rng.random() < 0.5
+    stream = rng.random() < 0.5
+    cancel_after = rng.uniform(0.05, 1.0) if rng.random() < 0.2 else None
+    max_tokens = rng.randint(8, 48)
+    prompt = f"request {i}: " + "lorem ipsum " * rng.randint(1, 40)
+    body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if chat:
+        url, body["messages"] = f"{base}/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        url, body["prompt"] = f"{base}/v1/completions", prompt
+    t0 = time.monotonic()
+    timeout = httpx.Timeout(BOUND_S if cancel_after is None else cancel_after)
+    try:
+        if not stream:
+            r = httpx.post(url, json=body, timeout=timeout)
+            if r.status_code != 200:
+                err = r.json().get("error", {})
+                return Outcome("clean_error" if err.get("code") else "lost", time.monotonic() - t0, str(err))
+            usage = r.json()["usage"]
+            ok = usage["completion_tokens"] == max_tokens
+            return Outcome("complete" if ok else "lost", time.monotonic() - t0, f"{usage}")
+        tokens_text, reason, error = "", None, None
+        with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                r.read()
+                err = r.json().get("error", {})
+                return Outcome("clean_error" if err.get("code") else "lost", time.monotonic() - t0, str(err))
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"]
+                    continue
+                for c in chunk.get("choices", []):
+                    reason = c.get("finish_reason") or reason
+        if error is not None:
+            return Outcome("clean_error" if error.get("code") else "lost", time.monotonic() - t0, str(error))
+        return Outcome("complete" if reason == "length" else "lost", time.monotonic() - t0, f"reason {reason}")
+    except httpx.TimeoutException:
+        if cancel_after is not None:
+            return Outcome("cancelled", time.monotonic() - t0)
+        return Outcome("lost", time.monotonic() - t0, "no answer within the bound")
+
+
+def soak(tmp_path, num_requests: int, concurrency: int) -> dict:  # noqa: ANN001
+    model_dir = build_checkpoint("llama", tmp_path / "llama", max_position_embeddings=1024).path
+    (tmp_path / "nats").mkdir()
+    mesh = Mesh(tmp_path / "nats", model_dir, worker_expiry_s=1.0)
+    try:
+        mesh.start_tokenizer()
+        mesh.start_kvstore()
+        mesh.start_prefill(num_kv_blocks=256, use_kvstore=True)
+        for wid in ("d0", "d1"):
+            mesh.start_decoder(wid, num_kv_blocks=512, threshold=64, use_kvstore=True, remote_timeout_s=2.0)
+        mesh.wait_until(lambda: len(mesh.gateway.ctx.router.alive()) == 2)
+        probe = {"model": "tiny", "prompt": "The same words every time " * 8, "max_tokens": 16, "temperature": 0}
+        before = httpx.post(f"{mesh.url}/v1/completions", json=probe, timeout=30).json()["choices"][0]["text"]
+        rng = random.Random(0)
+        seeds = [rng.random() for _ in range(num_requests)]
+        outcomes: list[Outcome] = [None] * num_requests  # type: ignore[list-item]
+        done = [0]
+        lock = threading.Lock()
+
+        def run(i: int) -> None:
+            outcomes[i] = _one(mesh.url, random.Random(seeds[i]), i)
+            with lock:
+                done[0] += 1
+
+        faults: list[tuple[str, float]] = []
+
+        def inject() -> None:
+            for at, what in ((0.3, "decode"), (0.6, "prefill")):
+                while done[0] < at * num_requests:
+                    time.sleep(0.01)
+                t = time.monotonic()
+                mesh.crash("d1") if what == "decode" else mesh.crash_prefill()
+                faults.append((what, t))
+
+        killer = threading.Thread(target=inject)
+        killer.start()
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(run, range(num_requests)))
+        killer.join(30)
+        elapsed = time.monotonic() - t0
+        survivors = list(mesh.decoders.values())
+        mesh.wait_until(lambda: all(h == 0 and f == t for h, f, t in map(mesh.engine_state, survivors)), timeout=10)
+        leaked = sum(t - f for _, f, t in map(mesh.engine_state, survivors))
+        after = httpx.post(f"{mesh.url}/v1/completions", json=probe, timeout=30).json()["choices"][0]["text"]
+        counts = {k: sum(o.kind == k for o in outcomes) for k in ("complete", "clean_error", "cancelled", "lost")}
+        return {"sent": num_requests, **counts, "leaked_blocks": leaked, "faults": [f for f, _ in faults],
+                "worst_seconds": max(o.seconds for o in outcomes), "elapsed_s": elapsed,
+                "same_greedy_output": before == after,
+                "migrations": mesh.gateway.ctx.metrics.migrations.labels("tiny")._value.get(),
+                "lost_details": [o.detail for o in outcomes if o.kind == "lost"][:5]}
+    finally:
+        mesh.close()
+
+
+def _check(report: dict) -> None:
+    print(json.dumps(report, indent=2))
+    assert report["faults"] == ["decode", "prefill"]
+    assert report["lost"] == 0, report["lost_details"]
+    assert report["leaked_blocks"] == 0 and report["same_greedy_output"]
+    assert report["worst_seconds"] < BOUND_S
+    assert report["complete"] + report["clean_error"] + report["cancelled"] == report["sent"]
+
+
+def test_short_soak_loses_nothing(tmp_path) -> None:  # noqa: ANN001
+    _check(soak(tmp_path, num_requests=80, concurrency=12))
+
+
+@pytest.mark.slow
+def test_soak_1000_requests_loses_nothing(tmp_path) -> None:  # noqa: ANN001
+    _check(soak(tmp_path, num_requests=1000, concurrency=32))
