@@ -27,6 +27,17 @@ def print_line(line: str) -> None:
     sys.stdout.flush()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the launcher dies, however it dies (SIGKILL, OOM), so
+    no service outlives it; the signal starts the service's normal drain."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own stop() is all there is
+        pass
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -139,6 +150,7 @@ class Supervisor:
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             except OSError as e:  # e.g. the executable vanished: report like a death, retry
                 self._emit(f"[kvmesh] {child.spec.name} could not start: {e}")
