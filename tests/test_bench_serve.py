@@ -361,7 +361,7 @@ def test_baseline_cli_starts_and_stops_on_ctrl_c(model_dir):
         assert lines[-1].startswith("ready:"), "".join(lines)
         assert f"--model {model_dir.resolve()}" in lines[-1]
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

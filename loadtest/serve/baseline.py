@@ -95,14 +95,20 @@ class BaselineServer:
         if self.process.poll() is None:
             # SIGTERM, not SIGINT: both are uvicorn's graceful path, but after SIGINT the CB worker
             # thread kept the process alive for over 10 s here; SIGTERM exits in about a second.
-            self.process.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal(signal.SIGKILL)
                 self.process.wait()
         if self._log is not None:
             self._log.close()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.process.pid, sig)  # the server and anything it spawned
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def __enter__(self) -> "BaselineServer":
         return self
@@ -126,7 +132,8 @@ def start_baseline(config: BaselineConfig, ready_timeout: float = 180.0, log_pat
     path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")[1])
     log = open(path, "w")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
-    proc = subprocess.Popen(config.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
+    # Its own session, so stop() can reach whatever transformers serve starts besides itself.
+    proc = subprocess.Popen(config.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = BaselineServer(config, proc, path, log)
     end = time.monotonic() + ready_timeout
     while time.monotonic() < end:
