@@ -161,7 +161,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log", help="server log file (default: a temp file)")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
+    # Ctrl-C and SIGTERM both take the clean path below, also when this was started with SIGINT ignored
+    # (a shell's background job inherits SIG_IGN, and Python then leaves SIGINT ignored).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     cfg = BaselineConfig(args.model, args.port, args.host, args.device, args.dtype, args.cb_num_blocks,
                          args.cb_max_batch_tokens)
     print("starting: " + " ".join(cfg.command()), flush=True)
