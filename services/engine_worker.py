@@ -17,6 +17,7 @@ from shared.engine.llm_engine import LLMEngine, Reservation
 from shared.engine.offload import Offloader, collect
 from shared.kv_transport import NatsKVTransport
 from shared.kvstore_client import KVStoreClient
+from shared.prefix_fetch import PrefixFetches
 from shared.protocol.events import LoadBeat
 from shared.protocol.generate import RequestTimings
 from shared.service_runner import Service
@@ -42,6 +43,7 @@ class EngineWorker(Service):
         self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
         self.block_size = self.engine.config.block_size
         self.kvstore = KVStoreClient(nc) if self.use_kvstore else None
+        self.prefix_fetches = PrefixFetches(self.kvstore.get_chain) if self.kvstore else None
         self.offloader = Offloader(self.kvstore) if self.kvstore else None
         self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
                                    self._post_step if self.kvstore else None)
@@ -89,7 +91,7 @@ class EngineWorker(Service):
         if self.kvstore is None or len(res.block_hashes) <= own:
             return res.num_cached_tokens
         with _tracer.start_as_current_span("kvstore.get", attributes={"kvmesh.blocks_wanted": len(res.block_hashes) - own}) as span:
-            got = await self.kvstore.get_chain(res.block_hashes[own:])
+            got = await self.prefix_fetches.get(res.block_hashes[own:])
             if got is None:
                 return res.num_cached_tokens
             k, v = got
