@@ -346,11 +346,12 @@ def test_supervisor_restarts_a_dead_service(nats: NatsServer, demo_model: Path) 
 GRACE_S = 10.0
 
 
-def test_up_end_to_end(demo_model: Path) -> None:
+def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(demo_model), "--port", str(port),
-         "--grace", str(GRACE_S), "--startup-timeout", "120", "--remote-prefill-threshold", "0"],
+         "--grace", str(GRACE_S), "--startup-timeout", "120", "--remote-prefill-threshold", "0",
+         "--kvstore-disk-dir", str(tmp_path / "kvstore")],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -378,6 +379,7 @@ def test_up_end_to_end(demo_model: Path) -> None:
             if c.choices)
         assert streamed
         assert "per-role users and subject permissions" in "\n".join(out.lines)
+        assert (tmp_path / "kvstore").is_dir(), "the kvstore runs with its disk tier"
         assert not any("Violation" in line for line in out.lines), [l for l in out.lines if "Violation" in l]
 
         t0 = time.monotonic()

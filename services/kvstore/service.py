@@ -7,15 +7,19 @@ block is well formed, and hands it back bit for bit.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.client import Client
 
 from services.inflight import InFlight
 from services.kvstore.cpu_tier import CPUTier
+from services.kvstore.disk_tier import DiskTier
 from services.kvstore.tier import KVTier
+from services.kvstore.tiered import TieredStore
 from shared import bus, subjects
 from shared.block_hash import DIGEST_SIZE
 from shared.protocol import errors as codes
@@ -45,6 +49,7 @@ class KVStoreService(Service):
 
     def __init__(self, tier: KVTier, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
         self.tier = tier
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-io")
         self.max_reply_bytes = max_reply_bytes
         self._micro: bus.MicroService | None = None
         self._inflight = InFlight()
@@ -75,28 +80,38 @@ class KVStoreService(Service):
         if self._micro is not None:
             await self._micro.stop()  # cancels whatever is left
             self._micro = None
+        self._io.shutdown(wait=True)  # a disk write in progress finishes (files are renamed into place whole)
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-io")  # a restarted service can serve again
 
     # ------------------------------------------------------------------ handlers
+
+    async def _on_tiers(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
+        """Every tier operation on one I/O thread: the disk never blocks the event loop, and the tiers
+        (not thread safe) see one caller at a time."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     async def put(self, req: PutRequest, ctx: bus.RequestContext) -> PutReply:
         for i, block in enumerate(req.blocks):  # all checked before any is stored: a bad put stores nothing
             _check_block(i, block)
-        result = self.tier.put(req.blocks)
-        if result.evicted:  # no lower tier yet: evicted blocks are dropped
-            log.debug("evicted %d blocks", len(result.evicted))
+        result = await self._on_tiers(self.tier.put, req.blocks)
         return PutReply(num_stored=result.stored)
 
     async def get(self, req: GetRequest, ctx: bus.RequestContext) -> GetReply:
         if req.max_blocks is not None and req.max_blocks < 0:
             raise bus.RemoteError(codes.BAD_REQUEST, f"max_blocks must be >= 0, got {req.max_blocks}")
-        return GetReply(blocks=self.tier.get_chain(req.hashes, req.max_blocks, self.max_reply_bytes))
+        return GetReply(blocks=await self._on_tiers(self.tier.get_chain, req.hashes, req.max_blocks,
+                                                    self.max_reply_bytes))
 
     async def contains(self, req: ContainsRequest, ctx: bus.RequestContext) -> ContainsReply:
-        return ContainsReply(num_prefix_blocks=self.tier.contains_chain(req.hashes))
+        return ContainsReply(num_prefix_blocks=await self._on_tiers(self.tier.contains_chain, req.hashes))
 
     async def stats(self, req: StatsRequest, ctx: bus.RequestContext) -> StatsReply:
-        s = self.tier.stats()
-        return StatsReply(cpu_blocks=s.blocks, cpu_bytes=s.bytes, disk_blocks=0, disk_bytes=0, hits=s.hits, misses=s.misses)
+        t = self.tier
+        cpu = t.cpu.stats() if isinstance(t, TieredStore) else t.stats()
+        disk = t.disk.stats() if isinstance(t, TieredStore) and t.disk is not None else None
+        total = t.stats()
+        return StatsReply(cpu_blocks=cpu.blocks, cpu_bytes=cpu.bytes, disk_blocks=disk.blocks if disk else 0,
+                          disk_bytes=disk.bytes if disk else 0, hits=total.hits, misses=total.misses)
 
 
 def _check_block(i: int, block: StoredBlock) -> None:
@@ -129,7 +144,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-bytes", type=parse_bytes,
                         default=parse_bytes(os.environ.get("KVMESH_KVSTORE_CAPACITY", str(DEFAULT_CAPACITY_BYTES))),
                         help="CPU tier size (e.g. 2GiB; env KVMESH_KVSTORE_CAPACITY); least recently used blocks go first")
+    parser.add_argument("--disk-dir", default=os.environ.get("KVMESH_KVSTORE_DISK_DIR") or None,
+                        help="directory of the persistent disk tier below the CPU tier (env KVMESH_KVSTORE_DISK_DIR; "
+                             "none: no disk tier); found again after a restart")
+    parser.add_argument("--disk-bytes", type=parse_bytes,
+                        default=parse_bytes(os.environ.get("KVMESH_KVSTORE_DISK_BYTES", "16GiB")),
+                        help="disk tier size (env KVMESH_KVSTORE_DISK_BYTES); least recently used blocks go first")
+    parser.add_argument("--disk-min-uses", type=int, default=2,
+                        help="a block evicted from memory goes to disk only if it was used this many times")
 
 
 def build(args: argparse.Namespace) -> KVStoreService:
-    return KVStoreService(CPUTier(args.capacity_bytes))
+    disk = DiskTier(args.disk_dir, args.disk_bytes) if args.disk_dir else None
+    return KVStoreService(TieredStore(CPUTier(args.capacity_bytes), disk, args.disk_min_uses))

@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"share of each GPU's total memory for all the workers on it (default {d.gpu_memory_utilization})")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"], help="engine workers' KV cache dtype")
     parser.add_argument("--enforce-eager", action="store_true", help="engine workers run without CUDA graphs")
+    parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
+                        help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--insecure-bus", action="store_true",
                         help="run the local nats-server open (no users, no subject permissions); by default "
                              "every service connects as its role with a generated password")
@@ -90,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"[kvmesh] building the demo model in {model}", flush=True)
         build_demo_model(model)
-    return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus))
+    disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
+    return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
+                          kvstore_disk_dir=disk))
 
 
 def missing_services() -> list[str]:
@@ -98,13 +102,13 @@ def missing_services() -> list[str]:
 
 
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
-             secure_bus: bool = True) -> int:
+             secure_bus: bool = True, kvstore_disk_dir: str | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-up-") as secrets_dir:
-        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir))
+        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir), kvstore_disk_dir)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
-              secrets_dir: Path) -> int:
+              secrets_dir: Path, kvstore_disk_dir: str | None) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -141,8 +145,13 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         emit(f"[kvmesh] nats-server at {nats_url} (monitoring {nats.monitor_url}; {access})")
     env["NATS_URL"] = nats_url
 
-    services = [p for spec in mesh_services(opts)
-                for p in spec.processes(sys.executable, {**env, **(nats.role_env(spec.service) if nats else {})})]
+    def service_env(service: str) -> dict[str, str]:
+        extra = nats.role_env(service) if nats else {}
+        if service == "kvstore" and kvstore_disk_dir:
+            extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
+        return {**env, **extra}
+
+    services = [p for spec in mesh_services(opts) for p in spec.processes(sys.executable, service_env(spec.service))]
     for proc in services:
         await supervisor.start(proc)
     base = f"http://{_client_host(opts.host)}:{opts.port}"
