@@ -59,3 +59,23 @@ class InFlight:
         except asyncio.TimeoutError:
             return False
         return True
+
+
+class MicroServiceDrain:
+    """The drain hooks of a service that is one nats.micro service answering tracked requests (the
+    tokenizer, the kvstore): unsubscribe first, let delivered requests finish, then stop the service."""
+
+    _micro: bus.MicroService | None
+    _inflight: InFlight
+
+    async def stop_intake(self) -> None:
+        if self._micro is not None:
+            await self._micro.service.stop()  # unsubscribe: no new work; delivered messages still run
+
+    def in_flight(self) -> int:
+        return self._inflight.count
+
+    async def release(self, remaining_s: float) -> None:
+        if self._micro is not None:
+            await self._micro.stop()  # cancels whatever is left
+            self._micro = None

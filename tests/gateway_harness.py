@@ -5,9 +5,10 @@ Tests talk to the gateway over HTTP from the main thread with the official opena
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
@@ -161,3 +162,27 @@ class Mesh:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             self.nats.stop()
+
+
+@contextmanager
+def one_decoder_mesh(tmp_path_factory, name: str = "mesh", arch: str = "llama", checkpoint: dict | None = None,
+                     model_dir: Path | None = None, **gateway: Any) -> Iterator[Mesh]:
+    """A tokenizer, one decode worker ("d0") and the gateway on `model_dir` or a fresh test checkpoint."""
+    from tests.checkpoints import build_checkpoint
+
+    if model_dir is None:
+        model_dir = build_checkpoint(arch, tmp_path_factory.mktemp(name) / arch, **(checkpoint or {})).path
+    m = Mesh(tmp_path_factory.mktemp("nats"), model_dir, **gateway)
+    try:
+        m.start_tokenizer()
+        m.start_decoder("d0")
+        m.wait_until(lambda: m.gateway.ctx.router.alive())
+        yield m
+    finally:
+        m.close()
+
+
+def openai_client(mesh: Mesh, api_key: str = "unused"):  # noqa: ANN201
+    import openai
+
+    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key=api_key, max_retries=0, timeout=60)

@@ -9,8 +9,7 @@ import pytest
 from shared import bus, subjects
 from shared.protocol.tokenizer import EncodeReply, EncodeRequest
 from services.gateway.intake import default_body_limit
-from tests.checkpoints import build_checkpoint
-from tests.gateway_harness import Mesh
+from tests.gateway_harness import one_decoder_mesh
 
 KEY = "sk-bounded"
 LIMIT = 64 << 10
@@ -18,15 +17,8 @@ LIMIT = 64 << 10
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):  # noqa: ANN001, ANN201
-    model_dir = build_checkpoint("llama", tmp_path_factory.mktemp("bounded") / "llama").path
-    m = Mesh(tmp_path_factory.mktemp("nats"), model_dir, api_key=KEY, max_body_bytes=LIMIT)
-    try:
-        m.start_tokenizer()
-        m.start_decoder("d0")
-        m.wait_until(lambda: m.gateway.ctx.router.alive())
+    with one_decoder_mesh(tmp_path_factory, "bounded", api_key=KEY, max_body_bytes=LIMIT) as m:
         yield m
-    finally:
-        m.close()
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}

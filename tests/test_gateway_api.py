@@ -13,7 +13,7 @@ import pytest
 from shared import bus, subjects
 from shared.protocol.events import LoadBeat
 from tests.checkpoints import build_checkpoint
-from tests.gateway_harness import Mesh
+from tests.gateway_harness import Mesh, one_decoder_mesh
 
 KEY = "sk-test-key"
 
@@ -25,14 +25,8 @@ def model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def mesh(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
-    m = Mesh(tmp_path_factory.mktemp("nats"), model_dir)
-    try:
-        m.start_tokenizer()
-        m.start_decoder("d0")
-        m.wait_until(lambda: m.gateway.ctx.router.alive())
+    with one_decoder_mesh(tmp_path_factory, model_dir=model_dir) as m:
         yield m
-    finally:
-        m.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.checkpoints import build_checkpoint
-from tests.gateway_harness import Mesh
+from tests.gateway_harness import one_decoder_mesh, openai_client
 from tests.test_gateway_api import expect_error
 
 
@@ -20,19 +20,13 @@ def ckpt(tmp_path_factory):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def mesh(ckpt, tmp_path_factory):  # noqa: ANN001, ANN201
-    m = Mesh(tmp_path_factory.mktemp("nats"), ckpt.path)
-    try:
-        m.start_tokenizer()
-        m.start_decoder("d0")
-        m.wait_until(lambda: m.gateway.ctx.router.alive())
+    with one_decoder_mesh(tmp_path_factory, model_dir=ckpt.path) as m:
         yield m
-    finally:
-        m.close()
 
 
 @pytest.fixture(scope="module")
 def client(mesh):  # noqa: ANN001, ANN201
-    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(mesh)
 
 
 def greedy(client: openai.OpenAI, **kw):  # noqa: ANN003, ANN201

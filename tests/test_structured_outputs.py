@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.checkpoints import build_checkpoint
-from tests.gateway_harness import Mesh
+from tests.gateway_harness import one_decoder_mesh, openai_client
 from tests.test_gateway_api import expect_error
 
 SCHEMAS = [
@@ -35,20 +34,13 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):  # noqa: ANN001, ANN201
-    model_dir = build_checkpoint("qwen3", tmp_path_factory.mktemp("so") / "qwen3").path
-    m = Mesh(tmp_path_factory.mktemp("nats"), model_dir)
-    try:
-        m.start_tokenizer()
-        m.start_decoder("d0")
-        m.wait_until(lambda: m.gateway.ctx.router.alive())
+    with one_decoder_mesh(tmp_path_factory, "so", "qwen3") as m:
         yield m
-    finally:
-        m.close()
 
 
 @pytest.fixture(scope="module")
 def client(mesh):  # noqa: ANN001, ANN201
-    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(mesh)
 
 
 def _fmt(schema: dict) -> dict:

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.test_launcher import _alive
+
 SCRIPT = """
 import asyncio, sys
 from shared.launcher.spec import ProcessSpec
@@ -21,17 +23,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_children_die_with_a_killed_launcher() -> None:

@@ -9,8 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.checkpoints import build_checkpoint
-from tests.gateway_harness import Mesh
+from tests.gateway_harness import one_decoder_mesh, openai_client
 from tests.test_gateway_api import expect_error
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -26,21 +25,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):  # noqa: ANN001, ANN201
-    model_dir = build_checkpoint("qwen3", tmp_path_factory.mktemp("tools") / "qwen3",
-                                 max_position_embeddings=2048).path
-    m = Mesh(tmp_path_factory.mktemp("nats"), model_dir)
-    try:
-        m.start_tokenizer()
-        m.start_decoder("d0")
-        m.wait_until(lambda: m.gateway.ctx.router.alive())
+    with one_decoder_mesh(tmp_path_factory, "tools", "qwen3", checkpoint={"max_position_embeddings": 2048}) as m:
         yield m
-    finally:
-        m.close()
 
 
 @pytest.fixture(scope="module")
 def client(mesh):  # noqa: ANN001, ANN201
-    return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(mesh)
 
 
 def chat(client, **kw):  # noqa: ANN001, ANN003, ANN201

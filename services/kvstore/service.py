@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.client import Client
 
-from services.inflight import InFlight
+from services.inflight import InFlight, MicroServiceDrain
 from services.kvstore.cpu_tier import CPUTier
 from services.kvstore.disk_tier import DiskTier
 from services.kvstore.tier import KVTier
@@ -44,7 +44,7 @@ DEFAULT_CAPACITY_BYTES = 2 << 30
 DEFAULT_MAX_REPLY_BYTES = bus.DEFAULT_LIMITS.max_message_bytes // 2
 
 
-class KVStoreService(Service):
+class KVStoreService(MicroServiceDrain, Service):
     name = "kvstore"
 
     def __init__(self, tier: KVTier, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
@@ -69,17 +69,8 @@ class KVStoreService(Service):
         )  # fmt: skip
         await nc.flush()  # the server has our subscriptions once start() returns, so "serving" is true
 
-    async def stop_intake(self) -> None:
-        if self._micro is not None:
-            await self._micro.service.stop()  # unsubscribe: no new work; delivered messages still run
-
-    def in_flight(self) -> int:
-        return self._inflight.count
-
     async def release(self, remaining_s: float) -> None:
-        if self._micro is not None:
-            await self._micro.stop()  # cancels whatever is left
-            self._micro = None
+        await super().release(remaining_s)
         self._io.shutdown(wait=True)  # a disk write in progress finishes (files are renamed into place whole)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-io")  # a restarted service can serve again
 

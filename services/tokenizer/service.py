@@ -17,7 +17,7 @@ import jinja2
 from nats.aio.client import Client
 from transformers import PreTrainedTokenizerBase
 
-from services.inflight import InFlight
+from services.inflight import InFlight, MicroServiceDrain
 from shared import bus, subjects
 from shared.models.tokenizer import encode_chat, load_tokenizer
 from shared.protocol import errors as codes
@@ -32,7 +32,7 @@ VERSION = "0.1.0"
 DEFAULT_MAX_INPUT_CHARS = 8 << 20
 
 
-class TokenizerService(Service):
+class TokenizerService(MicroServiceDrain, Service):
     name = "tokenizer"
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_input_chars: int = DEFAULT_MAX_INPUT_CHARS) -> None:
@@ -56,17 +56,6 @@ class TokenizerService(Service):
         )  # fmt: skip
         await nc.flush()  # the server has our subscriptions once start() returns, so "serving" is true
 
-    async def stop_intake(self) -> None:
-        if self._micro is not None:
-            await self._micro.service.stop()  # unsubscribe: no new work; delivered messages still run
-
-    def in_flight(self) -> int:
-        return self._inflight.count
-
-    async def release(self, remaining_s: float) -> None:
-        if self._micro is not None:
-            await self._micro.stop()  # cancels whatever is left
-            self._micro = None
 
     # ------------------------------------------------------------------ handlers
 
