@@ -140,3 +140,35 @@ def test_compose_auth_config_is_generated_from_the_roles_and_loads_in_nats_serve
     finally:
         proc.terminate()
         proc.wait(5)
+
+
+def test_nats_tls_for_the_local_server(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """--nats-tls: the server requires TLS with a certificate of a throwaway CA; services verify it."""
+    import subprocess
+
+    srv = LocalNats.on_free_ports(passwords=role_passwords(), config_dir=tmp_path, tls=True)
+    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert asyncio.run(srv.wait_ready(15))
+        for k, v in srv.role_env("decode").items():
+            monkeypatch.setenv(k, v)
+
+        async def go() -> bytes:
+            with pytest.raises((NoServersError, nats.errors.Error, OSError)):  # plain text is refused
+                await nats.connect(srv.url, user="decode", password=srv.passwords["decode"], allow_reconnect=False,
+                                   max_reconnect_attempts=0, connect_timeout=2)
+            nc = await bus.connect(srv.url)  # the role's env: user, password and the CA
+            try:
+                assert nc.connected_url is not None
+                sub = await nc.subscribe(subjects.DECODE_CANCEL)
+                await nc.flush()
+                await nc.publish(subjects.decode_load("d0"), b"")  # allowed for the decode role
+                await nc.flush()
+                return nc._server_info.get("tls_required", False)  # noqa: SLF001
+            finally:
+                await sub.unsubscribe()
+                await nc.close()
+        assert asyncio.run(go()) is True
+    finally:
+        proc.terminate()
+        proc.wait(5)

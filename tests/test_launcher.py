@@ -351,7 +351,7 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(demo_model), "--port", str(port),
          "--grace", str(GRACE_S), "--startup-timeout", "120", "--remote-prefill-threshold", "0",
-         "--kvstore-disk-dir", str(tmp_path / "kvstore")],
+         "--kvstore-disk-dir", str(tmp_path / "kvstore"), "--nats-tls"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -378,7 +378,7 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
             model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True)
             if c.choices)
         assert streamed
-        assert "per-role users and subject permissions" in "\n".join(out.lines)
+        assert "per-role users and subject permissions, TLS" in "\n".join(out.lines)
         assert (tmp_path / "kvstore").is_dir(), "the kvstore runs with its disk tier"
         assert not any("Violation" in line for line in out.lines), [l for l in out.lines if "Violation" in l]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shared.bus.natsd import free_port, nats_server_binary
 from shared.bus.roles import ROLES, permissions
+from shared.launcher.nats_tls import TlsFiles, make_tls
 from shared.launcher.spec import ProcessSpec
 
 NAME = "nats"
@@ -30,24 +31,30 @@ class LocalNats:
     # (shared/bus/roles.py). Empty: an open server (--insecure-bus).
     passwords: dict[str, str] = field(default_factory=dict)
     config_dir: Path | None = None  # where the server's config (it holds the passwords) is written
+    tls: TlsFiles | None = None  # the server requires TLS; clients verify it with tls.ca
 
     @classmethod
     def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
-                      config_dir: Path | None = None) -> LocalNats:
-        return cls(host, free_port(host), free_port(host), passwords or {}, config_dir)
+                      config_dir: Path | None = None, tls: bool = False) -> LocalNats:
+        files = make_tls(config_dir, host) if tls else None
+        return cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files)
 
     def role_env(self, role: str) -> dict[str, str]:
-        """What a service of `role` needs to connect (nothing for an open server)."""
-        if not self.passwords:
-            return {}
-        return {"NATS_USER": role, "NATS_PASSWORD": self.passwords[role]}
+        """What a service of `role` needs to connect (nothing for an open server without TLS)."""
+        env = {"NATS_TLS_CA": str(self.tls.ca)} if self.tls else {}
+        if self.passwords:
+            env |= {"NATS_USER": role, "NATS_PASSWORD": self.passwords[role]}
+        return env
 
     def write_config(self) -> Path:
         """nats-server's config (JSON is valid nats-server config), readable by this user only."""
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
         users = [{"user": role, "password": pw, "permissions": permissions(role)} for role, pw in self.passwords.items()]
-        config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}",
-                  "authorization": {"users": users}}
+        config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}"}
+        if users:
+            config["authorization"] = {"users": users}
+        if self.tls:
+            config["tls"] = {"cert_file": str(self.tls.cert), "key_file": str(self.tls.key)}
         path = self.config_dir / "nats-server.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -63,7 +70,7 @@ class LocalNats:
         return f"http://{self.host}:{self.http_port}"
 
     def process(self) -> ProcessSpec:
-        if self.passwords:
+        if self.passwords or self.tls:
             return ProcessSpec(NAME, (nats_server_binary(), "-c", str(self.write_config())))
         argv = (nats_server_binary(), "--addr", self.host, "--port", str(self.port),
                 "--http_port", str(self.http_port))

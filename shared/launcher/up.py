@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="engine workers run without CUDA graphs")
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
+    parser.add_argument("--nats-tls", action="store_true",
+                        help="the local nats-server requires TLS (a throwaway CA and certificate for this run)")
     parser.add_argument("--insecure-bus", action="store_true",
                         help="run the local nats-server open (no users, no subject permissions); by default "
                              "every service connects as its role with a generated password")
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         build_demo_model(model)
     disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
-                          kvstore_disk_dir=disk))
+                          kvstore_disk_dir=disk, nats_tls=args.nats_tls))
 
 
 def missing_services() -> list[str]:
@@ -102,13 +104,13 @@ def missing_services() -> list[str]:
 
 
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
-             secure_bus: bool = True, kvstore_disk_dir: str | None = None) -> int:
+             secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-up-") as secrets_dir:
-        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir), kvstore_disk_dir)
+        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir), kvstore_disk_dir, nats_tls)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
-              secrets_dir: Path, kvstore_disk_dir: str | None) -> int:
+              secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -134,7 +136,8 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     nats_url = os.environ.get("NATS_URL")
     nats: LocalNats | None = None
     if not nats_url:
-        nats = LocalNats.on_free_ports(passwords=role_passwords() if secure_bus else None, config_dir=secrets_dir)
+        nats = LocalNats.on_free_ports(passwords=role_passwords() if secure_bus else None, config_dir=secrets_dir,
+                                       tls=nats_tls)
         await supervisor.start(nats.process())
         if not await nats.wait_ready(timeout=15):
             emit("[kvmesh] nats-server did not start")
@@ -142,6 +145,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
             return 1
         nats_url = nats.url
         access = "per-role users and subject permissions" if nats.passwords else "open (--insecure-bus)"
+        access += ", TLS" if nats.tls else ""
         emit(f"[kvmesh] nats-server at {nats_url} (monitoring {nats.monitor_url}; {access})")
     env["NATS_URL"] = nats_url
 
