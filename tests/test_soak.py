@@ -101,11 +101,16 @@ def soak(tmp_path, num_requests: int, concurrency: int) -> dict:  # noqa: ANN001
         faults: list[tuple[str, float]] = []
 
         def inject() -> None:
-            for at, what in ((0.3, "decode"), (0.6, "prefill")):
+            for at, what in ((0.3, "decode"), (0.6, "prefill"), (0.8, "nats")):
                 while done[0] < at * num_requests:
                     time.sleep(0.01)
                 t = time.monotonic()
-                mesh.crash("d1") if what == "decode" else mesh.crash_prefill()
+                if what == "decode":
+                    mesh.crash("d1")
+                elif what == "prefill":
+                    mesh.crash_prefill()
+                else:
+                    mesh.nats.restart(down_s=0.5)  # every connection drops and reconnects
                 faults.append((what, t))
 
         killer = threading.Thread(target=inject)
@@ -131,7 +136,7 @@ def soak(tmp_path, num_requests: int, concurrency: int) -> dict:  # noqa: ANN001
 
 def _check(report: dict) -> None:
     print(json.dumps(report, indent=2))
-    assert report["faults"] == ["decode", "prefill"]
+    assert report["faults"] == ["decode", "prefill", "nats"]
     assert report["lost"] == 0, report["lost_details"]
     assert report["leaked_blocks"] == 0 and report["same_greedy_output"]
     assert report["worst_seconds"] < BOUND_S

@@ -54,10 +54,11 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 10.0, attempts: int = 3) -> NatsServer:
+    def start(self, timeout: float = 10.0, attempts: int = 3, same_ports: bool = False) -> NatsServer:
         workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvmesh-nats-"))
         for attempt in range(attempts):  # a "free" port can be taken before the server binds it
-            self.port, self.http_port = free_port(self.host), free_port(self.host)
+            if not same_ports:
+                self.port, self.http_port = free_port(self.host), free_port(self.host)
             conf = workdir / f"nats-{self.port}.conf"
             lines = [f"host: {self.host}", f"port: {self.port}", f"http: {self.host}:{self.http_port}"]
             if self.max_payload is not None:
@@ -70,6 +71,12 @@ class NatsServer:
                 return self
             self.stop()
         raise RuntimeError(f"nats-server did not start; log:\n{self.log_tail()}")
+
+    def restart(self, down_s: float = 0.0, timeout: float = 10.0) -> None:
+        """Stop, stay down for down_s, start again on the same ports (clients reconnect to the same URL)."""
+        self.stop()
+        time.sleep(down_s)
+        self.start(timeout, attempts=10, same_ports=True)
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
