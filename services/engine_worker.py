@@ -61,8 +61,10 @@ class EngineWorker(Service):
         stats = await self.thread.run(Stats())
         e = self.engine
         kv_dtype = str(e.runner.kv_caches[0][0].dtype).removeprefix("torch.")
+        off = self.offloader
         return load_beat(self.worker_id, self.role, stats, self.kvstore_hit_tokens, self.block_size,
-                         e.block_manager.root, e.max_model_len, kv_dtype)
+                         e.block_manager.root, e.max_model_len, kv_dtype, off.submitted if off else 0,
+                         off.dropped if off else 0)
 
     async def wait_closed(self) -> None:
         """Ends the service (non-zero exit, so a supervisor restarts it) if the engine thread crashed."""

@@ -65,12 +65,17 @@ class LoadBeats:
             last = loop.time()
             try:
                 await self.beat()
+            except RuntimeError as e:
+                if "not running" in str(e):  # the engine thread ended (a crash is reported elsewhere): no more beats
+                    return
+                log.exception("load beat failed")
             except Exception:  # noqa: BLE001 - a lost beat is repaired by the next one
                 log.exception("load beat failed")
 
 
 def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens: int, block_size: int,
-              hash_root: bytes, max_model_len: int, kv_cache_dtype: str) -> LoadBeat:
+              hash_root: bytes, max_model_len: int, kv_cache_dtype: str, offloaded: int = 0,
+              offload_dropped: int = 0) -> LoadBeat:
     hist = stats.iteration_tokens
     return LoadBeat(
         worker_id=worker_id, role=role, running=stats.running, waiting=stats.waiting,
@@ -79,4 +84,5 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits + kvstore_hit_tokens,
         iteration_token_buckets=list(hist.buckets) if hist else [],
         iteration_token_counts=list(hist.counts) if hist else [],
-        iteration_tokens_sum=hist.total if hist else 0, kv_cache_dtype=kv_cache_dtype)
+        iteration_tokens_sum=hist.total if hist else 0, kv_cache_dtype=kv_cache_dtype,
+        offloaded_blocks=offloaded, offload_dropped_blocks=offload_dropped)

@@ -122,3 +122,19 @@ def test_grafana_dashboard_queries_only_series_the_gateway_exports(model_dir, tm
         assert wanted <= exported, wanted - exported
     finally:
         mesh.close()
+
+
+def test_offload_counters_per_worker(model_dir, tmp_path) -> None:  # noqa: ANN001
+    """Blocks handed to the kvstore, and blocks dropped under backpressure (issue 10 item 7)."""
+    mesh = Mesh(tmp_path, model_dir)
+    try:
+        mesh.start_tokenizer()
+        mesh.start_kvstore()
+        mesh.start_decoder("d0", use_kvstore=True)
+        mesh.wait_until(lambda: mesh.gateway.ctx.router.alive())
+        client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        client.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=3, temperature=0)
+        mesh.wait_until(lambda: (sample(scrape(mesh), "kv_offloaded_blocks_total", worker="d0") or 0) >= 4)
+        assert sample(scrape(mesh), "kv_offload_dropped_blocks_total", worker="d0") == 0
+    finally:
+        mesh.close()

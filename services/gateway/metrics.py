@@ -66,6 +66,10 @@ class _WorkerCollector(Collector):
                                           labels=labels)
         config = GaugeMetricFamily(f"{PREFIX}cache_config_info", "KV-cache configuration of the worker",
                                    labels=labels + ["block_size", "num_gpu_blocks", "cache_dtype"])
+        offloaded = CounterMetricFamily(f"{PREFIX}kv_offloaded_blocks", "KV blocks the worker handed to the kvstore",
+                                        labels=labels)
+        dropped = CounterMetricFamily(f"{PREFIX}kv_offload_dropped_blocks", "KV blocks not offloaded under "
+                                      "backpressure (requests are never dropped)", labels=labels)
         alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
                                   labels=["model_name", "role"])
         decode = [w.beat for w in self._router.alive() if w.beat is not None]
@@ -78,6 +82,8 @@ class _WorkerCollector(Collector):
             preempt.add_metric(v, b.num_preemptions)
             queries.add_metric(v, b.prefix_cache_queries)
             hits.add_metric(v, b.prefix_cache_hits)
+            offloaded.add_metric(v, b.offloaded_blocks)
+            dropped.add_metric(v, b.offload_dropped_blocks)
             if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
                 cumulative, acc = [], 0
                 for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
@@ -87,7 +93,7 @@ class _WorkerCollector(Collector):
             config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
         alive.add_metric([self._model, "decode"], len(decode))
         alive.add_metric([self._model, "prefill"], len(prefill))
-        yield from (running, waiting, usage, preempt, queries, hits, iteration, config, alive)
+        yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, iteration, config, alive)
 
 
 class GatewayMetrics:

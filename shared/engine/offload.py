@@ -51,7 +51,8 @@ class Offloader:
         self.client = client
         self.max_in_flight = max_in_flight
         self._tasks: set[asyncio.Task] = set()
-        self.dropped = 0
+        self.dropped = 0  # blocks not offloaded because too many puts were in flight (backpressure)
+        self.submitted = 0  # blocks handed to the store
 
     def submit(self, batch: OffloadBatch | None) -> None:
         if batch is None:
@@ -59,6 +60,7 @@ class Offloader:
         if len(self._tasks) >= self.max_in_flight:
             self.dropped += len(batch.hashes)
             return
+        self.submitted += len(batch.hashes)
         task = asyncio.ensure_future(self.client.put(batch.hashes, batch.parents, batch.k, batch.v))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

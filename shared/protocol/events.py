@@ -50,3 +50,5 @@ class LoadBeat(Message):
     iteration_token_counts: list[int] = Field(default_factory=list)
     iteration_tokens_sum: int = 0
     kv_cache_dtype: str = ""
+    offloaded_blocks: int = 0  # blocks handed to the kvstore (cumulative)
+    offload_dropped_blocks: int = 0  # blocks not offloaded under backpressure (cumulative; never a request)
