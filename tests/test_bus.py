@@ -456,3 +456,37 @@ def test_subjects() -> None:
             subjects.decode_events(bad)
     names = [v for k, v in vars(subjects).items() if k.isupper() and isinstance(v, str) and v.startswith("kvmesh.")]
     assert len(names) == len(set(names))
+
+
+def test_one_memory_cap_across_all_uploads_of_a_connection(nats_server: str) -> None:
+    """Uploads on two subjects together may not hold more than max_pending_bytes; the one over it is
+    refused at once, the others go on, and released room serves the next upload."""
+    limits = bus.BusLimits(max_message_bytes=1000, max_pending_bytes=1500, reassembly_timeout=2)
+    other = ENCODE + ".other"
+
+    async def body() -> None:
+        nc = await bus.connect(nats_server)
+        served = [await bus.serve(nc, ENCODE, subjects.QUEUE_TOKENIZER, echo_encode, p.EncodeRequest, limits=limits),
+                  await bus.serve(nc, other, subjects.QUEUE_TOKENIZER, echo_encode, p.EncodeRequest, limits=limits)]
+        try:
+            async def start_upload(subject: str, msg_id: str) -> tuple[object, str]:
+                inbox = nc.new_inbox()
+                sub = await nc.subscribe(inbox)
+                ack = await nc.request(subject, b"x", timeout=2, headers={
+                    H.CHUNK: "0/2", H.MSG_ID: msg_id, H.SIZE: "900", H.UPLOAD: "1", H.REPLY: inbox})
+                return sub, (ack.headers or {}).get(H.UPLOAD, "")
+            _, first = await start_upload(ENCODE, "a")  # 900 of 1500 bytes reserved, never completed
+            assert first
+            sub, second = await start_upload(other, "b")  # another subject: 900 more would pass the cap
+            assert not second
+            err = wire.decode((await sub.next_msg(timeout=3)).data, p.ErrorReply)
+            assert "over the 1500-byte limit" in err.message
+            await asyncio.sleep(2.5)  # the first upload times out and gives its room back
+            _, third = await start_upload(other, "c")
+            assert third
+        finally:
+            for s in served:
+                await s.stop()
+            await nc.close()
+
+    run(body())

@@ -89,6 +89,34 @@ async def send_upload(nc: Client, subject: str, data: bytes, headers: dict[str, 
         await nc.publish(target, payload, headers=hdrs)
 
 
+class UploadBudget:
+    """Bytes of the chunked uploads one connection is receiving, all subjects together: each upload has
+    its own bound (max_message_bytes), and this one bounds their sum (max_pending_bytes), so many
+    concurrent uploads cannot exhaust the process's memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def reserve(self, nbytes: int) -> None:
+        if self.used + nbytes > self.limit:
+            raise ChunkError(f"uploads being received would hold {self.used + nbytes} bytes, over the "
+                             f"{self.limit}-byte limit; try again later")
+        self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
+def upload_budget(nc: Client, limits: BusLimits) -> UploadBudget:
+    """The connection's budget (made on first use; a process normally has one connection)."""
+    budget = getattr(nc, "_kvmesh_upload_budget", None)
+    if budget is None:
+        budget = UploadBudget(limits.max_pending_bytes)
+        nc._kvmesh_upload_budget = budget  # type: ignore[attr-defined]
+    return budget
+
+
 async def receive_upload(nc: Client, first: Msg, limits: BusLimits = DEFAULT_LIMITS) -> Envelope:
     """The responder side of the handshake: collects chunks 1..n-1 on a private inbox."""
     if not first.reply:
@@ -97,6 +125,16 @@ async def receive_upload(nc: Client, first: Msg, limits: BusLimits = DEFAULT_LIM
     env = assembler.feed(first)
     if env is not None:  # a 1-chunk "upload": nothing to wait for
         return env
+    size = assembler.pending_bytes  # the announced size, checked against max_message_bytes by feed()
+    budget = upload_budget(nc, limits)
+    budget.reserve(size)
+    try:
+        return await _collect(nc, first, assembler, limits)
+    finally:
+        budget.release(size)
+
+
+async def _collect(nc: Client, first: Msg, assembler: Reassembler, limits: BusLimits) -> Envelope:
     sub = await nc.subscribe(nc.new_inbox())
     try:
         await nc.publish(first.reply, b"", headers={H.UPLOAD: sub.subject})
