@@ -22,6 +22,7 @@ from services.prefill.service import PrefillService
 from services.gateway.service import GatewayService
 from services.tokenizer.service import TokenizerService
 from shared import bus
+from shared.bus.nats_cluster import NatsCluster
 from shared.bus.natsd import NatsServer
 from shared.models.tokenizer import load_tokenizer
 from tests.mesh_helpers import decode_service, kvstore_service, prefill_service
@@ -32,9 +33,14 @@ T = TypeVar("T")
 class Mesh:
     """Owns a background event loop; `call(coro)` runs a coroutine there and returns its result."""
 
-    def __init__(self, workdir: Path, model_dir: Path, api_key: str | None = None, **gateway: Any) -> None:
+    def __init__(self, workdir: Path, model_dir: Path, api_key: str | None = None, nats_servers: int = 1,
+                 **gateway: Any) -> None:
+        """nats_servers > 1: a NATS cluster; each connection (gateway, then services in start order)
+        gets the next server as its home and the others for failover."""
         self.model_dir = model_dir
-        self.nats = NatsServer(workdir=workdir).start()
+        self.cluster = NatsCluster(nats_servers, workdir=workdir).start() if nats_servers > 1 else None
+        self.nats = self.cluster.servers[0] if self.cluster else NatsServer(workdir=workdir).start()
+        self.homes: dict[int, int] = {}  # id(connection) -> its home server's index in the cluster
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mesh", daemon=True)
         self._thread.start()
@@ -61,7 +67,12 @@ class Mesh:
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
 
     async def _connect(self) -> Client:
-        nc = await bus.connect(self.nats.url)
+        if self.cluster is None:
+            nc = await bus.connect(self.nats.url)
+        else:
+            home = len(self.conns) % self.cluster.size
+            nc = await bus.connect(self.cluster.url_from(home), dont_randomize=True)
+            self.homes[id(nc)] = home
         self.conns.append(nc)
         return nc
 
@@ -161,7 +172,7 @@ class Mesh:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
-            self.nats.stop()
+            (self.cluster or self.nats).stop()
 
 
 @contextmanager

@@ -56,7 +56,8 @@ def compose() -> dict:
 
 def test_compose_runs_the_launcher_services(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {"nats", "jaeger", "prometheus", "grafana", *SERVICES}
+    assert set(services) == {"nats", "nats-2", "nats-3", "jaeger", "prometheus", "grafana", *SERVICES}
+    assert services["nats-2"]["profiles"] == services["nats-3"]["profiles"] == ["cluster"]
     for spec in mesh_services(COMPOSE_OPTIONS):
         svc = services[spec.service]
         assert svc["command"] == ["python", "-m", spec.module, *spec.args], spec.service
@@ -95,7 +96,7 @@ def test_compose_workers_scale(compose: dict) -> None:
 def test_compose_infrastructure(compose: dict) -> None:
     nats = compose["services"]["nats"]
     assert nats["image"].startswith("nats:")
-    assert "--jetstream" in nats["command"] and "8222" in nats["command"]
+    assert "8222" in nats["command"] and "--cluster" in nats["command"]
     assert "healthcheck" in nats
     jaeger = compose["services"]["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one")
@@ -351,14 +352,15 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(demo_model), "--port", str(port),
          "--grace", str(GRACE_S), "--startup-timeout", "120", "--remote-prefill-threshold", "0",
-         "--kvstore-disk-dir", str(tmp_path / "kvstore"), "--nats-tls"],
+         "--kvstore-disk-dir", str(tmp_path / "kvstore"), "--nats-tls", "--nats-servers", "3"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         out = Lines(proc.stdout)
         base = out.wait_for(rf"{READY} (http://\S+)/v1", timeout=150)[1]
         pids = {m[1]: int(m[2]) for line in out.lines if (m := re.search(r"^\[kvmesh\] started (\S+) \(pid (\d+)\)", line))}
-        assert {"nats", "kvstore-0", "tokenizer-0", "prefill-0", "decode-0", "gateway-0"} <= set(pids)
+        assert {"nats-0", "nats-1", "nats-2", "kvstore-0", "tokenizer-0", "prefill-0", "decode-0",
+                "gateway-0"} <= set(pids)
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
 
         import openai
@@ -374,6 +376,17 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
         first = client.completions.create(model=model, prompt=long_prompt, max_tokens=6, temperature=0)
         again = client.completions.create(model=model, prompt=long_prompt, max_tokens=6, temperature=0)
         assert first.choices[0].text == again.choices[0].text
+        # A NATS server of the cluster dies (SIGKILL): its clients move to the other two, and the
+        # supervisor brings it back. The mesh goes on serving throughout.
+        monitors = [m[1] for line in out.lines if (m := re.search(r"nats-\d at \S+ \(monitoring (\S+);", line))]
+        connections = [httpx.get(f"{url}/connz", timeout=5).json()["num_connections"] for url in monitors]
+        assert len(connections) == 3 and min(connections) >= 1, connections  # the services are spread
+        mark = len(out.lines)
+        os.kill(pids["nats-1"], signal.SIGKILL)
+        time.sleep(0.5)
+        after_kill = client.completions.create(model=model, prompt=long_prompt, max_tokens=6, temperature=0)
+        assert after_kill.choices[0].text == first.choices[0].text
+        pids["nats-1"] = int(out.wait_for(r"started nats-1 \(pid (\d+)\)", timeout=30, start=mark)[1])
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True)
             if c.choices)

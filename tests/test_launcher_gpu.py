@@ -140,3 +140,57 @@ def test_compose_files_validate_and_merge_with_docker_compose():
         e = services[role]["environment"]
         assert e["NATS_USER"] == role and e["NATS_PASSWORD"] == f"pw-{role}"
         assert (e.get("KVMESH_CACHE_SALT") == "salt") == (role in ("prefill", "decode"))
+
+
+def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path):
+    """`--profile cluster` adds nats-2 and nats-3; their real commands (ports moved off the defaults,
+    the seed's host name made local) form one cluster of three in real nats-servers, with the users of
+    compose/nats-auth.conf."""
+    import json
+    import os
+    import shutil
+    import time
+    import urllib.request
+
+    from shared.bus.natsd import free_port, nats_server_binary
+    from shared.bus.roles import ROLES, password_variable
+
+    exe = shutil.which("docker-compose", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env |= {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt"}
+    env["KVMESH_NATS_URL"] = "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"
+    out = subprocess.run([exe, "-f", "docker-compose.yml", "--profile", "cluster", "config", "--format", "json"],
+                         cwd=ROOT / "compose", capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    names = ("nats", "nats-2", "nats-3")
+    assert all("ports" not in services[n] for n in names)
+    assert services["decode"]["environment"]["NATS_URL"] == env["KVMESH_NATS_URL"]
+    cluster_ports = {n: free_port() for n in names}
+    http_ports = {n: free_port() for n in names}
+    procs = []
+    try:
+        for n in names:
+            argv = [a.replace("/etc/nats/auth.conf", str(ROOT / "compose" / "nats-auth.conf"))
+                     .replace("0.0.0.0:6222", f"127.0.0.1:{cluster_ports[n]}")
+                     .replace("nats:6222", f"127.0.0.1:{cluster_ports['nats']}") for a in services[n]["command"]]
+            argv[argv.index("8222")] = str(http_ports[n])
+            procs.append(subprocess.Popen([nats_server_binary(), *argv, "--addr", "127.0.0.1", "--port", str(free_port())],
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                peers = []
+                for n in names:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{http_ports[n]}/routez", timeout=2) as r:
+                        peers.append(len({x["remote_id"] for x in json.load(r).get("routes") or []}))
+                if peers == [2, 2, 2]:  # a full mesh: nats-2 and nats-3 found each other through the seed
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the compose nats cluster did not form"
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

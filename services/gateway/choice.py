@@ -30,6 +30,12 @@ class WorkerLost(Exception):
     """The decode worker serving a choice stopped beating."""
 
 
+class StreamInterrupted(Exception):
+    """The gateway's own NATS connection dropped and came back (its server died; it moved to another
+    server of the cluster) while the stream was open: chunks sent meanwhile had no subscriber and are
+    gone, including perhaps the last one. The choice resumes as a migration; the worker is fine."""
+
+
 @dataclass
 class Delta:
     index: int
@@ -73,6 +79,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.sent = False  # a GenerateRequest went out: a cancel may be needed
         self._last_chunk_time = 0.0
+        self._reconnects = 0  # the connection's reconnect count when the current stream was opened
 
     @property
     def finished(self) -> bool:
@@ -85,6 +92,8 @@ class Choice:
             self._first = await self._send(subject)
         except WorkerLost:  # it died before the first token (e.g. while prefilling): start over elsewhere
             self._first = await self._migrate()
+        except StreamInterrupted:
+            self._first = await self._migrate(worker_died=False)
         except bus.NoRespondersError:
             if self.worker_id is None:
                 raise unavailable("no decode worker is available", code="no_decode_worker") from None
@@ -97,6 +106,7 @@ class Choice:
                 raise unavailable("no decode worker is available", code="no_decode_worker") from None
 
     async def _send(self, subject: str) -> TokenChunk:
+        self._reconnects = self.ctx.nc.stats["reconnects"]
         with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
             stream = await bus.request_stream(self.ctx.nc, subject, self._req, timeout=self.ctx.config.stream_idle_timeout_s,
                                               expect=TokenChunk)
@@ -114,6 +124,8 @@ class Choice:
             raise remote_error(e) from None
         except bus.BusTimeout:
             raise APIError(504, "no answer from the decode worker in time", code="timeout") from None
+        except bus.StreamGapError:  # the first chunks went missing (the connection moved between servers)
+            raise StreamInterrupted() from None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         assert self._stream is not None and self._first is not None, "open() first"
@@ -129,6 +141,8 @@ class Choice:
                     chunk = await self._next()
                 except WorkerLost:
                     chunk = await self._migrate()
+                except StreamInterrupted:
+                    chunk = await self._migrate(worker_died=False)
             raise APIError(500, "decode ended the stream before the last token", code="stream_ended")
         finally:
             await self._stream.aclose()
@@ -143,6 +157,8 @@ class Choice:
                     return pending.result()
                 if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
                     raise WorkerLost(self.worker_id)
+                if self.ctx.nc.stats["reconnects"] != self._reconnects:
+                    raise StreamInterrupted()
         finally:
             if not pending.done():
                 pending.cancel()
@@ -158,17 +174,20 @@ class Choice:
             raise remote_error(e) from None
         except bus.BusTimeout:
             raise APIError(504, f"decode sent nothing for {self.ctx.config.stream_idle_timeout_s:g}s", code="timeout") from None
+        except bus.StreamGapError:  # chunks went missing (a connection moved between servers): resume
+            raise StreamInterrupted() from None
         except bus.BusError as e:
             raise APIError(500, f"lost the token stream: {e}", code="stream_error") from None
 
-    async def _migrate(self) -> TokenChunk:
+    async def _migrate(self, worker_died: bool = True) -> TokenChunk:
         """Continue on another decode worker: the prompt plus every token streamed so far, what is left of
-        max_tokens. Greedy output is identical to an undisturbed run; the client sees no break."""
+        max_tokens. Greedy output is identical to an undisturbed run; the client sees no break.
+        worker_died=False: the stream broke, not the worker (it may take the continuation itself)."""
         lost = self.worker_id
-        if lost is not None:
+        if lost is not None and worker_died:
             self._dead.add(lost)
             self.ctx.router.forget(lost)
-        self.cancel_soon("worker lost")  # if it is only slow, it must not run on
+        self.cancel_soon("worker lost" if worker_died else "stream interrupted")  # if it is only slow, it must not run on
         if self._stream is not None:
             await self._stream.aclose()
         while True:
@@ -194,6 +213,11 @@ class Choice:
                                              "kvmesh.tokens_done": n})
             try:
                 return await self._send(subjects.decode_generate(route.worker_id))
+            except StreamInterrupted:  # the connection dropped again: try once more, the worker is fine
+                self.cancel_soon("stream interrupted")
+                if self._stream is not None:
+                    await self._stream.aclose()
+                continue
             except (bus.NoRespondersError, WorkerLost):
                 self._dead.add(route.worker_id)
                 self.ctx.router.forget(route.worker_id)

@@ -21,7 +21,12 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
 
     Environment variables:
       NATS_URL       server URL(s), comma separated (default nats://127.0.0.1:4222);
-                     may embed user:password@ or a token@
+                     may embed user:password@ or a token@. With several (a NATS cluster) the client
+                     fails over to another when its server goes away, and learns the cluster's
+                     other servers from the one it is connected to.
+      NATS_NO_RANDOMIZE  1: try the servers in the order given (the first is this process's home
+                     server; `kvmesh up` rotates the list to spread services). Default: nats-py's
+                     random order, which spreads scaled replicas (compose).
       NATS_USER, NATS_PASSWORD   username/password authentication; a kvmesh role name as the user
                      (shared/bus/roles.py) also sets the inbox prefix its permissions allow
       NATS_TOKEN     token authentication
@@ -35,6 +40,8 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
     env = os.environ
     servers = [s.strip() for s in (url or env.get("NATS_URL") or DEFAULT_URL).split(",") if s.strip()]
     kwargs: dict[str, Any] = {"servers": servers}
+    if env.get("NATS_NO_RANDOMIZE", "").lower() in ("1", "true", "yes"):
+        kwargs["dont_randomize"] = True
     if env.get("NATS_USER"):
         kwargs["user"] = env["NATS_USER"]
         kwargs["password"] = env.get("NATS_PASSWORD", "")

@@ -47,6 +47,10 @@ class NatsServer:
     workdir: Path | None = None
     port: int = 0
     http_port: int = 0  # monitoring (/varz, /healthz)
+    # A member of a cluster (shared/bus/nats_cluster.py): the port other servers route to, and their route URLs.
+    cluster_port: int = 0
+    routes: tuple[str, ...] = ()
+    cluster_name: str = "kvmesh"
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _log: Path | None = field(default=None, repr=False)
 
@@ -63,6 +67,9 @@ class NatsServer:
             lines = [f"host: {self.host}", f"port: {self.port}", f"http: {self.host}:{self.http_port}"]
             if self.max_payload is not None:
                 lines.append(f"max_payload: {int(self.max_payload)}")
+            if self.cluster_port:
+                lines += ["cluster {", f"  name: {self.cluster_name}", f"  host: {self.host}",
+                          f"  port: {self.cluster_port}", "  routes: [" + ", ".join(f'"{r}"' for r in self.routes) + "]", "}"]
             conf.write_text("\n".join(lines) + "\n")
             self._log = workdir / f"nats-{self.port}.log"
             with open(self._log, "wb") as log:
@@ -77,6 +84,17 @@ class NatsServer:
         self.stop()
         time.sleep(down_s)
         self.start(timeout, attempts=10, same_ports=True)
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes without closing its connections or routes (a crashed host)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None

@@ -32,12 +32,30 @@ class LocalNats:
     passwords: dict[str, str] = field(default_factory=dict)
     config_dir: Path | None = None  # where the server's config (it holds the passwords) is written
     tls: TlsFiles | None = None  # the server requires TLS; clients verify it with tls.ca
+    # In a cluster (`kvmesh up --nats-servers N`): the port peers route to, the peers' route URLs, and
+    # this server's process name. Routes stay on the loopback without TLS: only clients cross hosts.
+    cluster_port: int = 0
+    routes: tuple[str, ...] = ()
+    name: str = NAME
 
     @classmethod
     def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
                       config_dir: Path | None = None, tls: bool = False) -> LocalNats:
+        return cls.cluster(1, host, passwords, config_dir, tls)[0]
+
+    @classmethod
+    def cluster(cls, size: int, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
+                config_dir: Path | None = None, tls: bool = False) -> list[LocalNats]:
+        """`size` servers routed to each other (size 1: one plain server named "nats"), sharing the
+        users, passwords and TLS certificate, so a client may connect to any of them."""
+        assert size >= 1, "at least one nats-server"
         files = make_tls(config_dir, host) if tls else None
-        return cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files)
+        if size == 1:
+            return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files)]
+        cluster_ports = [free_port(host) for _ in range(size)]
+        return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files, port,
+                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}")
+                for i, port in enumerate(cluster_ports)]
 
     def role_env(self, role: str) -> dict[str, str]:
         """What a service of `role` needs to connect (nothing for an open server without TLS)."""
@@ -55,7 +73,10 @@ class LocalNats:
             config["authorization"] = {"users": users}
         if self.tls:
             config["tls"] = {"cert_file": str(self.tls.cert), "key_file": str(self.tls.key)}
-        path = self.config_dir / "nats-server.json"
+        if self.cluster_port:
+            config["cluster"] = {"name": "kvmesh", "host": self.host, "port": self.cluster_port,
+                                 "routes": list(self.routes)}
+        path = self.config_dir / f"{self.name}.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
@@ -70,11 +91,11 @@ class LocalNats:
         return f"http://{self.host}:{self.http_port}"
 
     def process(self) -> ProcessSpec:
-        if self.passwords or self.tls:
-            return ProcessSpec(NAME, (nats_server_binary(), "-c", str(self.write_config())))
+        if self.passwords or self.tls or self.cluster_port:
+            return ProcessSpec(self.name, (nats_server_binary(), "-c", str(self.write_config())))
         argv = (nats_server_binary(), "--addr", self.host, "--port", str(self.port),
                 "--http_port", str(self.http_port))
-        return ProcessSpec(NAME, argv)
+        return ProcessSpec(self.name, argv)
 
     async def wait_ready(self, timeout: float) -> bool:
         """True once the server greets a client (every NATS server sends INFO first)."""

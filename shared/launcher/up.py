@@ -15,11 +15,11 @@ import signal
 import socket
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG
 from shared.launcher.gpus import parse_devices
-from shared.launcher.local_nats import NAME as NATS_NAME
 from shared.launcher.local_nats import LocalNats, role_passwords
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, SERVICES, MeshOptions, mesh_services
@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--nats-tls", action="store_true",
                         help="the local nats-server requires TLS (a throwaway CA and certificate for this run)")
+    parser.add_argument("--nats-servers", type=int, default=1, metavar="N",
+                        help="run the local NATS as a cluster of N servers joined by routes (default 1); services "
+                             "are spread over them and fail over to another when theirs goes away")
     parser.add_argument("--insecure-bus", action="store_true",
                         help="run the local nats-server open (no users, no subject permissions); by default "
                              "every service connects as its role with a generated password")
@@ -86,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         # Else the gateway would crash-loop, and whatever holds the port might even answer /health.
         print(f"kvmesh up: {opts.host}:{opts.port} is in use; pick another port with --port", file=sys.stderr)
         return 2
+    if args.nats_servers < 1:
+        print("kvmesh up: --nats-servers must be at least 1", file=sys.stderr)
+        return 2
     if not (model / "config.json").is_file():
         if args.model is not None:
             print(f"kvmesh up: {model} is not a model directory (no config.json)", file=sys.stderr)
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         build_demo_model(model)
     disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
-                          kvstore_disk_dir=disk, nats_tls=args.nats_tls))
+                          kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers))
 
 
 def missing_services() -> list[str]:
@@ -104,13 +110,15 @@ def missing_services() -> list[str]:
 
 
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
-             secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False) -> int:
+             secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
+             nats_servers: int = 1) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-up-") as secrets_dir:
-        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir), kvstore_disk_dir, nats_tls)
+        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir), kvstore_disk_dir, nats_tls,
+                         nats_servers)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
-              secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False) -> int:
+              secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False, nats_servers: int = 1) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -134,28 +142,35 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
     nats_url = os.environ.get("NATS_URL")
-    nats: LocalNats | None = None
+    cluster: list[LocalNats] = []
     if not nats_url:
-        nats = LocalNats.on_free_ports(passwords=role_passwords() if secure_bus else None, config_dir=secrets_dir,
-                                       tls=nats_tls)
-        await supervisor.start(nats.process())
-        if not await nats.wait_ready(timeout=15):
-            emit("[kvmesh] nats-server did not start")
-            await supervisor.stop([NATS_NAME], timeout=5)
-            return 1
-        nats_url = nats.url
-        access = "per-role users and subject permissions" if nats.passwords else "open (--insecure-bus)"
-        access += ", TLS" if nats.tls else ""
-        emit(f"[kvmesh] nats-server at {nats_url} (monitoring {nats.monitor_url}; {access})")
+        cluster = LocalNats.cluster(nats_servers, passwords=role_passwords() if secure_bus else None,
+                                    config_dir=secrets_dir, tls=nats_tls)
+        for server in cluster:
+            await supervisor.start(server.process())
+        for server in cluster:
+            if not await server.wait_ready(timeout=15):
+                emit(f"[kvmesh] {server.name} did not start")
+                await supervisor.stop([s.name for s in cluster], timeout=5)
+                return 1
+        first = cluster[0]
+        access = "per-role users and subject permissions" if first.passwords else "open (--insecure-bus)"
+        access += ", TLS" if first.tls else ""
+        for server in cluster:
+            emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url}; {access})")
+        nats_url = ",".join(server.url for server in cluster)
     env["NATS_URL"] = nats_url
 
     def service_env(service: str) -> dict[str, str]:
-        extra = nats.role_env(service) if nats else {}
+        extra = cluster[0].role_env(service) if cluster else {}
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
         return {**env, **extra}
 
     services = [p for spec in mesh_services(opts) for p in spec.processes(sys.executable, service_env(spec.service))]
+    if len(cluster) > 1:  # spread the services: each starts at the next server and fails over along the list
+        services = [replace(p, env={**p.env, "NATS_URL": _rotate(nats_url, i), "NATS_NO_RANDOMIZE": "1"})
+                    for i, p in enumerate(services)]
     for proc in services:
         await supervisor.start(proc)
     base = f"http://{_client_host(opts.host)}:{opts.port}"
@@ -181,8 +196,14 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     unclean = {n: c for n, c in codes.items() if c not in (0, None, -signal.SIGTERM)}
     for name, code in unclean.items():
         emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
-    await supervisor.stop([NATS_NAME], timeout=5)
+    await supervisor.stop([server.name for server in cluster], timeout=5)
     return rc or (1 if unclean else 0)
+
+
+def _rotate(urls: str, i: int) -> str:
+    parts = urls.split(",")
+    i %= len(parts)
+    return ",".join(parts[i:] + parts[:i])
 
 
 def _client_host(bind: str) -> str:
