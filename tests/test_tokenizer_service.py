@@ -123,8 +123,8 @@ def test_bad_inputs_answer_bad_request_and_service_keeps_serving(nats_server: st
                 (ENCODE, p.EncodeRequest(prompt=""), "empty prompt"),
                 (ENCODE, p.EncodeRequest(token_ids=[]), "empty prompt"),
                 (ENCODE, p.EncodeRequest(messages=[]), "empty prompt"),
-                (ENCODE, p.EncodeRequest(token_ids=[1, 2, size]), f"token id {size} is outside the vocabulary (size {size})"),
-                (ENCODE, p.EncodeRequest(token_ids=[1, -3]), f"token id -3 is outside the vocabulary (size {size})"),
+                (ENCODE, p.EncodeRequest(token_ids=[1, 2, size]), f"token id {size} is outside the vocabulary [0, {size})"),
+                (ENCODE, p.EncodeRequest(token_ids=[1, -3]), f"token id -3 is outside the vocabulary [0, {size})"),
                 (DECODE, p.DecodeRequest(sequences=[[1], [10**12]]), f"token id {10**12} is outside the vocabulary"),
             ]
             for subject, msg, text in cases:

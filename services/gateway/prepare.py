@@ -18,6 +18,7 @@ from shared import bus, subjects
 from shared.protocol import errors as codes
 from shared.protocol.generate import Sampling, StructuredSpec
 from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest, ToolCall, ToolCallFunction
+from shared.prompt_check import PromptError, check_prompt, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -128,12 +129,7 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
     limit = ctx.max_model_len()
     room = limit
     for ids in prompts:
-        if not ids:
-            raise bad_request("prompt must contain at least one token", param="prompt", code="empty_prompt")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt",
-                              code="invalid_token_id")
+        _checked(check_prompt, ids, vocab)  # the context length is judged below, with max_tokens
         room = min(room, limit - len(ids))
     n_prompt = max(len(ids) for ids in prompts)
     if max_tokens is not None:
@@ -158,11 +154,7 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
                           param="min_tokens")
     logit_bias = _logit_bias(body.logit_bias, vocab)
     for name in ("stop_token_ids", "allowed_token_ids"):
-        ids = getattr(body, name)
-        bad = next((t for t in ids or [] if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})", param=name,
-                              code="invalid_token_id")
+        _checked(check_token_ids, getattr(body, name) or [], vocab, name, name)
     if body.allowed_token_ids is not None and not body.allowed_token_ids:
         raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
     structured = (tools.constraint() if tools is not None else None) or structured_spec(body)
@@ -214,6 +206,14 @@ def structured_spec(body: _Common) -> StructuredSpec | None:
         else:
             spec = StructuredSpec(kind=key, spec=value)
     return spec
+
+
+def _checked(check, *args) -> None:  # noqa: ANN001
+    """A shared/prompt_check.py rule, its PromptError as the OpenAI 400."""
+    try:
+        check(*args)
+    except PromptError as e:
+        raise bad_request(e.message, param=e.param, code=e.code) from None
 
 
 def _logit_bias(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:

@@ -8,6 +8,7 @@ from services.gateway.errors import bad_request
 from services.gateway.prepare import chat_messages, check_model, encode
 from services.gateway.schemas import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                       TokenizeCompletionRequest, TokenizeResponse)
+from shared.prompt_check import PromptError, check_token_ids
 from shared.protocol.tokenizer import EncodeRequest
 
 
@@ -24,11 +25,10 @@ async def tokenize_body(ctx: GatewayContext, body: TokenizeChatRequest | Tokeniz
 
 def detokenize_body(ctx: GatewayContext, body: DetokenizeRequest) -> DetokenizeResponse:
     check_model(ctx, body.model)
-    vocab = ctx.vocab_size
-    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens",
-                          code="invalid_token_id")
+    try:
+        check_token_ids(body.tokens, ctx.vocab_size, param="tokens")
+    except PromptError as e:
+        raise bad_request(e.message, param=e.param, code=e.code) from None
     return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
 
 

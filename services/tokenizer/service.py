@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from services.inflight import InFlight, MicroServiceDrain
 from shared import bus, subjects
 from shared.models.tokenizer import encode_chat, load_tokenizer
+from shared.prompt_check import PromptError, check_token_ids
 from shared.protocol import errors as codes
 from shared.protocol.tokenizer import DecodeReply, DecodeRequest, EncodeReply, EncodeRequest
 from shared.service_runner import Service
@@ -103,10 +104,10 @@ class TokenizerService(MicroServiceDrain, Service):
 
     def _check_ids(self, ids: Sequence[int]) -> None:
         # The fast tokenizer overflows on negative ids and silently drops ids past its vocabulary.
-        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):  # C-speed check for the common case
-            return
-        bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-        raise bus.RemoteError(codes.BAD_REQUEST, f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        try:
+            check_token_ids(ids, self.vocab_size)
+        except PromptError as e:
+            raise bus.RemoteError(codes.BAD_REQUEST, e.message) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

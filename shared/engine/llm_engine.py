@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from shared.block_hash import root_hash
+from shared.prompt_check import check_prompt, check_token_ids
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
 from shared.engine.cuda_graphs import DecodeGraphs
@@ -117,19 +118,11 @@ class LLMEngine:
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; nothing is queued."""
         n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.token_ids_named if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"sampling parameters name token id {bad}, outside the vocabulary [0, {vocab})")
+        check_prompt(prompt_token_ids, vocab, self.max_model_len)
+        check_token_ids(params.token_ids_named, vocab, "sampling parameters", "sampling")
         if params.structured is not None:
             self.grammar().compile(params.structured)  # a bad schema or grammar is the request's error
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens")
         need = self.block_manager.blocks_for(min(n + params.max_tokens, self.max_model_len))
         if need > self.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has {self.num_blocks}")
