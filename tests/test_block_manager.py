@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 from shared.block_hash import hash_blocks, root_hash
-from shared.engine.block_events import BlockRemoved, BlockStored
+from shared import wire
+from shared.protocol.events import BlockRemoved, BlockStored
 from shared.engine.block_manager import BlockManager
 from shared.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
@@ -84,9 +85,9 @@ def test_uncached_blocks_are_used_before_evicting_and_eviction_is_lru():
     b = seq("b", [50 + i for i in range(20)])  # needs 5 blocks: 4 uncached free, then one eviction
     admit(bm, b)
     removed = [e for e in bm.drain_events() if isinstance(e, BlockRemoved)]
-    assert len(removed) == 1
+    assert len(removed) == 1 and len(removed[0].hashes) == 1 == len(removed[0].block_ids)
     # The chain's tail (A1) goes before its head (A0).
-    assert removed[0].block_hash == hash_blocks(ROOT, list(range(8)), BS)[1]
+    assert removed[0].hashes[0] == hash_blocks(ROOT, list(range(8)), BS)[1]
     assert bm.get_computed_blocks(seq("c", list(range(8)) + [1])) != []
     bm.check_integrity([b])
 
@@ -100,9 +101,12 @@ def test_events_and_duplicate_blocks():
     for s in (a, b):
         s.num_computed_tokens = s.num_tokens
         bm.cache_full_blocks(s)
-    stored = [e for e in bm.drain_events() if isinstance(e, BlockStored)]
-    assert len(stored) == 2
-    assert stored[1].parent_hash == stored[0].block_hash
+    (stored,) = bm.drain_events()  # one chain of two blocks, a's; b's copy is private
+    assert isinstance(stored, BlockStored) and stored.parent is None
+    assert stored.hashes == hash_blocks(ROOT, list(range(8)), BS) and stored.block_ids == a.block_table[:2]
+    # block_ids are this process's: they never go on the wire.
+    sent = wire.decode(wire.encode(stored.model_copy(update={"worker_id": "w"})), BlockStored)
+    assert sent.hashes == stored.hashes and sent.worker_id == "w" and sent.block_ids == []
     bm.check_integrity([a, b])
     bm.free_blocks(a)
     bm.free_blocks(b)

@@ -24,7 +24,6 @@ from shared.protocol import errors as codes
 from shared.protocol.errors import ErrorReply
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
 from services.decode.admission import Admission, AdmissionSettings, State
-from services.decode.events import to_wire
 from services.decode.outbox import Delivery, Outbox
 from services.decode.requests import DecodeRequest, RequestTable
 from services.engine_worker import EngineWorker, default_worker_id, request_timings
@@ -152,8 +151,8 @@ class DecodeService(EngineWorker):
     def _on_step(self, outputs: list[RequestOutput], events, offload) -> None:
         for out in outputs:
             self._emit(out)
-        for msg in to_wire(self.settings.worker_id, events):
-            self.outbox.put(Delivery(None, None, msg, False))
+        for event in events:
+            self.outbox.put(Delivery(None, None, event.model_copy(update={"worker_id": self.settings.worker_id}), False))
         super()._on_step(outputs, events, offload)
 
     def _emit(self, out: RequestOutput) -> None:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from shared.block_hash import BlockHash, hash_blocks
-from shared.engine.block_events import BlockEvent, BlockRemoved, BlockStored
+from shared.protocol.events import BlockEvent, BlockRemoved, BlockStored
 from shared.engine.sequence import Sequence
 
 
@@ -107,7 +107,7 @@ class BlockManager:
             self.block_hash[block_id] = None
             if self.cached.get(h) == block_id:
                 del self.cached[h]
-                self.events.append(BlockRemoved(h, block_id))
+                self._removed(h, block_id)
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -126,7 +126,7 @@ class BlockManager:
             if h not in self.cached and self.block_hash[block_id] is None:
                 self.cached[h] = block_id
                 self.block_hash[block_id] = h
-                self.events.append(BlockStored(h, seq.block_hashes[i - 1] if i else None, block_id))
+                self._stored(h, seq.block_hashes[i - 1] if i else None, block_id)
         self.num_registered[seq.request_id] = full
 
     def free_blocks(self, seq: Sequence) -> None:
@@ -142,6 +142,23 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self.num_registered.pop(seq.request_id, None)
 
+    def _stored(self, h: BlockHash, parent: BlockHash | None, block_id: int) -> None:
+        # A block that extends the chain of the event before it joins that event: one message per chain.
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockStored) and parent is not None and last.hashes[-1] == parent:
+            last.hashes.append(h)
+            last.block_ids.append(block_id)
+        else:
+            self.events.append(BlockStored(hashes=[h], parent=parent, block_ids=[block_id]))
+
+    def _removed(self, h: BlockHash, block_id: int) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):
+            last.hashes.append(h)
+            last.block_ids.append(block_id)
+        else:
+            self.events.append(BlockRemoved(hashes=[h], block_ids=[block_id]))
+
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []
         return events
@@ -152,7 +169,7 @@ class BlockManager:
                 del self.cached[h]
                 self.block_hash[block_id] = None
                 self.free.move_to_end(block_id, last=False)
-                self.events.append(BlockRemoved(h, block_id))
+                self._removed(h, block_id)
 
     def check_integrity(self, live: Iterable[Sequence] = ()) -> None:
         """Assert every invariant; live = every sequence that may hold blocks."""

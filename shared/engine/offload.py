@@ -15,8 +15,8 @@ from typing import Protocol
 
 import torch
 
-from shared.engine.block_events import BlockEvent, BlockStored
 from shared.engine.llm_engine import LLMEngine
+from shared.protocol.events import BlockEvent, BlockStored
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,21 @@ class OffloadBatch:
 
 def collect(engine: LLMEngine, events: list[BlockEvent], client: BlockStore) -> OffloadBatch | None:
     """Engine thread: copy out the KV of blocks stored by this step that the kvstore lacks."""
-    stored = [e for e in events if isinstance(e, BlockStored) and client.needs_offload(e.block_hash)]
-    if not stored:
+    hashes: list[bytes] = []
+    parents: list[bytes | None] = []
+    block_ids: list[int] = []
+    for e in events:
+        if not isinstance(e, BlockStored):
+            continue
+        for i, (h, block_id) in enumerate(zip(e.hashes, e.block_ids)):
+            if client.needs_offload(h):
+                hashes.append(h)
+                parents.append(e.hashes[i - 1] if i else e.parent)
+                block_ids.append(block_id)
+    if not hashes:
         return None
-    k, v = engine.read_blocks([e.block_id for e in stored])
-    return OffloadBatch([e.block_hash for e in stored], [e.parent_hash for e in stored], k, v)
+    k, v = engine.read_blocks(block_ids)
+    return OffloadBatch(hashes, parents, k, v)
 
 
 class Offloader:
