@@ -142,11 +142,15 @@ def test_compose_files_validate_and_merge_with_docker_compose():
         assert (e.get("KVMESH_CACHE_SALT") == "salt") == (role in ("prefill", "decode"))
 
 
-def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path):
+@pytest.mark.parametrize("tls", [False, True])
+def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path, tls):
     """`--profile cluster` adds nats-2 and nats-3; their real commands (ports moved off the defaults,
     the seed's host name made local) form one cluster of three in real nats-servers, with the users of
-    compose/nats-auth.conf."""
+    compose/nats-auth.conf. With the TLS overlay, a client verifies the server with the CA made by
+    `python -m shared.launcher.nats_tls` for the compose host names."""
+    import asyncio
     import json
+    import ssl
     import os
     import shutil
     import time
@@ -159,23 +163,39 @@ def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
     env |= {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt"}
     env["KVMESH_NATS_URL"] = "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"
-    out = subprocess.run([exe, "-f", "docker-compose.yml", "--profile", "cluster", "config", "--format", "json"],
+    certs = tmp_path / "certs"
+    files = ["-f", "docker-compose.yml"]
+    if tls:
+        made = subprocess.run([sys.executable, "-m", "shared.launcher.nats_tls", str(certs), "nats", "nats-2", "nats-3"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        files += ["-f", "docker-compose.tls.yml"]
+        env["KVMESH_NATS_TLS_DIR"] = str(certs)
+    out = subprocess.run([exe, *files, "--profile", "cluster", "config", "--format", "json"],
                          cwd=ROOT / "compose", capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     services = json.loads(out.stdout)["services"]
     names = ("nats", "nats-2", "nats-3")
+    if tls:
+        for role in ROLES:
+            assert services[role]["environment"]["NATS_TLS_CA"] == "/certs/ca.pem"
+            assert {"source": str(certs / "ca.pem"), "target": "/certs/ca.pem"}.items() <= next(
+                v for v in services[role]["volumes"] if v["target"] == "/certs/ca.pem").items()
     assert all("ports" not in services[n] for n in names)
     assert services["decode"]["environment"]["NATS_URL"] == env["KVMESH_NATS_URL"]
     cluster_ports = {n: free_port() for n in names}
     http_ports = {n: free_port() for n in names}
+    ports: dict[str, int] = {}
     procs = []
     try:
         for n in names:
-            argv = [a.replace("/etc/nats/auth.conf", str(ROOT / "compose" / "nats-auth.conf"))
+            argv = [a.replace("/etc/nats/auth.conf", str(ROOT / "compose" / "nats-auth.conf")).replace("/certs", str(certs))
                      .replace("0.0.0.0:6222", f"127.0.0.1:{cluster_ports[n]}")
                      .replace("nats:6222", f"127.0.0.1:{cluster_ports['nats']}") for a in services[n]["command"]]
             argv[argv.index("8222")] = str(http_ports[n])
-            procs.append(subprocess.Popen([nats_server_binary(), *argv, "--addr", "127.0.0.1", "--port", str(free_port())],
+            assert ("--tls" in argv) == tls
+            ports[n] = free_port()
+            procs.append(subprocess.Popen([nats_server_binary(), *argv, "--addr", "127.0.0.1", "--port", str(ports[n])],
                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 15
         while True:
@@ -190,6 +210,35 @@ def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path):
                 pass
             assert time.monotonic() < deadline, "the compose nats cluster did not form"
             time.sleep(0.1)
+
+        async def roundtrip() -> bytes:  # the gateway role on nats-3 asks the tokenizer role on nats
+            from shared import bus
+
+            opts = {}
+            if tls:
+                opts = {"tls": ssl.create_default_context(cafile=str(certs / "ca.pem")), "tls_hostname": "nats"}
+            server = await bus.connect(f"nats://127.0.0.1:{ports['nats']}", user="tokenizer", password="pw-tokenizer",
+                                       inbox_prefix="_INBOX.tokenizer", **opts)
+            client = await bus.connect(f"nats://127.0.0.1:{ports['nats-3']}", user="gateway", password="pw-gateway",
+                                       inbox_prefix="_INBOX.gateway", **opts)
+
+            async def answer(msg) -> None:  # noqa: ANN001
+                await msg.respond(b"ok")
+
+            await server.subscribe("kvmesh.tokenizer.encode", cb=answer)
+            await server.flush()
+            try:
+                for _ in range(50):
+                    try:
+                        return (await client.request("kvmesh.tokenizer.encode", b"x", timeout=0.5)).data
+                    except Exception:  # noqa: BLE001 - the subscription is still crossing the routes
+                        await asyncio.sleep(0.1)
+                return b""
+            finally:
+                await client.close()
+                await server.close()
+
+        assert asyncio.run(roundtrip()) == b"ok"
     finally:
         for p in procs:
             p.kill()
