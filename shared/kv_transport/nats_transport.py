@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 from nats.aio.client import Client
@@ -19,6 +18,7 @@ from opentelemetry import trace
 
 from shared import bus, subjects
 from shared.kv_transport.base import BlockWriter, KVTransport, TransferError
+from shared.kv_transport.incoming import TransferRegistry
 from shared.protocol.kvtransfer import KVBlockChunk, KVChunkAck, checksum
 from shared.wire import tensor_from_wire, tensor_to_wire
 
@@ -39,22 +39,11 @@ def plan_chunks(num_layers: int, num_blocks: int, bytes_per_block_layer: int, ma
     return [(l0, min(l0 + layers, num_layers), b, b + 1) for b in range(num_blocks) for l0 in range(0, num_layers, layers)]
 
 
-@dataclass
-class _Incoming:
-    num_blocks: int
-    write: BlockWriter
-    deadline: float
-    done: asyncio.Future
-    seen: set[int] = field(default_factory=set)
-    total: int | None = None
-    writes: int = 0
-
-
 class NatsKVTransport(KVTransport):
-    def __init__(self, nc: Client, window: int = 32) -> None:
+    def __init__(self, nc: Client, window: int = 32, registry: TransferRegistry | None = None) -> None:
         self.nc = nc
         self.window = window
-        self._incoming: dict[str, _Incoming] = {}
+        self.registry = registry or TransferRegistry()
         self._served: bus.Served | None = None
 
     async def start(self, worker_id: str | None) -> None:
@@ -68,8 +57,7 @@ class NatsKVTransport(KVTransport):
     async def stop(self) -> None:
         if self._served is not None:
             await self._served.stop()
-        for t in list(self._incoming):
-            self._fail(t, "receiver stopped")
+        self.registry.fail_all("receiver stopped")
 
     # --- sending (prefill side) -------------------------------------------------------------------
 
@@ -121,53 +109,24 @@ class NatsKVTransport(KVTransport):
     # --- receiving (decode side) ------------------------------------------------------------------
 
     def expect(self, transfer_id: str, num_blocks: int, write: BlockWriter, deadline_s: float) -> asyncio.Future:
-        done = asyncio.get_running_loop().create_future()
-        self._incoming[transfer_id] = _Incoming(num_blocks, write, time.monotonic() + deadline_s, done)
-        asyncio.get_running_loop().call_later(deadline_s, self._fail, transfer_id, "transfer timed out")
-        return done
+        return self.registry.expect(transfer_id, num_blocks, write, deadline_s)
 
     def forget(self, transfer_id: str) -> None:
-        inc = self._incoming.pop(transfer_id, None)
-        if inc is not None and not inc.done.done():
-            inc.done.cancel()
-
-    def _fail(self, transfer_id: str, reason: str) -> None:
-        inc = self._incoming.pop(transfer_id, None)
-        if inc is not None and not inc.done.done():
-            inc.done.set_exception(TransferError(reason))
+        self.registry.forget(transfer_id)
 
     async def _on_chunk(self, chunk: KVBlockChunk, ctx: bus.RequestContext) -> KVChunkAck:
-        inc = self._incoming.get(chunk.transfer_id)
-        if inc is None:
-            return KVChunkAck(transfer_id=chunk.transfer_id, seq=chunk.seq, ok=False, error="unknown transfer")
         with _tracer.start_as_current_span("kv.transfer.receive", attributes={
                 "kvmesh.transfer_id": chunk.transfer_id, "kvmesh.kv.chunk": chunk.seq}):
-            error = self._check(chunk, inc)
-            if error is None:
-                try:
-                    k = torch.stack([tensor_from_wire(t) for t in chunk.tensors[0::2]])
-                    v = torch.stack([tensor_from_wire(t) for t in chunk.tensors[1::2]])
-                    await inc.write(chunk.block_start, k, v, chunk.layer_start)
-                except Exception as e:  # noqa: BLE001 - any failure to place blocks fails the transfer
-                    error = f"could not write blocks: {e}"
+            inc, error = self.registry.check(chunk.transfer_id, chunk.seq, chunk.total, chunk.block_end)
+            if inc is not None and not chunk.verify():
+                inc, error = None, f"checksum mismatch on chunk {chunk.seq}"
+            if inc is not None:
+                k = torch.stack([tensor_from_wire(t) for t in chunk.tensors[0::2]])
+                v = torch.stack([tensor_from_wire(t) for t in chunk.tensors[1::2]])
+                error = await self.registry.accept(chunk.transfer_id, inc, chunk.seq, chunk.total, chunk.block_start,
+                                                   k, v, chunk.layer_start)
+            elif error != "unknown transfer":
+                self.registry.refuse(chunk.transfer_id, error or "refused")
             if error is not None:
-                self._fail(chunk.transfer_id, error)
                 return KVChunkAck(transfer_id=chunk.transfer_id, seq=chunk.seq, ok=False, error=error)
-            inc.seen.add(chunk.seq)
-            inc.total = chunk.total
-            if len(inc.seen) == inc.total and not inc.done.done():
-                self._incoming.pop(chunk.transfer_id, None)
-                inc.done.set_result(None)
             return KVChunkAck(transfer_id=chunk.transfer_id, seq=chunk.seq)
-
-    @staticmethod
-    def _check(chunk: KVBlockChunk, inc: _Incoming) -> str | None:
-        if not chunk.verify():
-            return f"checksum mismatch on chunk {chunk.seq}"
-        if chunk.seq in inc.seen:
-            return f"chunk {chunk.seq} received twice"
-        if inc.total is not None and chunk.total != inc.total:
-            return "chunk count changed mid-transfer"
-        if chunk.block_end > inc.num_blocks:
-            return f"blocks up to {chunk.block_end} but only {inc.num_blocks} were reserved"
-        return None
