@@ -15,7 +15,7 @@ from shared.engine.commands import Stats, WriteBlocks
 from shared.engine.engine_thread import EngineThread
 from shared.engine.llm_engine import LLMEngine, Reservation
 from shared.engine.offload import Offloader, collect
-from shared.kv_transport import NatsKVTransport
+from shared.kv_transport import MeshKVTransport, NatsKVTransport
 from shared.kvstore_client import KVStoreClient
 from shared.prefix_fetch import PrefixFetches
 from shared.protocol.events import LoadBeat
@@ -28,7 +28,9 @@ _tracer = trace.get_tracer("kvmesh.worker")
 
 class EngineWorker(Service):
     role: str  # "decode" | "prefill": the label of this worker's metrics
-    transport_class: type[NatsKVTransport] = NatsKVTransport  # tests swap in a network test double
+    transport_class: type[NatsKVTransport] | None = None  # tests swap in a network test double
+    kv_host: str | None = None  # where the direct KV channel listens (decode); None: the address NATS is reached from
+    direct_kv: bool = True  # False: KV pushes to this worker go over NATS only
 
     def __init__(self, engine_config: EngineConfig, use_kvstore: bool, worker_id: str,
                  beat_interval_s: float = 1.0) -> None:
@@ -48,7 +50,12 @@ class EngineWorker(Service):
         self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
                                    self._post_step if self.kvstore else None)
         self.thread.start()
-        self.transport = self.transport_class(nc)
+        if self.transport_class is not None:
+            self.transport = self.transport_class(nc)
+        elif self.direct_kv:
+            self.transport = MeshKVTransport(nc, kv_host=self.kv_host)
+        else:
+            self.transport = NatsKVTransport(nc)
         self.beats = LoadBeats(self.beat_interval_s, self._load_snapshot, self._publish_load)
 
     def load_subject(self) -> str:

@@ -3,8 +3,10 @@ fallbacks and cancellation, compared with transformers token for token."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from shared import bus, subjects
+from shared.kv_transport.direct import DirectSettings
 from shared.protocol.generate import CancelRequest
 from tests.engine_helpers import greedy, random_prompts
 from tests.mesh_helpers import (decode_service, generate, kvstore_service, prefill_service, running, wait_idle)
@@ -32,6 +34,41 @@ def test_remote_prefill_forced_matches_transformers(nats_server, checkpoints, hf
                 assert [c.seq for c in chunks] == list(range(len(chunks)))
             await wait_idle(decode, prefill)
             assert (decode.remote_prefills, decode.remote_fallbacks) == (len(prompts), 0)
+            # The KV went over the direct channel (shared memory: one host), not over NATS.
+            assert prefill.transport.direct_sends == decode.remote_prefills and prefill.transport.fallbacks == 0
+            assert decode.transport.server.shm_frames == decode.transport.server.frames > 0
+
+    asyncio.run(main())
+
+
+def test_a_direct_transfer_cut_off_halfway_recomputes_locally(nats_server, checkpoints, hf_reference):
+    """The decode side drops the direct connection after the first frame of the first transfer: that
+    request is prefilled locally (same tokens), every reserved block is freed, and the next transfer
+    opens a new connection."""
+    ckpt = checkpoints["llama"]
+    prompts = random_prompts([90, 70], seed=25)
+    decode, prefill = decode_service(ckpt, threshold=0, transfer_timeout=3.0), prefill_service(ckpt)
+
+    async def main():
+        async with running(nats_server, prefill, decode) as nc:
+            prefill.transport.sender.settings = DirectSettings(frame_bytes=4096, slots=2)  # many frames
+            server, frames = decode.transport.server, [0]
+            place = server._frame
+
+            async def cut(h, payload, sock, lock):  # noqa: ANN001, ANN202
+                frames[0] += 1
+                if frames[0] == 2:
+                    sock.shutdown(socket.SHUT_RDWR)  # the connection breaks with the transfer half done
+                    return
+                await place(h, payload, sock, lock)
+
+            server._frame = cut
+            for i, p in enumerate(prompts):
+                tokens, _ = await asyncio.wait_for(generate(nc, p, greedy(MAX_NEW, None), f"cut{i}"), 20)
+                check(ckpt, hf_reference, p, tokens)
+            assert (decode.remote_prefills, decode.remote_fallbacks) == (1, 1)
+            assert frames[0] > 3, (frames, prefill.transport.direct_sends, prefill.transport.fallbacks)
+            await wait_idle(decode, prefill)
 
     asyncio.run(main())
 

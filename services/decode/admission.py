@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
@@ -150,11 +151,13 @@ class Admission:
             if not await host.thread.run(WriteBlocks(rid, block_start, k, v, first_layer)):
                 raise TransferError("request is no longer waiting for KV")
 
-        done = host.transport.expect(transfer_id, res.num_blocks, write, s.kv_transfer_timeout_s)
+        endpoint = host.transport.endpoint
+        token = secrets.token_bytes(16) if endpoint else b""  # only the prefill worker we ask learns it
+        done = host.transport.expect(transfer_id, res.num_blocks, write, s.kv_transfer_timeout_s, token=token)
         msg = RemotePrefillRequest(request_id=rid, transfer_id=transfer_id, prompt_token_ids=req.prompt_token_ids,
                                    num_cached_tokens=cached, decode_worker_id=s.worker_id,
                                    num_dest_blocks=res.num_blocks - first_block, block_size=s.block_size,
-                                   sampling=req.sampling)
+                                   sampling=req.sampling, kv_endpoint=endpoint, kv_token=token)
         with _tracer.start_as_current_span("decode.remote_prefill", context=trace.set_span_in_context(self.span),
                                            attributes={"kvmesh.transfer_id": transfer_id}) as span:
             try:

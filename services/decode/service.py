@@ -45,6 +45,8 @@ class DecodeSettings:
     remote_prefill_timeout_per_token_s: float = 0.002
     kv_transfer_timeout_s: float = 30.0
     beat_interval_s: float = 1.0
+    kv_host: str | None = None  # the direct KV channel's address (None: the one this worker reaches NATS from)
+    direct_kv: bool = True  # False: prefill workers push KV over NATS only
 
 
 class DecodeService(EngineWorker):
@@ -54,6 +56,7 @@ class DecodeService(EngineWorker):
     def __init__(self, engine_config: EngineConfig, settings: DecodeSettings) -> None:
         super().__init__(engine_config, settings.use_kvstore, settings.worker_id, settings.beat_interval_s)
         self.settings = settings
+        self.kv_host, self.direct_kv = settings.kv_host, settings.direct_kv
         self.requests = RequestTable()
         self.draining = False
         self.num_received = 0  # generate requests that reached this worker
@@ -226,6 +229,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "each uncached prompt token; past it decode prefills locally")
     parser.add_argument("--remote-prefill-timeout-per-token", type=float, default=0.002)
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    parser.add_argument("--kv-host", default=os.environ.get("KVMESH_KV_HOST"),
+                        help="address prefill workers push KV to directly (shared memory on this host, TCP from "
+                             "others); default: the address this worker reaches NATS from (env KVMESH_KV_HOST)")
+    parser.add_argument("--no-direct-kv", action="store_true", help="prefill workers push KV over NATS only")
 
 
 def build(args: argparse.Namespace) -> DecodeService:
@@ -233,4 +240,4 @@ def build(args: argparse.Namespace) -> DecodeService:
         worker_id=args.worker_id, remote_prefill_threshold=args.remote_prefill_threshold,
         use_kvstore=not args.no_kvstore, remote_prefill_timeout_s=args.remote_prefill_timeout,
         remote_prefill_timeout_per_token_s=args.remote_prefill_timeout_per_token,
-        kv_transfer_timeout_s=args.kv_transfer_timeout))
+        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_host=args.kv_host, direct_kv=not args.no_direct_kv))

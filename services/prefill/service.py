@@ -113,7 +113,8 @@ class PrefillService(EngineWorker):
                 return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id,
                                           error=f"computed {k.shape[1]} blocks, decode reserved {req.num_dest_blocks}")
             await self.transport.send(req.decode_worker_id, req.transfer_id, first_block, k, v,
-                                      self.settings.kv_transfer_timeout_s)
+                                      self.settings.kv_transfer_timeout_s, endpoint=req.kv_endpoint,
+                                      token=req.kv_token)
         except ValueError as e:
             raise bus.RemoteError(codes.BAD_REQUEST, str(e)) from None
         except (bus.BusError, TransferError, asyncio.TimeoutError) as e:

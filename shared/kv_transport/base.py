@@ -1,6 +1,6 @@
 """How a request's KV blocks travel from a prefill worker to a decode worker.
 
-One interface so a faster same-host path (shared memory, CUDA IPC) can replace the NATS stream.
+One interface over every path: NATS chunks, and the direct channel (shared memory or TCP).
 The decode side owns the destination blocks: it registers a transfer id with where the blocks go,
 and nothing a sender says can name physical block ids.
 """
@@ -21,19 +21,23 @@ class TransferError(Exception):
 
 
 class KVTransport(abc.ABC):
+    endpoint: str | None  # where a sender may push directly (sent in RemotePrefillRequest); None: over the bus
+
     @abc.abstractmethod
     async def start(self, worker_id: str | None) -> None:
         """Start receiving for worker_id (decode workers); None for send-only (prefill workers)."""
 
     @abc.abstractmethod
     async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
-                   deadline_s: float) -> int:
-        """Push blocks [first_block, first_block + k.shape[1]) of a transfer; returns bytes sent."""
+                   deadline_s: float, endpoint: str | None = None, token: bytes = b"") -> int:
+        """Push blocks [first_block, first_block + k.shape[1]) of a transfer; returns bytes sent.
+        endpoint, token: the receiver's direct channel and this transfer's token, when it has one."""
 
     @abc.abstractmethod
-    def expect(self, transfer_id: str, num_blocks: int, write: BlockWriter, deadline_s: float) -> Awaitable[None]:
+    def expect(self, transfer_id: str, num_blocks: int, write: BlockWriter, deadline_s: float,
+               token: bytes = b"") -> Awaitable[None]:
         """Register an incoming transfer; the awaitable resolves once every block has been written,
-        or raises TransferError."""
+        or raises TransferError. token: what a direct-channel sender must present."""
 
     @abc.abstractmethod
     def forget(self, transfer_id: str) -> None:

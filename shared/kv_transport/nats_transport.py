@@ -19,27 +19,15 @@ from opentelemetry import trace
 from shared import bus, subjects
 from shared.kv_transport.base import BlockWriter, KVTransport, TransferError
 from shared.kv_transport.incoming import TransferRegistry
+from shared.kv_transport.plan import plan_chunks
 from shared.protocol.kvtransfer import KVBlockChunk, KVChunkAck, checksum
 from shared.wire import tensor_from_wire, tensor_to_wire
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.kv_transport")
 
-HEADROOM = 16 * 1024  # msgpack framing and headers on top of the tensor bytes
-
-
-def plan_chunks(num_layers: int, num_blocks: int, bytes_per_block_layer: int, max_bytes: int) -> list[tuple[int, int, int, int]]:
-    """(layer_start, layer_end, block_start, block_end) ranges whose K+V fit in max_bytes."""
-    budget = max(max_bytes - HEADROOM, bytes_per_block_layer)
-    per_block_all_layers = num_layers * bytes_per_block_layer
-    if per_block_all_layers <= budget:
-        step = budget // per_block_all_layers
-        return [(0, num_layers, b, min(b + step, num_blocks)) for b in range(0, num_blocks, step)]
-    layers = max(1, budget // bytes_per_block_layer)
-    return [(l0, min(l0 + layers, num_layers), b, b + 1) for b in range(num_blocks) for l0 in range(0, num_layers, layers)]
-
-
 class NatsKVTransport(KVTransport):
+    endpoint: str | None = None  # no direct channel: every byte goes over NATS
     def __init__(self, nc: Client, window: int = 32, registry: TransferRegistry | None = None) -> None:
         self.nc = nc
         self.window = window
@@ -66,7 +54,7 @@ class NatsKVTransport(KVTransport):
         return chunk
 
     async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
-                   deadline_s: float) -> int:
+                   deadline_s: float, endpoint: str | None = None, token: bytes = b"") -> int:
         layers, n = k.shape[0], k.shape[1]
         per_block_layer = 2 * k[0, 0].numel() * k.element_size()
         chunks = plan_chunks(layers, n, per_block_layer, self.nc.max_payload)
@@ -108,8 +96,9 @@ class NatsKVTransport(KVTransport):
 
     # --- receiving (decode side) ------------------------------------------------------------------
 
-    def expect(self, transfer_id: str, num_blocks: int, write: BlockWriter, deadline_s: float) -> asyncio.Future:
-        return self.registry.expect(transfer_id, num_blocks, write, deadline_s)
+    def expect(self, transfer_id: str, num_blocks: int, write: BlockWriter, deadline_s: float,
+               token: bytes = b"") -> asyncio.Future:
+        return self.registry.expect(transfer_id, num_blocks, write, deadline_s, token)
 
     def forget(self, transfer_id: str) -> None:
         self.registry.forget(transfer_id)

@@ -27,6 +27,10 @@ class RemotePrefillRequest(Message):
     num_dest_blocks: int
     block_size: int
     sampling: Sampling = Field(default_factory=Sampling)  # for the first token
+    # The decode worker's direct KV channel (tcp://host:port; shared memory when on one host) and the
+    # token a push on it must carry. None: push over NATS.
+    kv_endpoint: str | None = None
+    kv_token: bytes = b""
 
     @model_validator(mode="after")
     def _ranges(self) -> RemotePrefillRequest:

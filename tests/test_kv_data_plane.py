@@ -1,0 +1,176 @@
+"""The KV data plane (issue 10 item 1): shared memory on one host, TCP between hosts, NATS as the
+fallback. Each path moves blocks bit-exactly; a stranger's frames are refused; a transfer cut off
+halfway fails cleanly on both sides; an unreachable endpoint falls back to NATS."""
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+
+import pytest
+import torch
+
+from shared import bus
+from shared.kv_transport import MeshKVTransport, TransferError
+from shared.kv_transport import shm_ring
+from shared.kv_transport.direct import DirectSender, DirectServer, DirectSettings, DirectUnavailable
+from shared.kv_transport.incoming import TransferRegistry
+from shared.bus.natsd import free_port
+from tests.nats_fixtures import nats_server  # noqa: F401
+
+SMALL = DirectSettings(frame_bytes=4 << 10, slots=3)  # many frames per transfer, few slots: pipelining
+
+
+def kv(dtype: torch.dtype, layers: int = 4, blocks: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (layers, blocks, 16, 2, 8)
+    return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+
+
+def sink(k: torch.Tensor, first_block: int = 0):  # noqa: ANN201
+    """Where a receiver writes: zeroed K, V of the transfer's shape, and the writer that fills them."""
+    dk, dv = torch.zeros_like(k), torch.zeros_like(k)
+    dk = torch.cat([torch.zeros_like(k[:, :first_block]), dk], dim=1) if first_block else dk
+    dv = torch.cat([torch.zeros_like(k[:, :first_block]), dv], dim=1) if first_block else dv
+    writes = []
+
+    async def write(block_start: int, kk: torch.Tensor, vv: torch.Tensor, first_layer: int) -> None:
+        layers, n = kk.shape[0], kk.shape[1]
+        dk[first_layer:first_layer + layers, block_start:block_start + n] = kk
+        dv[first_layer:first_layer + layers, block_start:block_start + n] = vv
+        writes.append((block_start, first_layer))
+
+    return dk, dv, write, writes
+
+
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_each_direct_path_moves_blocks_bit_exactly(path: str, dtype: torch.dtype) -> None:
+    if path == "shm" and not shm_ring.available():
+        pytest.skip("no /dev/shm")
+
+    async def go() -> None:
+        registry = TransferRegistry()
+        server = DirectServer(registry, "127.0.0.1", 0, SMALL)
+        await server.start()
+        sender = DirectSender(DirectSettings(frame_bytes=SMALL.frame_bytes, slots=SMALL.slots,
+                                             shared_memory=path == "shm"))
+        try:
+            for first_block in (0, 3):  # two transfers on one connection, the second after a cached prefix
+                k, v = kv(dtype)
+                dk, dv, write, writes = sink(k, first_block)
+                token = secrets.token_bytes(16)
+                done = registry.expect(f"t{first_block}", first_block + k.shape[1], write, 10.0, token)
+                sent = await sender.send(server.endpoint, token, f"t{first_block}", first_block, k, v, 10.0)
+                await asyncio.wait_for(done, 5)
+                assert sent == 2 * k.numel() * k.element_size()
+                assert torch.equal(dk[:, first_block:].view(torch.uint8), k.view(torch.uint8))
+                assert torch.equal(dv[:, first_block:].view(torch.uint8), v.view(torch.uint8))
+                assert len(writes) > SMALL.slots  # pipelined over more frames than slots
+            assert (server.shm_frames > 0) == (path == "shm") and server.frames > 0
+            assert sender.uses_shared_memory(server.endpoint) == (path == "shm")
+            assert not [p for p in os.listdir("/dev/shm") if p.startswith(shm_ring.PREFIX)] if path == "shm" else True
+        finally:
+            await sender.close()
+            await server.stop()
+
+    asyncio.run(go())
+
+
+def test_a_strangers_frames_are_refused_and_the_transfer_goes_on() -> None:
+    async def go() -> None:
+        registry = TransferRegistry()
+        server = DirectServer(registry, "127.0.0.1", 0, SMALL)
+        await server.start()
+        sender = DirectSender(SMALL)
+        try:
+            k, v = kv(torch.float32)
+            dk, dv, write, _ = sink(k)
+            done = registry.expect("t", k.shape[1], write, 10.0, token=b"right-token-0123")
+            with pytest.raises(TransferError, match="wrong transfer token"):
+                await sender.send(server.endpoint, b"wrong-token-0123", "t", 0, k, v, 5.0)
+            with pytest.raises(TransferError, match="unknown transfer"):
+                await sender.send(server.endpoint, b"right-token-0123", "nobody", 0, k, v, 5.0)
+            assert not done.done()  # neither could end the real transfer
+            await sender.send(server.endpoint, b"right-token-0123", "t", 0, k, v, 5.0)
+            await asyncio.wait_for(done, 5)
+            assert torch.equal(dk, k) and torch.equal(dv, v)
+            # A frame past the reserved blocks ends the transfer it names.
+            done = registry.expect("short", 2, write, 10.0, token=b"tok")
+            with pytest.raises(TransferError, match="only 2 were reserved"):
+                await sender.send(server.endpoint, b"tok", "short", 0, k, v, 5.0)
+            with pytest.raises(TransferError):
+                await done
+        finally:
+            await sender.close()
+            await server.stop()
+
+    asyncio.run(go())
+
+
+def test_a_transfer_cut_off_halfway_fails_on_both_sides() -> None:
+    async def go() -> None:
+        registry = TransferRegistry()
+        server = DirectServer(registry, "127.0.0.1", 0, SMALL)
+        await server.start()
+        sender = DirectSender(SMALL)
+        k, v = kv(torch.float32)
+        calls = [0]
+        stopping: list[asyncio.Task] = []
+
+        async def write(block_start: int, kk: torch.Tensor, vv: torch.Tensor, first_layer: int) -> None:
+            calls[0] += 1
+            if calls[0] == 2:  # the receiving process goes away in the middle of the transfer
+                stopping.append(asyncio.ensure_future(server.stop()))
+                await asyncio.sleep(0.5)
+
+        done = registry.expect("t", k.shape[1], write, 10.0, token=b"tok")
+        with pytest.raises(TransferError):
+            await sender.send(server.endpoint, b"tok", "t", 0, k, v, 5.0)
+        await asyncio.gather(*stopping)
+        registry.fail_all("receiver stopped")  # what the decode worker's transport does when it stops
+        with pytest.raises(TransferError):
+            await done
+        await sender.close()
+
+    asyncio.run(go())
+
+
+def test_an_unreachable_endpoint_is_unavailable() -> None:
+    async def go() -> None:
+        sender = DirectSender(SMALL, connect_timeout_s=1.0)
+        k, v = kv(torch.float32)
+        with pytest.raises(DirectUnavailable):
+            await sender.send(f"tcp://127.0.0.1:{free_port()}", b"tok", "t", 0, k, v, 5.0)
+        with pytest.raises(DirectUnavailable):
+            await sender.send("http://nowhere", b"tok", "t", 0, k, v, 5.0)
+
+    asyncio.run(go())
+
+
+def test_the_mesh_transport_goes_direct_and_falls_back_to_nats(nats_server) -> None:  # noqa: F811
+    async def go() -> None:
+        nc_recv, nc_send = await bus.connect(nats_server), await bus.connect(nats_server)
+        receiver, sender = MeshKVTransport(nc_recv, settings=SMALL), MeshKVTransport(nc_send, settings=SMALL)
+        await receiver.start("d0")
+        await sender.start(None)
+        try:
+            assert receiver.endpoint is not None and receiver.endpoint.startswith("tcp://127.0.0.1:")
+            assert sender.endpoint is None
+            for endpoint, expect_direct in ((receiver.endpoint, 1), (f"tcp://127.0.0.1:{free_port()}", 1)):
+                k, v = kv(torch.bfloat16)
+                dk, dv, write, _ = sink(k)
+                token = secrets.token_bytes(16)
+                done = receiver.expect("t" + endpoint, k.shape[1], write, 10.0, token=token)
+                await sender.send("d0", "t" + endpoint, 0, k, v, 10.0, endpoint=endpoint, token=token)
+                await asyncio.wait_for(done, 5)
+                assert torch.equal(dk.view(torch.uint8), k.view(torch.uint8))
+                assert torch.equal(dv.view(torch.uint8), v.view(torch.uint8))
+            assert sender.direct_sends == 1 and sender.fallbacks == 1
+        finally:
+            await sender.stop()
+            await receiver.stop()
+            await nc_send.close()
+            await nc_recv.close()
+
+    asyncio.run(go())
