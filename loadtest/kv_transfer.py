@@ -1,8 +1,9 @@
 """`kvmesh bench kv-transfer`: how fast KV moves over NATS, and what that means for time to first token.
 
-1. Transfer: one engine prefills a prompt and hands out its KV blocks; NatsKVTransport pushes them
-   over a real nats-server (chunked under max_payload, checksummed, acknowledged) into blocks another
-   engine reserved. Compared with copying the same bytes in memory.
+1. Transfer: one engine prefills a prompt and hands out its KV blocks; each data-plane path pushes
+   them into blocks another engine reserved: NATS (chunked under max_payload through a real
+   nats-server), the direct channel inline over TCP loopback, and through shared memory. Each beside
+   a copy of the same bytes in memory, in the same run.
 2. TTFT for a prompt of the same length through real decode/prefill/kvstore services: prefilled on
    the decode worker, by a prefill worker (remote prefill + KV push), and with the prefix served from
    the kvstore to a decode worker that never saw it.
@@ -22,13 +23,16 @@ import uuid
 import torch
 
 from loadtest.offline import model_dir
+from loadtest.shapes import SHAPES
 from shared.bus.natsd import NatsServer
 from loadtest.workload import machine_info, random_tokens, read_shape, warn_if_busy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--model", metavar="DIR", help="HF checkpoint dir (default: build the benchmark model in a temp dir)")
+    p.add_argument("--model", metavar="DIR", help="HF checkpoint dir (default: build --shape in a temp dir)")
+    p.add_argument("--shape", choices=["bench", *SHAPES], default="bench",
+                   help="architecture of the random-weight checkpoint built when --model is not given")
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="KV pool of each engine")
@@ -41,55 +45,84 @@ def _engine_config(model: str, args: argparse.Namespace):
     return EngineConfig(model=model, dtype="float32", kv_cache_bytes=args.kv_cache_bytes)
 
 
+PATHS = ("nats", "tcp", "shm")
+
+
+def _transports(path: str, nc_send, nc_recv):  # noqa: ANN001, ANN202
+    """(sender, receiver) for one data-plane path: NATS chunks, the direct channel inline over TCP, or
+    the direct channel through shared memory."""
+    from shared.kv_transport import MeshKVTransport, NatsKVTransport
+    from shared.kv_transport.direct import DirectSettings
+
+    if path == "nats":
+        return NatsKVTransport(nc_send), NatsKVTransport(nc_recv)
+    settings = DirectSettings(shared_memory=path == "shm")
+    return MeshKVTransport(nc_send, settings=settings), MeshKVTransport(nc_recv, kv_host="127.0.0.1", settings=settings)
+
+
 async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Random) -> dict:
+    """Each path moves the same prompt's KV into blocks another engine reserved; beside a copy of the
+    same bytes in memory, in the same run. Sender and receiver share this process and its event loop,
+    so the shared-memory path pays both of its copies on one core (two processes would overlap them)."""
+    import secrets
+
     from shared import bus
     from shared.engine.llm_engine import LLMEngine
     from shared.sampling_params import SamplingParams
-    from shared.kv_transport import NatsKVTransport
 
     src, dst = LLMEngine(_engine_config(model, args)), LLMEngine(_engine_config(model, args))
     vocab = src.model_config.vocab_size
-    runs = []
+    paths: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-nats-") as tmp, NatsServer(workdir=tmp) as nats:
         url = nats.url
         nc_send, nc_recv = await bus.connect(url), await bus.connect(url)
-        sender, receiver = NatsKVTransport(nc_send), NatsKVTransport(nc_recv)
-        await sender.start(None)
-        await receiver.start("bench")
-        for i in range(args.repeats + 1):  # the first run warms up
-            prompt = random_tokens(rng, args.prompt_len, vocab)
-            params = SamplingParams(max_tokens=1, temperature=0.0)
-            src.add_request(f"t{i}", prompt, params, capture_kv_from_block=0)
-            out = _finish(src)
-            k, v = out.kv_blocks
-            res = dst.reserve(f"t{i}", prompt, params)
-
-            async def write(block, kk, vv, layer, rid=f"t{i}"):
-                dst.write_blocks(rid, block, kk, vv, layer)
-
-            tid = uuid.uuid4().hex
-            done = receiver.expect(tid, res.num_blocks, write, 120)
-            t0 = time.perf_counter()
-            sent = await sender.send("bench", tid, 0, k, v, 120)
-            await done
-            seconds = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            k.clone(), v.clone()
-            copy_s = time.perf_counter() - t0
-            dst.abort(f"t{i}")
-            if i:
-                runs.append((sent, seconds, copy_s))
-        await sender.stop()
-        await receiver.stop()
         chunk_limit = nc_send.max_payload
+        for path in PATHS:
+            sender, receiver = _transports(path, nc_send, nc_recv)
+            await sender.start(None)
+            await receiver.start("bench")
+            runs = []
+            for i in range(args.repeats + 1):  # the first run warms up (and opens the direct connection)
+                prompt = random_tokens(rng, args.prompt_len, vocab)
+                params = SamplingParams(max_tokens=1, temperature=0.0)
+                rid = f"{path}{i}"
+                src.add_request(rid, prompt, params, capture_kv_from_block=0)
+                out = _finish(src)
+                k, v = out.kv_blocks
+                res = dst.reserve(rid, prompt, params)
+
+                async def write(block, kk, vv, layer, rid=rid):  # noqa: ANN001
+                    dst.write_blocks(rid, block, kk, vv, layer)
+
+                tid, token = uuid.uuid4().hex, secrets.token_bytes(16)
+                done = receiver.expect(tid, res.num_blocks, write, 120, token=token)
+                t0 = time.perf_counter()
+                sent = await sender.send("bench", tid, 0, k, v, 120, endpoint=receiver.endpoint, token=token)
+                await done
+                seconds = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                k.clone(), v.clone()
+                copy_s = time.perf_counter() - t0
+                dst.abort(rid)
+                if i:
+                    runs.append((sent, seconds, copy_s))
+            if path != "nats":
+                assert sender.direct_sends == args.repeats + 1, f"{path}: the direct channel was not used"
+                server = receiver.server
+                assert (server.shm_frames > 0) == (path == "shm"), f"{path}: shared memory used or not as asked"
+            await sender.stop()
+            await receiver.stop()
+            sent = runs[0][0]
+            seconds = statistics.median(r[1] for r in runs)
+            copy_s = statistics.median(r[2] for r in runs)
+            paths[path] = {"bytes": sent, "blocks": int(k.shape[1]), "seconds": seconds, "gb_per_s": sent / seconds / 1e9,
+                           "memcpy_seconds": copy_s, "memcpy_gb_per_s": sent / copy_s / 1e9,
+                           "ratio_to_memcpy": copy_s / seconds,
+                           "runs": [{"seconds": r[1], "memcpy_seconds": r[2]} for r in runs]}
         await nc_send.drain()
         await nc_recv.drain()
-    sent = runs[0][0]
-    seconds = statistics.median(r[1] for r in runs)
-    copy_s = statistics.median(r[2] for r in runs)
-    return {"bytes": sent, "blocks": int(k.shape[1]), "max_payload": chunk_limit, "seconds": seconds,
-            "gb_per_s": sent / seconds / 1e9, "memcpy_seconds": copy_s, "memcpy_gb_per_s": sent / copy_s / 1e9,
-            "runs": [{"seconds": r[1], "memcpy_seconds": r[2]} for r in runs]}
+    # The NATS figures stay at the top level (earlier result files have them there).
+    return {**paths["nats"], "max_payload": chunk_limit, "paths": paths}
 
 
 def _finish(engine):
@@ -167,16 +200,16 @@ def run(args: argparse.Namespace) -> int:
     warn_if_busy()
     rng = random.Random(args.seed)
     with model_dir(args) as model:
-        print("KV transfer over NATS ...", file=sys.stderr)
+        print("KV transfer over NATS, TCP and shared memory ...", file=sys.stderr)
         transfer = asyncio.run(measure_transfer(model, args, rng))
         print("time to first token: local, remote, kvstore ...", file=sys.stderr)
         ttft = asyncio.run(measure_ttft(model, args, rng))
         result = {"prompt_len": args.prompt_len, "model": read_shape(model), "transfer": transfer, "ttft": ttft,
                   "machine": machine_info("cpu"), "torch_threads": torch.get_num_threads()}
-    t = transfer
-    print(f"KV transfer  {t['bytes'] / 1e6:8.1f} MB ({t['blocks']} blocks) in {t['seconds']:.3f} s = "
-          f"{t['gb_per_s']:.2f} GB/s over NATS; in-memory copy {t['memcpy_seconds'] * 1e3:.1f} ms = "
-          f"{t['memcpy_gb_per_s']:.1f} GB/s")
+    for path, t in transfer["paths"].items():
+        print(f"KV transfer {path:>4}  {t['bytes'] / 1e6:8.1f} MB ({t['blocks']} blocks) in {t['seconds']:.3f} s = "
+              f"{t['gb_per_s']:.2f} GB/s; in-memory copy {t['memcpy_seconds'] * 1e3:.1f} ms = "
+              f"{t['memcpy_gb_per_s']:.1f} GB/s (path/copy {t['ratio_to_memcpy']:.2f})")
     print(f"TTFT {args.prompt_len}-token prompt: local {ttft['ttft_local_s']:.3f} s, remote "
           f"{ttft['ttft_remote_s']:.3f} s, prefix from kvstore {ttft['ttft_kvstore_s']:.3f} s "
           f"(cached tokens {ttft['kvstore_cached_tokens']})")

@@ -3,8 +3,8 @@ only, never pickle), then `nbytes` of payload when the bytes travel inline (TCP)
 share a host, the payload sits in a shared-memory slot instead and the header names the slot.
 
 Payload layout of a KV frame: K then V, each [layer_end - layer_start, block_end - block_start,
-block_size, kv_heads, head_dim] in `dtype`, contiguous. `xxh` is xxh3-64 of the payload (13 GB/s on
-one core here, against 0.9 GB/s for crc32, so the check does not cap the channel).
+block_size, kv_heads, head_dim] in `dtype`, contiguous. `xxh` is xxh3-64 of an inline payload (13 GB/s
+on one core here, against 0.9 GB/s for crc32, so the check does not cap the channel).
 """
 from __future__ import annotations
 
