@@ -15,6 +15,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--host-kv-bytes", type=int, default=int(os.environ.get("KVMESH_HOST_KV_BYTES", 0)),
+                        help="host memory for KV blocks evicted from the device pool, loaded back without the "
+                             "network (0: no host tier; env KVMESH_HOST_KV_BYTES)")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         default=float(os.environ.get("KVMESH_GPU_MEMORY_UTILIZATION", 0.9)),
                         help="fraction of the GPU's total memory this worker may use (weights, activations, KV); "
@@ -39,7 +42,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
         torch.set_num_threads(args.threads)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes, host_kv_bytes=args.host_kv_bytes,
                         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

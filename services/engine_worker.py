@@ -39,6 +39,7 @@ class EngineWorker(Service):
         self.worker_id = worker_id
         self.beat_interval_s = beat_interval_s
         self.kvstore_hit_tokens = 0  # prompt tokens loaded from the kvstore (prefix-cache hits beyond our own)
+        self.host_hit_tokens = 0  # prompt tokens loaded from this worker's host tier
 
     async def start_engine(self, nc: Client) -> None:
         self.nc = nc
@@ -71,7 +72,8 @@ class EngineWorker(Service):
         off = self.offloader
         return load_beat(self.worker_id, self.role, stats, self.kvstore_hit_tokens, self.block_size,
                          e.block_manager.root, e.max_model_len, kv_dtype, off.submitted if off else 0,
-                         off.dropped if off else 0)
+                         off.dropped if off else 0, self.host_hit_tokens,
+                         e.host_tier.stats.bytes if e.host_tier is not None else 0)
 
     async def wait_closed(self) -> None:
         """Ends the service (non-zero exit, so a supervisor restarts it) if the engine thread crashed."""
@@ -94,18 +96,27 @@ class EngineWorker(Service):
     def _post_step(self, engine: LLMEngine, outputs, events):
         return collect(engine, events, self.kvstore)
 
-    async def load_from_kvstore(self, rid: str, res: Reservation) -> int:
-        """Write the longest stored chain of a held request's uncached blocks; returns its cached tokens."""
+    async def load_prefix(self, rid: str, res: Reservation) -> int:
+        """Write the longest run of a held request's uncached blocks found in this worker's host tier,
+        then in the kvstore; returns the request's cached tokens."""
         own = res.num_cached_tokens // self.block_size
+        host = self.engine.host_tier
+        if host is not None and len(res.block_hashes) > own:
+            got = host.get_chain(res.block_hashes[own:])
+            if got is not None:
+                if not await self.thread.run(WriteBlocks(rid, own, *got)):  # cancelled meanwhile
+                    return own * self.block_size
+                self.host_hit_tokens += got[0].shape[1] * self.block_size
+                own += got[0].shape[1]
         if self.kvstore is None or len(res.block_hashes) <= own:
-            return res.num_cached_tokens
+            return max(res.num_cached_tokens, own * self.block_size)
         with _tracer.start_as_current_span("kvstore.get", attributes={"kvmesh.blocks_wanted": len(res.block_hashes) - own}) as span:
             got = await self.prefix_fetches.get(res.block_hashes[own:])
             if got is None:
-                return res.num_cached_tokens
+                return max(res.num_cached_tokens, own * self.block_size)
             k, v = got
             if not await self.thread.run(WriteBlocks(rid, own, k, v)):  # cancelled meanwhile
-                return res.num_cached_tokens
+                return own * self.block_size
             span.set_attribute("kvmesh.blocks_loaded", k.shape[1])
         self.kvstore_hit_tokens += k.shape[1] * self.block_size
         return (own + k.shape[1]) * self.block_size

@@ -75,14 +75,15 @@ class LoadBeats:
 
 def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens: int, block_size: int,
               hash_root: bytes, max_model_len: int, kv_cache_dtype: str, offloaded: int = 0,
-              offload_dropped: int = 0) -> LoadBeat:
+              offload_dropped: int = 0, host_hit_tokens: int = 0, host_bytes: int = 0) -> LoadBeat:
     hist = stats.iteration_tokens
     return LoadBeat(
         worker_id=worker_id, role=role, running=stats.running, waiting=stats.waiting,
         free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, block_size=block_size,
         hash_root=hash_root, max_model_len=max_model_len, num_preemptions=stats.num_preemptions,
-        prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits + kvstore_hit_tokens,
+        prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits + kvstore_hit_tokens + host_hit_tokens,
         iteration_token_buckets=list(hist.buckets) if hist else [],
         iteration_token_counts=list(hist.counts) if hist else [],
         iteration_tokens_sum=hist.total if hist else 0, kv_cache_dtype=kv_cache_dtype,
-        offloaded_blocks=offloaded, offload_dropped_blocks=offload_dropped)
+        offloaded_blocks=offloaded, offload_dropped_blocks=offload_dropped, host_tier_hit_tokens=host_hit_tokens,
+        kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes)

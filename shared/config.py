@@ -28,6 +28,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget; prompts are chunked to fit
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     enable_prefix_caching: bool = True
+    # Host memory for blocks evicted from the device pool (shared/engine/host_tier.py); 0: no host tier.
+    host_kv_bytes: int = 0
     cache_salt: str = ""
     model_id: str | None = None  # name folded into block hashes; default: the directory name
 

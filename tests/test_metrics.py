@@ -136,5 +136,7 @@ def test_offload_counters_per_worker(model_dir, tmp_path) -> None:  # noqa: ANN0
         client.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=3, temperature=0)
         mesh.wait_until(lambda: (sample(scrape(mesh), "kv_offloaded_blocks_total", worker="d0") or 0) >= 4)
         assert sample(scrape(mesh), "kv_offload_dropped_blocks_total", worker="d0") == 0
+        assert sample(scrape(mesh), "kv_tier_hit_tokens_total", worker="d0", tier="kvstore") == 0
+        assert sample(scrape(mesh), "host_tier_bytes", worker="d0") == 0  # no host tier configured
     finally:
         mesh.close()

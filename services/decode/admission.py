@@ -67,7 +67,7 @@ class Host(Protocol):
     thread: EngineThread
     transport: NatsKVTransport
 
-    async def load_from_kvstore(self, rid: str, res: Reservation) -> int: ...
+    async def load_prefix(self, rid: str, res: Reservation) -> int: ...
 
     async def reject(self, admission: Admission, message: str) -> None: ...
 
@@ -127,7 +127,7 @@ class Admission:
             self.reservation, self.state = res, State.RESERVED
             # Prompt logprobs need the logits of every prompt position: computed here, nothing fetched.
             here = params.prompt_logprobs is not None
-            cached = res.num_cached_tokens if here else await host.load_from_kvstore(rid, res)
+            cached = res.num_cached_tokens if here else await host.load_prefix(rid, res)
             if self.state is State.CANCELLED:
                 return
             self.num_cached_tokens, self.state = cached, State.FETCHED

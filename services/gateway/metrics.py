@@ -70,6 +70,11 @@ class _WorkerCollector(Collector):
                                         labels=labels)
         dropped = CounterMetricFamily(f"{PREFIX}kv_offload_dropped_blocks", "KV blocks not offloaded under "
                                       "backpressure (requests are never dropped)", labels=labels)
+        tier_hits = CounterMetricFamily(f"{PREFIX}kv_tier_hit_tokens", "Prompt tokens loaded from a tier below "
+                                        "the device pool: the worker's host tier or the kvstore",
+                                        labels=labels + ["tier"])
+        host_bytes = GaugeMetricFamily(f"{PREFIX}host_tier_bytes", "Bytes of KV in the worker's host tier",
+                                       labels=labels)
         alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
                                   labels=["model_name", "role"])
         decode = [w.beat for w in self._router.alive() if w.beat is not None]
@@ -84,6 +89,9 @@ class _WorkerCollector(Collector):
             hits.add_metric(v, b.prefix_cache_hits)
             offloaded.add_metric(v, b.offloaded_blocks)
             dropped.add_metric(v, b.offload_dropped_blocks)
+            tier_hits.add_metric(v + ["host"], b.host_tier_hit_tokens)
+            tier_hits.add_metric(v + ["kvstore"], b.kvstore_hit_tokens)
+            host_bytes.add_metric(v, b.host_tier_bytes)
             if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
                 cumulative, acc = [], 0
                 for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
@@ -93,7 +101,8 @@ class _WorkerCollector(Collector):
             config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
         alive.add_metric([self._model, "decode"], len(decode))
         alive.add_metric([self._model, "prefill"], len(prefill))
-        yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, iteration, config, alive)
+        yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
+                    iteration, config, alive)
 
 
 class GatewayMetrics:

@@ -132,7 +132,7 @@ class PrefillService(EngineWorker):
         if res is None:
             await self.thread.run(Enqueue(rid, prompt, params, capture_kv_from_block=first_block))
             return 0
-        cached = await self.load_from_kvstore(rid, res)
+        cached = await self.load_prefix(rid, res)
         await self.thread.run(Commit(rid, cached))
         return cached
 

@@ -26,6 +26,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.events: list[BlockEvent] = []
+        # (hash, block id) of cached blocks given up for reuse, while their KV is still intact; None: not
+        # tracked. The engine copies them to its host tier before anything overwrites them.
+        self.evicted: list[tuple[BlockHash, int]] | None = None
         self.num_registered: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
         self.hits = 0  # prompt tokens served from the cache
         self.queries = 0  # prompt tokens looked up
@@ -152,6 +155,8 @@ class BlockManager:
             self.events.append(BlockStored(hashes=[h], parent=parent, block_ids=[block_id]))
 
     def _removed(self, h: BlockHash, block_id: int) -> None:
+        if self.evicted is not None:
+            self.evicted.append((h, block_id))
         last = self.events[-1] if self.events else None
         if isinstance(last, BlockRemoved):
             last.hashes.append(h)

@@ -16,6 +16,7 @@ from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.grammar import GrammarBackend
+from shared.engine.host_tier import HostTier
 from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
@@ -83,6 +84,9 @@ class LLMEngine:
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
         root = root_hash(model_id, config.block_size, str(self.kv_dtype).removeprefix("torch."), config.cache_salt)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, root, config.enable_prefix_caching)
+        self.host_tier = HostTier(config.host_kv_bytes) if config.host_kv_bytes > 0 else None
+        if self.host_tier is not None:
+            self.block_manager.evicted = []
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
@@ -157,6 +161,7 @@ class LLMEngine:
                      first_layer: int = 0) -> None:
         """Write K/V ([layers, n, block_size, kv_heads, head_dim], layers from first_layer on) into a held
         request's logical blocks."""
+        self.spill_evicted()  # the blocks about to be written may be ones just given up by the cache
         seq = self.held[request_id]
         n = k.shape[1]
         if first_block < 0 or first_block + n > len(seq.block_table):
@@ -174,6 +179,16 @@ class LLMEngine:
         for i, (kc, vc) in enumerate(layers):
             _copy_blocks(kc, ids, k[i])
             _copy_blocks(vc, ids, v[i])
+
+    def spill_evicted(self) -> None:
+        """Copy the cached blocks the block manager gave up since the last call to the host tier, while
+        their KV is still intact (nothing has written into them yet)."""
+        bm = self.block_manager
+        if self.host_tier is None or not bm.evicted:
+            return
+        evicted, bm.evicted = bm.evicted, []
+        k, v = self.read_blocks([b for _, b in evicted])
+        self.host_tier.put([h for h, _ in evicted], k, v)
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
@@ -260,6 +275,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.spill_evicted()  # before the forward overwrites blocks this schedule took from the cache
         if plan.is_empty:
             return []
         step_start = time.time()

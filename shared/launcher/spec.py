@@ -42,6 +42,7 @@ class MeshOptions:
     devices: tuple[str, ...] = ()
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str | None = None  # None: the workers' default (auto)
+    host_kv_bytes: int = 0  # each engine worker's host tier (0: none)
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -172,6 +173,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
     if service in ENGINE_SERVICES:
         if opts.kv_cache_dtype:
             args += ["--kv-cache-dtype", opts.kv_cache_dtype]
+        if opts.host_kv_bytes:
+            args += ["--host-kv-bytes", str(opts.host_kv_bytes)]
         if opts.enforce_eager:
             args += ["--enforce-eager"]
     if opts.log_level:

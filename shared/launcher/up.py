@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                         help=f"share of each GPU's total memory for all the workers on it (default {d.gpu_memory_utilization})")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"], help="engine workers' KV cache dtype")
+    parser.add_argument("--host-kv-bytes", type=int, default=0, metavar="BYTES",
+                        help="each engine worker keeps KV blocks evicted from its device pool in this much host "
+                             "memory (default 0: none; on GPUs a few GiB saves recomputing evicted prefixes)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine workers run without CUDA graphs")
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             prefill=args.prefill, decode=args.decode, tokenizer=args.tokenizer, kvstore=args.kvstore,
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+            kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)

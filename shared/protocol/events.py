@@ -64,3 +64,7 @@ class LoadBeat(Message):
     kv_cache_dtype: str = ""
     offloaded_blocks: int = 0  # blocks handed to the kvstore (cumulative)
     offload_dropped_blocks: int = 0  # blocks not offloaded under backpressure (cumulative; never a request)
+    # Prompt tokens loaded per tier below the device (cumulative), and the host tier's size now.
+    host_tier_hit_tokens: int = 0
+    kvstore_hit_tokens: int = 0
+    host_tier_bytes: int = 0

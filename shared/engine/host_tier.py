@@ -1,0 +1,74 @@
+"""The host tier of one engine (Dynamo's G2, vLLM's CPU offload): KV blocks evicted from the device pool
+are copied to host memory just before their blocks are overwritten, and a later prompt that needs
+them loads them from here, without the network and without recomputing.
+
+Keyed by block hash (a hash names the whole prefix, so a chain lookup is a walk over hashes); LRU
+under a byte cap. Written on the engine thread, read from the event loop: one lock. Blocks are stored
+as they left the device (same dtype, FP8 included); on CUDA in pinned memory so loads copy fast.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class HostTierStats:
+    blocks: int = 0
+    bytes: int = 0
+    stored_blocks: int = 0  # cumulative
+    evicted_blocks: int = 0  # dropped for room (cumulative)
+    hit_blocks: int = 0  # served to a prompt (cumulative)
+
+
+class HostTier:
+    def __init__(self, capacity_bytes: int) -> None:
+        assert capacity_bytes > 0, "a host tier needs a positive byte cap"
+        self.capacity = capacity_bytes
+        self._blocks: OrderedDict[bytes, KV] = OrderedDict()  # hash -> K, V [layers, block_size, heads, dim]
+        self._lock = threading.Lock()
+        self.stats = HostTierStats()
+
+    def put(self, hashes: list[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [layers, n, block_size, heads, dim] (host copies the caller gives up) of blocks `hashes`."""
+        per_block = 2 * k[:, 0].numel() * k.element_size() if k.shape[1] else 0
+        if per_block > self.capacity:
+            return
+        with self._lock:
+            for i, h in enumerate(hashes):
+                if h in self._blocks:
+                    self._blocks.move_to_end(h)
+                    continue
+                while self.stats.bytes + per_block > self.capacity:
+                    self._blocks.popitem(last=False)
+                    self.stats.bytes -= per_block
+                    self.stats.blocks -= 1
+                    self.stats.evicted_blocks += 1
+                self._blocks[h] = (k[:, i], v[:, i])
+                self.stats.bytes += per_block
+                self.stats.blocks += 1
+                self.stats.stored_blocks += 1
+
+    def get_chain(self, hashes: list[bytes]) -> KV | None:
+        """K, V [layers, n, ...] of the longest run of `hashes` from the start held here (fresh tensors)."""
+        with self._lock:
+            found = []
+            for h in hashes:
+                kv = self._blocks.get(h)
+                if kv is None:
+                    break
+                self._blocks.move_to_end(h)
+                found.append(kv)
+            self.stats.hit_blocks += len(found)
+        if not found:
+            return None
+        return torch.stack([k for k, _ in found], dim=1), torch.stack([v for _, v in found], dim=1)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._blocks

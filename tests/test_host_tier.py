@@ -1,0 +1,58 @@
+"""The host tier (issue 10 item 2): blocks evicted from a worker's device pool go to host memory and
+come back from there without the network; a byte cap with LRU."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from shared.engine.host_tier import HostTier
+from tests.engine_helpers import greedy, random_prompts
+from tests.mesh_helpers import decode_service, generate, running, wait_idle
+from tests.nats_fixtures import nats_server  # noqa: F401
+
+
+def blocks(n: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.arange(start, start + n, dtype=torch.float32).view(1, n, 1, 1, 1).expand(2, n, 4, 1, 2).contiguous()
+    return k, -k
+
+
+def test_longest_run_lru_and_byte_cap() -> None:
+    k, v = blocks(4)
+    per_block = 2 * k[:, 0].numel() * 4
+    tier = HostTier(capacity_bytes=5 * per_block)
+    tier.put([b"a", b"b", b"c", b"d"], k, v)
+    got = tier.get_chain([b"a", b"b", b"x", b"d"])  # stops at the first miss
+    assert got is not None and got[0].shape[1] == 2 and torch.equal(got[0], k[:, :2]) and torch.equal(got[1], v[:, :2])
+    assert tier.get_chain([b"x"]) is None
+    k2, v2 = blocks(2, 10)
+    tier.put([b"e", b"f"], k2, v2)  # 6 blocks do not fit in 5: the least recently used (c) goes
+    assert b"c" not in tier and all(h in tier for h in (b"a", b"b", b"d", b"e", b"f"))
+    assert tier.stats.blocks == 5 and tier.stats.bytes == 5 * per_block and tier.stats.evicted_blocks == 1
+    assert tier.stats.hit_blocks == 2
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier(nats_server, checkpoints, hf_reference) -> None:  # noqa: F811
+    """A worker whose device pool holds one prompt at a time: the first prompt's blocks are evicted by
+    the others, copied to the host tier on the way out, and loaded from there when it comes again; the
+    tokens equal transformers' every time."""
+    ckpt = checkpoints["qwen3"]
+    first, *others = random_prompts([80, 81, 83], seed=31)
+    decode = decode_service(ckpt, threshold=1 << 30, kvstore=False, num_kv_blocks=12, host_kv_bytes=64 << 20)
+
+    async def main() -> None:
+        async with running(nats_server, decode) as nc:
+            for i, p in enumerate([first, *others, first]):
+                tokens, chunks = await generate(nc, p, greedy(4, None), f"r{i}")
+                ref, _ = hf_reference(ckpt, p, 4)
+                assert tokens == ref
+            assert chunks[0].num_cached_tokens == 79 // 16 * 16  # every full block before the last token, from the host
+            tier = decode.engine.host_tier
+            assert tier.stats.stored_blocks >= 4 and tier.stats.hit_blocks >= 2  # what the device lost came back
+            assert decode.host_hit_tokens == tier.stats.hit_blocks * 16
+            beat = await decode._load_snapshot()  # what the gateway's kvmesh:kv_tier_hit_tokens{tier="host"} shows
+            assert beat.host_tier_hit_tokens == decode.host_hit_tokens and beat.host_tier_bytes == tier.stats.bytes > 0
+            assert beat.kvstore_hit_tokens == 0 and beat.prefix_cache_hits >= decode.host_hit_tokens
+            await wait_idle(decode)
+
+    asyncio.run(main())
