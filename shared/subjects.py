@@ -43,6 +43,7 @@ KVSTORE_PUT = "kvmesh.kvstore.put"
 KVSTORE_GET = "kvmesh.kvstore.get"
 KVSTORE_CONTAINS = "kvmesh.kvstore.contains"
 KVSTORE_STATS = "kvmesh.kvstore.stats"
+KVSTORE_EVENTS = "kvmesh.kvstore.events"  # BlockStored(tier="kvstore") after puts, for routers
 QUEUE_KVSTORE = "kvmesh.kvstore"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -72,6 +72,33 @@ def test_router_prefers_longest_cached_prefix_and_avoids_overloaded() -> None:
     assert r.pick(prompt).cached_blocks == 0
 
 
+def test_router_scores_the_host_tier_and_the_kvstore() -> None:
+    """Issue 10 item 5: a block in a worker's host tier is cheap on that worker; a block in the kvstore
+    is cheap on every worker, which lets load decide where a small device prefix would have won."""
+    r = Router(RouterConfig(max_waiting=10), Clock())
+    prompt = list(range(40))
+    chain = hash_blocks(ROOT, prompt, 4)
+    for w in ("a", "b"):
+        r.on_beat(beat(w))
+    r.on_stored(BlockStored(worker_id="a", hashes=chain[:2]))
+    r.on_stored(BlockStored(worker_id="b", hashes=chain[:8], tier="host"))  # evicted to b's host tier
+    route = r.pick(prompt)
+    assert (route.worker_id, route.cached_blocks, route.host_blocks) == ("b", 0, 8)
+    r.on_removed(BlockRemoved(worker_id="b", hashes=chain[:8], tier="host"))
+    r.on_beat(beat("b"))
+    assert r.pick(prompt).worker_id == "a"
+    # A worker cannot claim the kvstore's tier; the kvstore's own events can.
+    r.on_stored(BlockStored(worker_id="b", hashes=chain, tier="kvstore"))
+    r.on_beat(beat("a", running=4, free=90))  # a is a little busy now
+    r.on_beat(beat("b"))
+    assert r.pick(prompt).worker_id == "a"  # its 2 device blocks still beat computing 10 blocks on b
+    r.on_kvstore_stored(BlockStored(worker_id="kvstore", hashes=chain, tier="kvstore"))
+    r.on_beat(beat("a", running=4, free=90))
+    r.on_beat(beat("b"))
+    route = r.pick(prompt)  # with the whole prompt in the kvstore, the idle worker is the better home
+    assert (route.worker_id, route.cached_blocks, route.kvstore_blocks) == ("b", 0, 10)
+
+
 def test_router_weighs_load() -> None:
     clock = Clock()
     r = Router(RouterConfig(max_waiting=10), clock)

@@ -138,5 +138,7 @@ def test_offload_counters_per_worker(model_dir, tmp_path) -> None:  # noqa: ANN0
         assert sample(scrape(mesh), "kv_offload_dropped_blocks_total", worker="d0") == 0
         assert sample(scrape(mesh), "kv_tier_hit_tokens_total", worker="d0", tier="kvstore") == 0
         assert sample(scrape(mesh), "host_tier_bytes", worker="d0") == 0  # no host tier configured
+        # The kvstore announces what it stored; the gateway's router counts those blocks for every worker.
+        mesh.wait_until(lambda: len(mesh.gateway.ctx.router._kvstore_blocks) >= 4)
     finally:
         mesh.close()

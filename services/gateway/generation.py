@@ -52,6 +52,8 @@ class Generation:
             if k == 0:
                 self.span.set_attribute("kvmesh.decode.worker", route.worker_id)
                 self.span.set_attribute("kvmesh.route.cached_blocks", route.cached_blocks)
+                self.span.set_attribute("kvmesh.route.host_blocks", route.host_blocks)
+                self.span.set_attribute("kvmesh.route.kvstore_blocks", route.kvstore_blocks)
             for j, s in enumerate(p.samplings):
                 i = k * per_prompt + j
                 self.choices.append(Choice(self.ctx, f"{p.request_id}-{i}", i, prompt, s, p.priority, p.stops,

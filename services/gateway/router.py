@@ -2,14 +2,18 @@
 
 Workers publish BlockStored/BlockRemoved (what they cache) and a LoadBeat about once a second
 (how busy they are, and how they hash blocks). A worker is alive while its beats keep coming.
-Score = cached fraction of the prompt's full blocks - load, where load mixes KV usage and queue
+Tier-aware: a worker loads a prompt's blocks from its device pool, then its host tier, then the
+kvstore (which every worker reaches alike), and computes the rest. Score = 1 - the prompt's cost on
+that worker as a fraction of computing it all (a block costs 0 on the device, `host_cost` from the
+host tier, `kvstore_cost` from the kvstore, 1 computed) - load, where load mixes KV usage and queue
 length, so a worker with the whole prefix still loses to an idle one once it is busy enough.
 Workers whose waiting queue is at the bound take nothing new.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from shared.block_hash import hash_blocks
@@ -29,7 +33,8 @@ class OverloadedError(Exception):
 @dataclass
 class WorkerState:
     worker_id: str
-    blocks: set[bytes] = field(default_factory=set)
+    blocks: set[bytes] = field(default_factory=set)  # in its device pool
+    host_blocks: set[bytes] = field(default_factory=set)  # in its host tier
     beat: LoadBeat | None = None
     seen: float = float("-inf")  # local monotonic time of the last beat (never the sender's clock)
     pending: int = 0  # requests routed here since its last beat, which the beat cannot show yet
@@ -43,8 +48,10 @@ class WorkerState:
 @dataclass(frozen=True)
 class Route:
     worker_id: str
-    cached_blocks: int  # prompt blocks the worker is believed to hold
+    cached_blocks: int  # prompt blocks the worker is believed to hold in its device pool
     prompt_blocks: int
+    host_blocks: int = 0  # the prompt's next blocks, in its host tier
+    kvstore_blocks: int = 0  # the next ones after those, in the kvstore
 
 
 @dataclass
@@ -52,6 +59,10 @@ class RouterConfig:
     expiry_s: float = DEFAULT_EXPIRY_S
     max_waiting: int = 128  # per worker; at or above it a worker takes nothing new
     load_weight: float = 1.0
+    # What loading a block costs, as a fraction of computing it (measured: `kvmesh bench tiers`).
+    host_cost: float = 0.1
+    kvstore_cost: float = 0.3
+    max_kvstore_hashes: int = 1 << 21  # what the router remembers of the kvstore (oldest forgotten first)
 
 
 class Router:
@@ -59,14 +70,34 @@ class Router:
         self.config = config or RouterConfig()
         self._clock = clock
         self._workers: dict[str, WorkerState] = {}
+        self._kvstore_blocks: OrderedDict[bytes, None] = OrderedDict()
 
     # --- events -----------------------------------------------------------------------------------
 
     def on_stored(self, ev: BlockStored) -> None:
-        self._worker(ev.worker_id).blocks.update(ev.hashes)
+        """A worker's event (its device pool or host tier; a worker cannot speak for the kvstore)."""
+        w = self._worker(ev.worker_id)
+        if ev.tier == "device":
+            w.blocks.update(ev.hashes)
+        elif ev.tier == "host":
+            w.host_blocks.update(ev.hashes)
 
     def on_removed(self, ev: BlockRemoved) -> None:
-        self._worker(ev.worker_id).blocks.difference_update(ev.hashes)
+        w = self._worker(ev.worker_id)
+        if ev.tier == "device":
+            w.blocks.difference_update(ev.hashes)
+        elif ev.tier == "host":
+            w.host_blocks.difference_update(ev.hashes)
+
+    def on_kvstore_stored(self, ev: BlockStored) -> None:
+        """The kvstore's puts (its own subject). Evictions are not announced: a stale entry only makes a
+        worker look a little better than it is, and is forgotten in time."""
+        held = self._kvstore_blocks
+        for h in ev.hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.config.max_kvstore_hashes:
+            held.popitem(last=False)
 
     def on_beat(self, beat: LoadBeat) -> None:
         w = self._worker(beat.worker_id)
@@ -110,12 +141,16 @@ class Router:
                 hashes[key] = hash_blocks(w.beat.hash_root, prompt_token_ids, w.beat.block_size) if w.beat.hash_root else []
             chain = hashes[key]
             cached = _prefix_len(chain, w.blocks)
+            host = _prefix_len(chain[cached:], w.host_blocks)
+            stored = _prefix_len(chain[cached + host:], self._kvstore_blocks)
+            c = self.config
+            cost = host * c.host_cost + stored * c.kvstore_cost + (len(chain) - cached - host - stored)
             load = w.kv_usage + (w.beat.waiting + w.pending) / self.config.max_waiting
-            score = (cached / len(chain) if chain else 0.0) - self.config.load_weight * load
+            score = (1.0 - cost / len(chain) if chain else 0.0) - self.config.load_weight * load
             busy = w.beat.running + w.beat.waiting + w.pending
             rank = (score, -busy, w.worker_id)  # ties: the less busy, then a stable order
             if best is None or rank[:2] > best[:2] or (rank[:2] == best[:2] and rank[2] < best[2]):
-                best, best_route = rank, Route(w.worker_id, cached, len(chain))
+                best, best_route = rank, Route(w.worker_id, cached, len(chain), host, stored)
         assert best_route is not None
         self._workers[best_route.worker_id].pending += 1
         return best_route
@@ -127,7 +162,7 @@ class Router:
         return w
 
 
-def _prefix_len(chain: list[bytes], held: set[bytes]) -> int:
+def _prefix_len(chain: list[bytes], held: Collection[bytes]) -> int:
     """Blocks are only reusable as a prefix: stop at the first block the worker lacks."""
     n = 0
     for h in chain:

@@ -83,6 +83,10 @@ class GatewayService(Service):
             else:
                 router.on_removed(ev)
 
+        async def on_kvstore_event(ev: BlockStored, _: bus.RequestContext) -> None:
+            if ev.tier == "kvstore":
+                router.on_kvstore_stored(ev)
+
         def believable(beat: LoadBeat, msg: bus.RequestContext, role: str) -> bool:
             problem = beat_problem(beat, msg.subject, ctx.model_max_len, role)
             if problem is not None:
@@ -99,6 +103,7 @@ class GatewayService(Service):
 
         self._subs = [
             await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved)),
+            await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, BlockStored),
             await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat),
             await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat),
         ]

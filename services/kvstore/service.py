@@ -23,6 +23,7 @@ from services.kvstore.tiered import TieredStore
 from shared import bus, subjects
 from shared.block_hash import DIGEST_SIZE
 from shared.protocol import errors as codes
+from shared.protocol.events import BlockStored
 from shared.protocol.kvstore import (
     ContainsReply,
     ContainsRequest,
@@ -52,9 +53,11 @@ class KVStoreService(MicroServiceDrain, Service):
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-io")
         self.max_reply_bytes = max_reply_bytes
         self._micro: bus.MicroService | None = None
+        self._nc: Client | None = None
         self._inflight = InFlight()
 
     async def start(self, nc: Client) -> None:
+        self._nc = nc
         track, queue = self._inflight.track, subjects.QUEUE_KVSTORE
         self._micro = await bus.add_micro_service(
             nc, subjects.SERVICE_KVSTORE, VERSION,
@@ -85,6 +88,9 @@ class KVStoreService(MicroServiceDrain, Service):
         for i, block in enumerate(req.blocks):  # all checked before any is stored: a bad put stores nothing
             _check_block(i, block)
         result = await self._on_tiers(self.tier.put, req.blocks)
+        if result.stored and self._nc is not None:  # routers count these blocks as cheap for every worker
+            await bus.publish(self._nc, subjects.KVSTORE_EVENTS, BlockStored(
+                worker_id="kvstore", hashes=[b.hash for b in req.blocks], tier="kvstore"))
         return PutReply(num_stored=result.stored)
 
     async def get(self, req: GetRequest, ctx: bus.RequestContext) -> GetReply:

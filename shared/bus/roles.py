@@ -32,10 +32,10 @@ def permissions(role: str) -> dict[str, dict[str, list[str]]]:
         "tokenizer": [],
         "decode": ["kvmesh.decode.events.*", s.DECODE_LOAD_ALL, s.PREFILL_PREFILL, s.PREFILL_CANCEL, *_kvstore()],
         "prefill": ["kvmesh.decode.kv.push.*", s.PREFILL_LOAD_ALL, *_kvstore()],
-        "kvstore": [],
+        "kvstore": [s.KVSTORE_EVENTS],
     }[role]
     subscribe = {
-        "gateway": [s.DECODE_LOAD_ALL, s.DECODE_EVENTS_ALL, s.PREFILL_LOAD_ALL],
+        "gateway": [s.DECODE_LOAD_ALL, s.DECODE_EVENTS_ALL, s.PREFILL_LOAD_ALL, s.KVSTORE_EVENTS],
         "tokenizer": [s.TOKENIZER_ENCODE, s.TOKENIZER_DECODE],
         "decode": [s.DECODE_GENERATE, "kvmesh.decode.generate.*", s.DECODE_CANCEL, "kvmesh.decode.kv.push.*"],
         "prefill": [s.PREFILL_PREFILL, s.PREFILL_CANCEL],

@@ -148,7 +148,7 @@ class BlockManager:
     def _stored(self, h: BlockHash, parent: BlockHash | None, block_id: int) -> None:
         # A block that extends the chain of the event before it joins that event: one message per chain.
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and parent is not None and last.hashes[-1] == parent:
+        if isinstance(last, BlockStored) and last.tier == "device" and parent is not None and last.hashes[-1] == parent:
             last.hashes.append(h)
             last.block_ids.append(block_id)
         else:
@@ -158,7 +158,7 @@ class BlockManager:
         if self.evicted is not None:
             self.evicted.append((h, block_id))
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.tier == "device":
             last.hashes.append(h)
             last.block_ids.append(block_id)
         else:

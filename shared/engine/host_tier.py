@@ -34,18 +34,21 @@ class HostTier:
         self._lock = threading.Lock()
         self.stats = HostTierStats()
 
-    def put(self, hashes: list[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [layers, n, block_size, heads, dim] (host copies the caller gives up) of blocks `hashes`."""
+    def put(self, hashes: list[bytes], k: torch.Tensor, v: torch.Tensor) -> tuple[list[bytes], list[bytes]]:
+        """k, v [layers, n, block_size, heads, dim] (host copies the caller gives up) of blocks `hashes`.
+        Returns the hashes newly held and the hashes dropped for room (what routers are told)."""
         per_block = 2 * k[:, 0].numel() * k.element_size() if k.shape[1] else 0
+        stored: list[bytes] = []
+        dropped: list[bytes] = []
         if per_block > self.capacity:
-            return
+            return stored, dropped
         with self._lock:
             for i, h in enumerate(hashes):
                 if h in self._blocks:
                     self._blocks.move_to_end(h)
                     continue
                 while self.stats.bytes + per_block > self.capacity:
-                    self._blocks.popitem(last=False)
+                    dropped.append(self._blocks.popitem(last=False)[0])
                     self.stats.bytes -= per_block
                     self.stats.blocks -= 1
                     self.stats.evicted_blocks += 1
@@ -53,6 +56,8 @@ class HostTier:
                 self.stats.bytes += per_block
                 self.stats.blocks += 1
                 self.stats.stored_blocks += 1
+                stored.append(h)
+        return stored, dropped
 
     def get_chain(self, hashes: list[bytes]) -> KV | None:
         """K, V [layers, n, ...] of the longest run of `hashes` from the start held here (fresh tensors)."""
@@ -68,6 +73,11 @@ class HostTier:
         if not found:
             return None
         return torch.stack([k for k, _ in found], dim=1), torch.stack([v for _, v in found], dim=1)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self.stats.blocks = self.stats.bytes = 0
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:

@@ -17,6 +17,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.grammar import GrammarBackend
 from shared.engine.host_tier import HostTier
+from shared.protocol.events import BlockRemoved, BlockStored
 from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
@@ -188,7 +189,12 @@ class LLMEngine:
             return
         evicted, bm.evicted = bm.evicted, []
         k, v = self.read_blocks([b for _, b in evicted])
-        self.host_tier.put([h for h, _ in evicted], k, v)
+        stored, dropped = self.host_tier.put([h for h, _ in evicted], k, v)
+        # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
+        if dropped:
+            bm.events.append(BlockRemoved(hashes=dropped, tier="host"))
+        if stored:
+            bm.events.append(BlockStored(hashes=stored, tier="host"))
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""

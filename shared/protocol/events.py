@@ -21,6 +21,9 @@ class BlockStored(Message):
     hashes: list[bytes]
     parent: bytes | None = None
     block_ids: list[int] = Field(default_factory=list, exclude=True)
+    # Where the blocks now are: "device" (the worker's KV pool), "host" (its host tier) or "kvstore"
+    # (published by the kvstore, worker_id "kvstore"). Host and kvstore events carry no chain (parent None).
+    tier: str = "device"
 
 
 class BlockRemoved(Message):
@@ -32,6 +35,7 @@ class BlockRemoved(Message):
     worker_id: str = ""
     hashes: list[bytes]
     block_ids: list[int] = Field(default_factory=list, exclude=True)
+    tier: str = "device"
 
 
 BlockEvent = BlockStored | BlockRemoved

@@ -1,0 +1,19 @@
+"""`kvmesh bench tiers` on a tiny model: every tier serves the prefix it was given, through the real services."""
+from __future__ import annotations
+
+import json
+
+from loadtest.workload import TINY_SHAPE, build_bench_model
+from shared.cli import main
+
+
+def test_tiers_bench_serves_the_prefix_from_each_tier(tmp_path):
+    model = build_bench_model(str(tmp_path / "m"), TINY_SHAPE)
+    out = tmp_path / "tiers.json"
+    assert main(["bench", "tiers", "--model", model, "--prompt-len", "120", "--repeats", "1", "--device", "cpu",
+                 "--json", str(out)]) == 0
+    tiers = json.loads(out.read_text())["tiers"]
+    assert list(tiers) == ["device", "host", "kvstore", "disk", "none"]
+    for name in ("device", "host", "kvstore", "disk"):  # all full blocks before the last token
+        assert tiers[name]["cached_tokens"] == [112], name
+    assert tiers["none"]["cached_tokens"] == [0] and tiers["none"]["ratio_to_recompute"] == 1.0
