@@ -10,6 +10,10 @@ is computed once (which also offloads it to the kvstore), then placed:
   none     a prompt nobody computed: the whole prefill
 and asked again with a different last token, so all its full blocks but the last can be reused.
 The ratios to `none` are what the targets speak of (disk at most 0.5x of the recompute on CPU).
+
+Then a shared-prefix workload whose prefixes do not fit in the device pool: `--prefixes` prefixes,
+each asked `--uses` times with its own suffix, round robin (so a prefix is evicted between its uses),
+two at a time; output tokens per second with the tiers (host tier + kvstore) and without, same pool.
 """
 from __future__ import annotations
 
@@ -43,6 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="device KV pool (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefixes", type=int, default=8, help="shared-prefix workload: distinct prefixes")
+    p.add_argument("--uses", type=int, default=4, help="shared-prefix workload: requests per prefix")
+    p.add_argument("--prefix-len", type=int, default=2000, help="shared-prefix workload: prefix tokens "
+                   "(a long system prompt or document)")
+    p.add_argument("--output-len", type=int, default=8, help="shared-prefix workload: tokens generated per request")
+    p.add_argument("--pool-blocks", type=int, default=300,
+                   help="shared-prefix workload: device KV blocks (two requests at a time, about 2 prefixes)")
 
 
 async def measure(model: str, args: argparse.Namespace) -> dict:
@@ -62,8 +73,11 @@ async def measure(model: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-") as tmp, NatsServer(workdir=tmp) as nats:
         store = TieredStore(CPUTier(8 << 30), DiskTier(f"{tmp}/disk", 32 << 30), disk_min_uses=1)
         kvstore = KVStoreService(store)
+        # Write-through: each prompt is in the kvstore once computed, so every tier can be set up and
+        # timed; the shared-prefix workload below runs the default policy.
         cfg = EngineConfig(model=model, device=args.device, kv_cache_bytes=args.kv_cache_bytes,
-                           host_kv_bytes=8 << 30, max_num_batched_tokens=max(args.prompt_len, 2048))
+                           host_kv_bytes=8 << 30, max_num_batched_tokens=max(args.prompt_len, 2048),
+                           offload_policy="write-through")
         decode = DecodeService(cfg, DecodeSettings("d-tiers", remote_prefill_threshold=1 << 30))
         conns = [await bus.connect(nats.url) for _ in range(3)]
         nc = conns[0]
@@ -131,16 +145,81 @@ async def measure(model: str, args: argparse.Namespace) -> dict:
     return out
 
 
+async def shared_prefix(model: str, args: argparse.Namespace, tiers: bool) -> dict:
+    """Output tokens/s of the shared-prefix workload on one decode worker, with or without the tiers."""
+    from services.decode.service import DecodeService, DecodeSettings
+    from services.kvstore.cpu_tier import CPUTier
+    from services.kvstore.service import KVStoreService
+    from shared import bus, subjects
+    from shared.config import EngineConfig
+    from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+    from shared.sampling_params import SamplingParams
+
+    rng = random.Random(args.seed + 1)
+    out_tokens = args.output_len
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tiers-") as tmp, NatsServer(workdir=tmp) as nats:
+        cfg = EngineConfig(model=model, device=args.device, num_kv_blocks=args.pool_blocks,
+                           host_kv_bytes=(8 << 30) if tiers else 0, max_num_batched_tokens=2048)
+        decode = DecodeService(cfg, DecodeSettings("d-shared", remote_prefill_threshold=1 << 30, use_kvstore=tiers))
+        services = [KVStoreService(CPUTier(8 << 30))] if tiers else []
+        conns = [await bus.connect(nats.url) for _ in range(2 + len(services))]
+        for service, conn in zip(services + [decode], conns[1:]):
+            await service.start(conn)
+        vocab = decode.engine.model_config.vocab_size
+        prefixes = [random_tokens(rng, args.prefix_len, vocab) for _ in range(args.prefixes)]
+        prompts = [p + random_tokens(rng, 32, vocab) for _ in range(args.uses) for p in prefixes]  # round robin
+        params = Sampling.from_params(SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True))
+        cached: list[int] = []
+
+        async def one(prompt: list[int]) -> None:
+            req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=params)
+            async with await bus.request_stream(conns[0], subjects.decode_generate("d-shared"), req, timeout=600,
+                                                expect=TokenChunk) as stream:
+                async for chunk in stream:
+                    if chunk.num_cached_tokens is not None:
+                        cached.append(chunk.num_cached_tokens)
+                    if chunk.finished:
+                        return
+
+        queue = list(prompts)
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while queue:
+                await one(queue.pop(0))
+
+        await asyncio.gather(worker(), worker())
+        seconds = time.perf_counter() - t0
+        await decode.drain(2.0)
+        for service in services:
+            await service.drain(2.0)
+        for c in conns:
+            await c.close()
+    return {"requests": len(prompts), "seconds": seconds, "output_tokens_per_s": len(prompts) * out_tokens / seconds,
+            "prompt_tokens_reused": sum(cached), "prompt_tokens": sum(map(len, prompts))}
+
+
 def run(args: argparse.Namespace) -> int:
     warn_if_busy()
     with model_dir(args) as model:
         print(f"TTFT of a {args.prompt_len}-token prompt by the tier holding its prefix ...", file=sys.stderr)
         tiers = asyncio.run(measure(model, args))
+        print(f"shared-prefix workload ({args.prefixes} prefixes x {args.uses} uses, {args.pool_blocks}-block pool) "
+              "with and without the tiers ...", file=sys.stderr)
+        shared = {"with_tiers": asyncio.run(shared_prefix(model, args, tiers=True)),
+                  "without_tiers": asyncio.run(shared_prefix(model, args, tiers=False))}
+        shared["speedup"] = shared["with_tiers"]["output_tokens_per_s"] / shared["without_tiers"]["output_tokens_per_s"]
         result = {"prompt_len": args.prompt_len, "model": read_shape(model), "device": args.device, "tiers": tiers,
+                  "shared_prefix": {"prefixes": args.prefixes, "uses": args.uses, "prefix_len": args.prefix_len,
+                                    "pool_blocks": args.pool_blocks, **shared},
                   "machine": machine_info(args.device), "torch_threads": torch.get_num_threads()}
     for tier, t in tiers.items():
         print(f"{tier:>8}: TTFT {t['ttft_s'] * 1e3:8.1f} ms  ({t['ratio_to_recompute']:.2f}x of recomputing; "
               f"cached tokens {t['cached_tokens']})")
+    sp = result["shared_prefix"]
+    print(f"shared prefixes: {sp['with_tiers']['output_tokens_per_s']:.1f} tok/s with the tiers, "
+          f"{sp['without_tiers']['output_tokens_per_s']:.1f} without ({sp['speedup']:.2f}x; prompt tokens reused "
+          f"{sp['with_tiers']['prompt_tokens_reused']} vs {sp['without_tiers']['prompt_tokens_reused']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

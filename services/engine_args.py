@@ -15,6 +15,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--offload-policy", choices=["eviction", "write-through"],
+                        default=os.environ.get("KVMESH_OFFLOAD_POLICY", "eviction"),
+                        help="when KV blocks go to the kvstore: as they are evicted (and shared prefixes at "
+                             "once; default), or every new block right away (write-through)")
     parser.add_argument("--host-kv-bytes", type=int, default=int(os.environ.get("KVMESH_HOST_KV_BYTES", 0)),
                         help="host memory for KV blocks evicted from the device pool, loaded back without the "
                              "network (0: no host tier; env KVMESH_HOST_KV_BYTES)")
@@ -43,6 +47,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         torch.set_num_threads(args.threads)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes, host_kv_bytes=args.host_kv_bytes,
+                        offload_policy=args.offload_policy,
                         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -11,7 +11,7 @@ from opentelemetry import trace
 
 from shared import bus
 from shared.config import EngineConfig
-from shared.engine.commands import Stats, WriteBlocks
+from shared.engine.commands import EvictAll, Stats, WriteBlocks
 from shared.engine.engine_thread import EngineThread
 from shared.engine.llm_engine import LLMEngine, Reservation
 from shared.engine.offload import Offloader, collect
@@ -48,6 +48,8 @@ class EngineWorker(Service):
         self.kvstore = KVStoreClient(nc) if self.use_kvstore else None
         self.prefix_fetches = PrefixFetches(self.kvstore.get_chain) if self.kvstore else None
         self.offloader = Offloader(self.kvstore) if self.kvstore else None
+        if self.kvstore and self.engine.config.offload_policy == "eviction":
+            self.engine.track_for_offload()
         self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
                                    self._post_step if self.kvstore else None)
         self.thread.start()
@@ -93,8 +95,19 @@ class EngineWorker(Service):
             bm = self.engine.block_manager
             self.beats.kv_moved(bm.num_free_blocks, bm.num_blocks)
 
+    async def offload_before_leaving(self, remaining_s: float) -> None:
+        """Under the eviction policy a worker leaving the mesh would take its caches with it: its cached
+        blocks and host tier go to the kvstore first (best effort, within what is left of the grace)."""
+        if self.offloader is None:
+            return
+        if self.engine.config.offload_policy == "eviction" and self.thread.error is None:
+            self.offloader.max_in_flight += 64  # this once, the engine is idle: let the whole cache go
+            assert self.kvstore is not None
+            self.offloader.submit(await self.thread.run(EvictAll(self.kvstore)))
+        await self.offloader.flush(remaining_s)
+
     def _post_step(self, engine: LLMEngine, outputs, events):
-        return collect(engine, events, self.kvstore)
+        return collect(engine, events, self.kvstore, engine.config.offload_policy)
 
     async def load_prefix(self, rid: str, res: Reservation) -> int:
         """Write the longest run of a held request's uncached blocks found in this worker's host tier,

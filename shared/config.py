@@ -30,6 +30,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Host memory for blocks evicted from the device pool (shared/engine/host_tier.py); 0: no host tier.
     host_kv_bytes: int = 0
+    # When blocks go to the kvstore (shared/engine/offload.py): "eviction" or "write-through".
+    offload_policy: str = "eviction"
     cache_salt: str = ""
     model_id: str | None = None  # name folded into block hashes; default: the directory name
 
@@ -38,6 +40,8 @@ class EngineConfig:
         assert self.max_num_seqs > 0
         assert self.max_num_batched_tokens > 0
         assert self.load_format in ("auto", "dummy"), f"unknown load_format {self.load_format!r}"
+        assert self.offload_policy in ("eviction", "write-through"), f"unknown offload_policy {self.offload_policy!r}"
+        assert self.host_kv_bytes >= 0, "host_kv_bytes must be >= 0"
         assert 0 < self.gpu_memory_utilization <= 1
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

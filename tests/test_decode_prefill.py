@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
+
 from shared import bus, subjects
 from shared.kv_transport.direct import DirectSettings
 from shared.protocol.generate import CancelRequest
@@ -123,12 +125,15 @@ def test_dropped_and_corrupted_transfers_recompute_locally(nats_server, checkpoi
         asyncio.run(main())
 
 
-def test_second_worker_gets_prefix_from_kvstore(nats_server, checkpoints, hf_reference):
+@pytest.mark.parametrize("policy", ["eviction", "write-through"])
+def test_second_worker_gets_prefix_from_kvstore(nats_server, checkpoints, hf_reference, policy):
+    """write-through: d0's first use of a prefix puts it in the kvstore. eviction: a prefix reaches the
+    kvstore when d0 reuses it (a shared prefix goes at once), not before."""
     ckpt = checkpoints["qwen3"]
     shared = random_prompts([80], seed=25)[0]
     first, second = shared + [1, 2, 3], shared + [4, 5]
-    d0 = decode_service(ckpt, worker_id="d0", threshold=10_000)
-    d1 = decode_service(ckpt, worker_id="d1", threshold=10_000)
+    d0 = decode_service(ckpt, worker_id="d0", threshold=10_000, offload_policy=policy)
+    d1 = decode_service(ckpt, worker_id="d1", threshold=10_000, offload_policy=policy)
     store = kvstore_service()
 
     async def main():
@@ -137,6 +142,13 @@ def test_second_worker_gets_prefix_from_kvstore(nats_server, checkpoints, hf_ref
             check(ckpt, hf_reference, first, tokens)
             assert chunks[0].num_cached_tokens == 0
             await d0.offloader.flush(5)
+            if policy == "eviction":
+                assert store.tier.stats().blocks == 0  # computed once, never evicted: nothing sent
+                tokens, chunks = await generate(nc, shared + [6], greedy(MAX_NEW, None), "a2",
+                                                subjects.decode_generate("d0"))
+                assert chunks[0].num_cached_tokens == 80  # reused on d0: now a shared prefix
+                await d0.offloader.flush(5)
+                assert store.tier.stats().blocks == 5
             tokens, chunks = await generate(nc, second, greedy(MAX_NEW, None), "b", subjects.decode_generate("d1"))
             check(ckpt, hf_reference, second, tokens)
             assert chunks[0].num_cached_tokens == 80, "d1 never saw the prefix: it must come from the kvstore"

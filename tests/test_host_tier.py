@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from shared.engine.host_tier import HostTier
 from tests.engine_helpers import greedy, random_prompts
-from tests.mesh_helpers import decode_service, generate, running, wait_idle
+from tests.mesh_helpers import decode_service, generate, kvstore_service, running, wait_idle
 from tests.nats_fixtures import nats_server  # noqa: F401
 
 
@@ -53,6 +54,30 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(nats_server, checkpoint
             beat = await decode._load_snapshot()  # what the gateway's kvmesh:kv_tier_hit_tokens{tier="host"} shows
             assert beat.host_tier_hit_tokens == decode.host_hit_tokens and beat.host_tier_bytes == tier.stats.bytes > 0
             assert beat.kvstore_hit_tokens == 0 and beat.prefix_cache_hits >= decode.host_hit_tokens
+            await wait_idle(decode)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("host_kv_bytes", [0, 1])
+def test_evicted_blocks_flow_down_to_the_kvstore(nats_server, checkpoints, hf_reference, host_kv_bytes) -> None:  # noqa: F811
+    """Offload by eviction (issue 10 item 4): with no host tier (0), or one too small for a block (1),
+    what the device pool evicts goes to the kvstore, and comes back from there."""
+    ckpt = checkpoints["qwen3"]
+    first, *others = random_prompts([80, 81, 83], seed=32)
+    decode = decode_service(ckpt, threshold=1 << 30, num_kv_blocks=12, host_kv_bytes=host_kv_bytes)
+    store = kvstore_service()
+
+    async def main() -> None:
+        async with running(nats_server, store, decode) as nc:
+            for i, p in enumerate([first, *others]):
+                tokens, _ = await generate(nc, p, greedy(4, None), f"r{i}")
+                assert tokens == hf_reference(ckpt, p, 4)[0]
+            await decode.offloader.flush(5)
+            assert store.tier.stats().blocks >= 4 and decode.offloader.dropped == 0
+            tokens, chunks = await generate(nc, first, greedy(4, None), "again")
+            assert tokens == hf_reference(ckpt, first, 4)[0]
+            assert chunks[0].num_cached_tokens == 64 and decode.kvstore_hit_tokens > 0
             await wait_idle(decode)
 
     asyncio.run(main())

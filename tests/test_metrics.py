@@ -134,6 +134,8 @@ def test_offload_counters_per_worker(model_dir, tmp_path) -> None:  # noqa: ANN0
         mesh.wait_until(lambda: mesh.gateway.ctx.router.alive())
         client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=30)
         client.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=3, temperature=0)
+        # Offload by eviction: the prefix goes to the kvstore once a second request reuses it.
+        client.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=3, temperature=0)
         mesh.wait_until(lambda: (sample(scrape(mesh), "kv_offloaded_blocks_total", worker="d0") or 0) >= 4)
         assert sample(scrape(mesh), "kv_offload_dropped_blocks_total", worker="d0") == 0
         assert sample(scrape(mesh), "kv_tier_hit_tokens_total", worker="d0", tier="kvstore") == 0

@@ -104,8 +104,7 @@ class DecodeService(EngineWorker):
 
     async def release(self, remaining_s: float) -> None:
         await self.outbox.flush()
-        if self.offloader:
-            await self.offloader.flush(remaining_s)
+        await self.offload_before_leaving(remaining_s)
         self.outbox.stop()
         self.beats.stop()
         await self.cancel_sub.unsubscribe()

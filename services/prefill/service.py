@@ -79,8 +79,7 @@ class PrefillService(EngineWorker):
     async def release(self, remaining_s: float) -> None:
         await self.micro.stop()
         self.beats.stop()
-        if self.offloader:
-            await self.offloader.flush(remaining_s)
+        await self.offload_before_leaving(remaining_s)
         await self.cancel_sub.unsubscribe()
         await self.transport.stop()
         self.thread.stop()

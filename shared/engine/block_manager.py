@@ -29,6 +29,8 @@ class BlockManager:
         # (hash, block id) of cached blocks given up for reuse, while their KV is still intact; None: not
         # tracked. The engine copies them to its host tier before anything overwrites them.
         self.evicted: list[tuple[BlockHash, int]] | None = None
+        # (hash, block id) of cached blocks a new request reused (a shared prefix); None: not tracked.
+        self.reused: list[tuple[BlockHash, int]] | None = None
         self.num_registered: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
         self.hits = 0  # prompt tokens served from the cache
         self.queries = 0  # prompt tokens looked up
@@ -89,6 +91,8 @@ class BlockManager:
                 self.hits += len(computed) * self.block_size
             for b in computed:
                 self._touch(b)
+            if self.reused is not None and computed:
+                self.reused.extend((self.block_hash[b], b) for b in computed)  # type: ignore[misc]
             seq.block_table = list(computed)
             seq.num_computed_tokens = len(computed) * self.block_size
             seq.num_cached_tokens = seq.num_computed_tokens

@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 import torch
 
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
+from shared.engine.offload import BlockStore, OffloadBatch, collect
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.sampling_params import SamplingParams
 
@@ -106,3 +107,18 @@ class Abort(Command[RequestOutput | None]):
 class Stats(Command[EngineStats]):
     def run(self, engine: LLMEngine) -> EngineStats:
         return engine.stats()
+
+
+@dataclass(frozen=True)
+class EvictAll(Command["OffloadBatch | None"]):
+    """A worker leaving the mesh: every cached block not in use leaves the device pool and the host tier
+    the way evictions do; returns those the store lacks, copied out for it (eviction policy)."""
+
+    store: BlockStore
+
+    def run(self, engine: LLMEngine) -> OffloadBatch | None:
+        engine.block_manager.reset_prefix_cache()
+        engine.spill_evicted()
+        if engine.host_tier is not None and engine.offload_out is not None:
+            engine.offload_out.extend(engine.host_tier.take_all())
+        return collect(engine, [], self.store, "eviction")

@@ -34,21 +34,24 @@ class HostTier:
         self._lock = threading.Lock()
         self.stats = HostTierStats()
 
-    def put(self, hashes: list[bytes], k: torch.Tensor, v: torch.Tensor) -> tuple[list[bytes], list[bytes]]:
+    def put(self, hashes: list[bytes], k: torch.Tensor, v: torch.Tensor
+            ) -> tuple[list[bytes], list[tuple[bytes, torch.Tensor, torch.Tensor]]]:
         """k, v [layers, n, block_size, heads, dim] (host copies the caller gives up) of blocks `hashes`.
-        Returns the hashes newly held and the hashes dropped for room (what routers are told)."""
+        Returns the hashes newly held and the blocks dropped for room, with their KV (what routers are
+        told, and what may flow on down to the kvstore)."""
         per_block = 2 * k[:, 0].numel() * k.element_size() if k.shape[1] else 0
         stored: list[bytes] = []
-        dropped: list[bytes] = []
-        if per_block > self.capacity:
-            return stored, dropped
+        dropped: list[tuple[bytes, torch.Tensor, torch.Tensor]] = []
+        if per_block > self.capacity:  # nothing fits: every block goes straight on down
+            return stored, [(h, k[:, i], v[:, i]) for i, h in enumerate(hashes)]
         with self._lock:
             for i, h in enumerate(hashes):
                 if h in self._blocks:
                     self._blocks.move_to_end(h)
                     continue
                 while self.stats.bytes + per_block > self.capacity:
-                    dropped.append(self._blocks.popitem(last=False)[0])
+                    h_old, (k_old, v_old) = self._blocks.popitem(last=False)
+                    dropped.append((h_old, k_old, v_old))
                     self.stats.bytes -= per_block
                     self.stats.blocks -= 1
                     self.stats.evicted_blocks += 1
@@ -73,6 +76,14 @@ class HostTier:
         if not found:
             return None
         return torch.stack([k for k, _ in found], dim=1), torch.stack([v for _, v in found], dim=1)
+
+    def take_all(self) -> list[tuple[bytes, torch.Tensor, torch.Tensor]]:
+        """Empties the tier, oldest first, handing its blocks over (a worker leaving the mesh)."""
+        with self._lock:
+            blocks = [(h, k, v) for h, (k, v) in self._blocks.items()]
+            self._blocks.clear()
+            self.stats.blocks = self.stats.bytes = 0
+        return blocks
 
     def clear(self) -> None:
         with self._lock:

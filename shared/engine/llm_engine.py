@@ -88,6 +88,9 @@ class LLMEngine:
         self.host_tier = HostTier(config.host_kv_bytes) if config.host_kv_bytes > 0 else None
         if self.host_tier is not None:
             self.block_manager.evicted = []
+        # Blocks on their way to the kvstore under the eviction policy (track_for_offload): hash, K, V
+        # [layers, block_size, heads, dim] host copies. None: not tracked.
+        self.offload_out: list[tuple[bytes, torch.Tensor, torch.Tensor]] | None = None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
@@ -181,18 +184,33 @@ class LLMEngine:
             _copy_blocks(kc, ids, k[i])
             _copy_blocks(vc, ids, v[i])
 
+    def track_for_offload(self) -> None:
+        """Offload by eviction (shared/engine/offload.py): remember blocks the device gives up (or the host
+        tier drops) and prefixes that get reused, for the worker to send to the kvstore."""
+        if self.block_manager.evicted is None:
+            self.block_manager.evicted = []
+        self.block_manager.reused = []
+        self.offload_out = []
+
     def spill_evicted(self) -> None:
-        """Copy the cached blocks the block manager gave up since the last call to the host tier, while
-        their KV is still intact (nothing has written into them yet)."""
+        """Copy the cached blocks the block manager gave up since the last call down a tier (the host
+        tier, else the offload queue), while their KV is still intact (nothing has written into them)."""
         bm = self.block_manager
-        if self.host_tier is None or not bm.evicted:
+        if not bm.evicted or (self.host_tier is None and self.offload_out is None):
             return
         evicted, bm.evicted = bm.evicted, []
+        hashes = [h for h, _ in evicted]
         k, v = self.read_blocks([b for _, b in evicted])
-        stored, dropped = self.host_tier.put([h for h, _ in evicted], k, v)
+        if self.host_tier is None:
+            assert self.offload_out is not None
+            self.offload_out.extend((h, k[:, i], v[:, i]) for i, h in enumerate(hashes))
+            return
+        stored, dropped = self.host_tier.put(hashes, k, v)
+        if self.offload_out is not None:
+            self.offload_out.extend(dropped)  # out of the host tier: on down to the kvstore
         # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
         if dropped:
-            bm.events.append(BlockRemoved(hashes=dropped, tier="host"))
+            bm.events.append(BlockRemoved(hashes=[h for h, _, _ in dropped], tier="host"))
         if stored:
             bm.events.append(BlockStored(hashes=stored, tier="host"))
 
