@@ -96,15 +96,24 @@ def _collect_stored(engine: LLMEngine, events: list[BlockEvent], client: BlockSt
 
 
 class Offloader:
-    def __init__(self, client: BlockStore, max_in_flight: int = 4) -> None:
+    def __init__(self, client: BlockStore, max_in_flight: int = 4, max_put_bytes: int = 32 << 20) -> None:
         self.client = client
         self.max_in_flight = max_in_flight
+        self.max_put_bytes = max_put_bytes  # a put is one bus upload: big batches go as several
         self._tasks: set[asyncio.Task] = set()
         self.dropped = 0  # blocks not offloaded because too many puts were in flight (backpressure)
         self.submitted = 0  # blocks handed to the store
 
     def submit(self, batch: OffloadBatch | None) -> None:
         if batch is None:
+            return
+        n = len(batch.hashes)
+        per_block = 2 * batch.k[:, 0].numel() * batch.k.element_size() if n else 0
+        step = max(1, self.max_put_bytes // per_block) if per_block else n
+        if n > step:
+            for i in range(0, n, step):
+                self.submit(OffloadBatch(batch.hashes[i:i + step], batch.parents[i:i + step],
+                                         batch.k[:, i:i + step], batch.v[:, i:i + step]))
             return
         if len(self._tasks) >= self.max_in_flight:
             self.dropped += len(batch.hashes)

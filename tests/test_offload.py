@@ -1,0 +1,39 @@
+"""The offloader: big batches go to the kvstore as several puts under a size bound, and backpressure
+drops (and counts) what does not fit in flight, never blocking."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from shared.engine.offload import OffloadBatch, Offloader
+
+
+class Store:
+    def __init__(self) -> None:
+        self.puts: list[int] = []
+        self.release = asyncio.Event()
+
+    def needs_offload(self, block_hash: bytes) -> bool:
+        return True
+
+    async def put(self, hashes, parents, k, v) -> None:  # noqa: ANN001
+        assert k.shape[1] == v.shape[1] == len(hashes) == len(parents)
+        self.puts.append(len(hashes))
+        await self.release.wait()
+
+
+def test_big_batches_split_and_backpressure_drops() -> None:
+    async def go() -> None:
+        store = Store()
+        k = torch.zeros(2, 10, 4, 1, 2)  # 10 blocks of 2 * 2*4*1*2 * 4 bytes = 128 bytes
+        batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
+        off = Offloader(store, max_in_flight=3, max_put_bytes=3 * 128)
+        off.submit(batch)
+        await asyncio.sleep(0)
+        assert store.puts == [3, 3, 3]  # three puts in flight, the last block dropped
+        assert (off.submitted, off.dropped) == (9, 1)
+        store.release.set()
+        await off.flush(1.0)
+
+    asyncio.run(go())
