@@ -100,11 +100,12 @@ class EngineWorker(Service):
         blocks and host tier go to the kvstore first (best effort, within what is left of the grace)."""
         if self.offloader is None:
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + remaining_s
         if self.engine.config.offload_policy == "eviction" and self.thread.error is None:
-            self.offloader.max_in_flight += 64  # this once, the engine is idle: let the whole cache go
             assert self.kvstore is not None
-            self.offloader.submit(await self.thread.run(EvictAll(self.kvstore)))
-        await self.offloader.flush(remaining_s)
+            await self.offloader.send_all(await self.thread.run(EvictAll(self.kvstore)), remaining_s)
+        await self.offloader.flush(max(0.0, deadline - loop.time()))
 
     def _post_step(self, engine: LLMEngine, outputs, events):
         return collect(engine, events, self.kvstore, engine.config.offload_policy)

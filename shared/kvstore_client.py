@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+import nats.errors
 import torch
 from nats.aio.client import Client
 
@@ -33,7 +34,7 @@ class KVStoreClient:
         try:
             reply = await bus.request(self.nc, subjects.KVSTORE_GET, GetRequest(hashes=hashes, max_blocks=max_blocks),
                                       timeout=self.timeout_s, expect=GetReply)
-        except bus.BusError as e:
+        except (bus.BusError, nats.errors.Error) as e:
             log.info("kvstore get failed, computing instead: %s", e)
             return None
         blocks = reply.blocks
@@ -56,7 +57,7 @@ class KVStoreClient:
         try:
             await bus.request(self.nc, subjects.KVSTORE_PUT, PutRequest(blocks=blocks), timeout=self.timeout_s,
                               expect=PutReply)
-        except bus.BusError as e:
+        except (bus.BusError, nats.errors.Error) as e:  # the connection may be closing: best effort
             log.info("kvstore put of %d blocks failed: %s", len(blocks), e)
             return
         for h in hashes:

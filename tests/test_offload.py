@@ -37,3 +37,20 @@ def test_big_batches_split_and_backpressure_drops() -> None:
         await off.flush(1.0)
 
     asyncio.run(go())
+
+
+def test_send_all_waits_for_room_instead_of_dropping() -> None:
+    async def go() -> None:
+        store = Store()
+        k = torch.zeros(2, 10, 4, 1, 2)
+        batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
+        off = Offloader(store, max_in_flight=2, max_put_bytes=3 * 128)
+        sending = asyncio.ensure_future(off.send_all(batch, timeout=5.0))
+        await asyncio.sleep(0.05)
+        assert store.puts == [3, 3]  # two in flight; the rest waits, nothing dropped
+        store.release.set()
+        await sending
+        await off.flush(1.0)
+        assert store.puts == [3, 3, 3, 1] and (off.submitted, off.dropped) == (10, 0)
+
+    asyncio.run(go())

@@ -123,6 +123,27 @@ class Offloader:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def send_all(self, batch: OffloadBatch | None, timeout: float) -> None:
+        """Every block of batch, in puts of at most max_put_bytes, never more than max_in_flight at once:
+        waits for room instead of dropping, up to timeout (a worker leaving the mesh; flooding the bus with
+        puts makes the server cut the kvstore off as a slow consumer)."""
+        if batch is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        n = len(batch.hashes)
+        per_block = 2 * batch.k[:, 0].numel() * batch.k.element_size() if n else 0
+        step = max(1, self.max_put_bytes // per_block) if per_block else max(n, 1)
+        for i in range(0, n, step):
+            while len(self._tasks) >= self.max_in_flight:
+                left = deadline - loop.time()
+                if left <= 0:
+                    self.dropped += n - i
+                    return
+                await asyncio.wait(set(self._tasks), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            self.submit(OffloadBatch(batch.hashes[i:i + step], batch.parents[i:i + step],
+                                     batch.k[:, i:i + step], batch.v[:, i:i + step]))
+
     async def flush(self, timeout: float) -> None:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout)
