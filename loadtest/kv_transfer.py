@@ -122,8 +122,50 @@ async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Ran
                            "runs": [{"seconds": r[1], "memcpy_seconds": r[2]} for r in runs]}
         await nc_send.drain()
         await nc_recv.drain()
+    for shm in (True, False):  # the direct channel again with the receiver in its own process, as in a mesh
+        name = "shm-2proc" if shm else "tcp-2proc"
+        runs = await _two_process_runs(k, v, args.repeats, shm)
+        sent = 2 * k.numel() * k.element_size()
+        seconds, copy_s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        paths[name] = {"bytes": sent, "blocks": int(k.shape[1]), "seconds": seconds, "gb_per_s": sent / seconds / 1e9,
+                       "memcpy_seconds": copy_s, "memcpy_gb_per_s": sent / copy_s / 1e9,
+                       "ratio_to_memcpy": copy_s / seconds,
+                       "runs": [{"seconds": r[0], "memcpy_seconds": r[1]} for r in runs]}
     # The NATS figures stay at the top level (earlier result files have them there).
     return {**paths["nats"], "max_payload": chunk_limit, "paths": paths}
+
+
+async def _two_process_runs(k: torch.Tensor, v: torch.Tensor, repeats: int, shm: bool) -> list[tuple[float, float]]:
+    """Sends k, v repeats + 1 times (the first warms up) to a receiver process; (seconds, memcpy seconds)."""
+    import secrets
+
+    from shared.kv_transport.direct import DirectSender, DirectSettings
+
+    token = secrets.token_bytes(16)
+    dtype = str(k.dtype).removeprefix("torch.")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest.kv_receiver", "--shape", ",".join(map(str, k.shape)), "--dtype", dtype,
+        "--transfers", str(repeats + 1), "--token", token.hex(), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE)
+    sender = DirectSender(DirectSettings(shared_memory=shm))
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)  # type: ignore[union-attr]
+        endpoint = f"tcp://127.0.0.1:{int(line.split()[1])}"
+        runs = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            await sender.send(endpoint, token, f"t{i}", 0, k, v, 120)
+            seconds = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            k.clone(), v.clone()
+            if i:
+                runs.append((seconds, time.perf_counter() - t0))
+        assert sender.uses_shared_memory(endpoint) == shm
+        return runs
+    finally:
+        await sender.close()
+        proc.stdin.close()  # type: ignore[union-attr]
+        await asyncio.wait_for(proc.wait(), 30)
 
 
 def _finish(engine):

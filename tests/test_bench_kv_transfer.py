@@ -15,7 +15,7 @@ def test_kv_transfer_bench_reports_transfer_and_ttft(tmp_path):
     result = json.loads(out.read_text())
     t = result["transfer"]
     assert t["bytes"] > 0 and t["blocks"] == 7 and t["gb_per_s"] > 0 and t["memcpy_gb_per_s"] > 0
-    assert set(t["paths"]) == {"nats", "tcp", "shm"}
+    assert set(t["paths"]) == {"nats", "tcp", "shm", "shm-2proc", "tcp-2proc"}
     assert all(p["bytes"] == t["bytes"] and p["gb_per_s"] > 0 for p in t["paths"].values())
     ttft = result["ttft"]
     assert all(ttft[k] > 0 for k in ("ttft_local_s", "ttft_remote_s", "ttft_kvstore_s"))

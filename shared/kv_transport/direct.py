@@ -35,7 +35,9 @@ _tracer = trace.get_tracer("kvmesh.kv_transport")
 
 @dataclass(frozen=True)
 class DirectSettings:
-    frame_bytes: int = 8 << 20  # payload per frame: small enough to pipeline, big enough to amortize
+    # Payload per frame: big enough to amortize a round trip through both event loops (measured on the
+    # CPU machine, two processes: 2 MiB 2.3 GB/s, 4 MiB 2.6, 16 MiB 3.1), small enough to pipeline.
+    frame_bytes: int = 16 << 20
     slots: int = 4  # frames in flight per connection (shared-memory slots, or inline frames)
     max_frame_bytes: int = 256 << 20  # the receiver refuses bigger frames (a bound on its memory)
     shared_memory: bool = True  # offer a ring when the peer may share the host
