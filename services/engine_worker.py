@@ -13,7 +13,7 @@ from shared import bus
 from shared.config import EngineConfig
 from shared.engine.commands import EvictAll, Stats, WriteBlocks
 from shared.engine.engine_thread import EngineThread
-from shared.engine.llm_engine import LLMEngine, Reservation
+from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.offload import Offloader, collect
 from shared.kv_transport import MeshKVTransport, NatsKVTransport
 from shared.kvstore_client import KVStoreClient
@@ -24,6 +24,7 @@ from shared.service_runner import Service
 from services.load_beats import LoadBeats, load_beat
 
 _tracer = trace.get_tracer("kvmesh.worker")
+STATS_WAIT_S = 0.2  # how long a beat waits for the engine to be between steps
 
 
 class EngineWorker(Service):
@@ -40,6 +41,8 @@ class EngineWorker(Service):
         self.beat_interval_s = beat_interval_s
         self.kvstore_hit_tokens = 0  # prompt tokens loaded from the kvstore (prefix-cache hits beyond our own)
         self.host_hit_tokens = 0  # prompt tokens loaded from this worker's host tier
+        self._stats_pending: asyncio.Future | None = None
+        self._last_stats: EngineStats | None = None
 
     async def start_engine(self, nc: Client) -> None:
         self.nc = nc
@@ -67,8 +70,22 @@ class EngineWorker(Service):
     async def _publish_load(self, beat: LoadBeat) -> None:
         await bus.publish(self.nc, self.load_subject(), beat)
 
+    async def _engine_stats(self) -> EngineStats:
+        """The engine's figures, fresh when it answers between steps within STATS_WAIT_S, else the last
+        ones. A beat is also the worker's sign of life: a long step (seconds for a big prefill on a CPU)
+        must not make the gateway think the worker died and migrate everything away from it."""
+        if self._stats_pending is None or self._stats_pending.done():
+            self._stats_pending = asyncio.ensure_future(self.thread.run(Stats()))
+        try:
+            self._last_stats = await asyncio.wait_for(asyncio.shield(self._stats_pending),
+                                                      STATS_WAIT_S if self._last_stats is not None else None)
+        except asyncio.TimeoutError:
+            pass
+        assert self._last_stats is not None
+        return self._last_stats
+
     async def _load_snapshot(self) -> LoadBeat:
-        stats = await self.thread.run(Stats())
+        stats = await self._engine_stats()
         e = self.engine
         kv_dtype = str(e.runner.kv_caches[0][0].dtype).removeprefix("torch.")
         off = self.offloader

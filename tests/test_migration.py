@@ -101,3 +101,22 @@ def test_no_migration_allowed_gives_a_clean_error(model_dir, tmp_path) -> None: 
         assert "migration-limit" in str(info.value) and time.monotonic() - t0 < 15
     finally:
         mesh.close()
+
+
+def test_a_long_engine_step_is_not_a_dead_worker(model_dir, tmp_path) -> None:  # noqa: ANN001
+    """A step that takes longer than the gateway's expiry (a big prefill on a CPU takes seconds) must not
+    silence the worker's beats: it stays alive, and nothing migrates."""
+    mesh = _mesh(tmp_path, model_dir, worker_expiry_s=1.0)
+    try:
+        d0 = mesh.decoders["d0"]
+        stalled = mesh.call_soon(d0.thread.call(lambda e: time.sleep(3.0)))  # the engine is busy for 3 s
+        seen_dead = False
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            seen_dead |= not mesh.gateway.ctx.router.is_alive("d0")
+            time.sleep(0.05)
+        stalled.result(10)
+        assert not seen_dead, "d0's beats stopped while its engine was busy"
+        assert _migrations(mesh) == 0
+    finally:
+        mesh.close()
