@@ -97,6 +97,10 @@ def test_router_scores_the_host_tier_and_the_kvstore() -> None:
     r.on_beat(beat("b"))
     route = r.pick(prompt)  # with the whole prompt in the kvstore, the idle worker is the better home
     assert (route.worker_id, route.cached_blocks, route.kvstore_blocks) == ("b", 0, 10)
+    r.on_kvstore_removed(BlockRemoved(worker_id="kvstore", hashes=chain, tier="kvstore"))  # evicted from the store
+    r.on_beat(beat("a", running=4, free=90))
+    r.on_beat(beat("b"))
+    assert r.pick(prompt).worker_id == "a"
 
 
 def test_router_weighs_load() -> None:

@@ -206,3 +206,19 @@ def test_kill_9_in_the_middle_of_disk_writes_serves_nothing_corrupted(tmp_path) 
         served += n
     assert on_disk > 0 and served > 0, (on_disk, served)  # the restart found blocks written before the kill
     assert not list(disk.rglob("*.tmp"))  # a write cut off by the kill was cleaned up at start
+
+
+def test_blocks_that_leave_the_store_are_reported_once(tmp_path) -> None:  # noqa: ANN001
+    """What routers must forget: blocks evicted from memory and not admitted to disk, and blocks the disk
+    evicts; not blocks that merely moved down to disk."""
+    per_block = _block(0).k.nbytes * 2
+    store = TieredStore(CPUTier(2 * per_block), DiskTier(tmp_path / "disk", 64 * per_block), disk_min_uses=2)
+    a, b = _chain(2), _chain(2, start=10)
+    store.put(a)
+    store.get_chain([x.hash for x in a])  # a used twice: it goes to disk when evicted
+    store.put(b)  # a leaves memory for disk
+    assert store.take_gone() == [] and store.disk.stats().blocks == 2
+    store.put(_chain(2, start=20))  # b leaves memory, used once: gone
+    assert sorted(store.take_gone()) == sorted(x.hash for x in b)
+    store.disk.evict(1 << 30)  # the disk drops a
+    assert sorted(store.take_gone()) == sorted(x.hash for x in a) and store.take_gone() == []

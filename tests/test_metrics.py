@@ -142,5 +142,9 @@ def test_offload_counters_per_worker(model_dir, tmp_path) -> None:  # noqa: ANN0
         assert sample(scrape(mesh), "host_tier_bytes", worker="d0") == 0  # no host tier configured
         # The kvstore announces what it stored; the gateway's router counts those blocks for every worker.
         mesh.wait_until(lambda: len(mesh.gateway.ctx.router._kvstore_blocks) >= 4)
+        # The kvstore announces its tiers' figures every 2 s: blocks and bytes per tier in /metrics.
+        mesh.wait_until(lambda: (sample(scrape(mesh), "kvstore_blocks", tier="cpu") or 0) >= 4, timeout=6)
+        assert sample(scrape(mesh), "kvstore_bytes", tier="cpu") > 0
+        assert sample(scrape(mesh), "kvstore_blocks", tier="disk") == 0  # the harness's kvstore has no disk
     finally:
         mesh.close()

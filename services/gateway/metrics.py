@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from services.gateway.router import Router
 from shared.protocol.events import LoadBeat
 from shared.protocol.generate import RequestTimings
+from shared.protocol.kvstore import StatsReply
 
 PREFIX = "kvmesh:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -45,6 +46,35 @@ class PrefillWorkers:
         for wid in [w for w, (_, seen) in self._beats.items() if now - seen > self.expiry_s]:
             del self._beats[wid]
         return [b for b, _ in sorted(self._beats.values(), key=lambda x: x[0].worker_id)]
+
+
+class KVStoreFigures(Collector):
+    """The kvstore's tiers, from the stats it announces every 2 s (gone after three missed announcements)."""
+
+    def __init__(self, model: str, expiry_s: float = 6.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._model, self._expiry_s, self._clock = model, expiry_s, clock
+        self._last: tuple[StatsReply, float] | None = None
+
+    def on_stats(self, stats: StatsReply) -> None:
+        self._last = (stats, self._clock())
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["model_name", "tier"]
+        blocks = GaugeMetricFamily(f"{PREFIX}kvstore_blocks", "KV blocks the kvstore holds, per tier", labels=labels)
+        nbytes = GaugeMetricFamily(f"{PREFIX}kvstore_bytes", "Bytes of KV the kvstore holds, per tier", labels=labels)
+        hits = CounterMetricFamily(f"{PREFIX}kvstore_hit_blocks", "Blocks the kvstore served, per tier",
+                                   labels=labels)
+        misses = CounterMetricFamily(f"{PREFIX}kvstore_miss_blocks", "Blocks asked of the kvstore that it lacked",
+                                     labels=["model_name"])
+        if self._last is not None and self._clock() - self._last[1] <= self._expiry_s:
+            s = self._last[0]
+            for tier, b, n, h in (("cpu", s.cpu_blocks, s.cpu_bytes, s.cpu_hits),
+                                  ("disk", s.disk_blocks, s.disk_bytes, s.disk_hits)):
+                blocks.add_metric([self._model, tier], b)
+                nbytes.add_metric([self._model, tier], n)
+                hits.add_metric([self._model, tier], h)
+            misses.add_metric([self._model], s.misses)
+        yield from (blocks, nbytes, hits, misses)
 
 
 class _WorkerCollector(Collector):
@@ -144,6 +174,8 @@ class GatewayMetrics:
         self.request_max_tokens = Histogram(f"{PREFIX}request_params_max_tokens", "max_tokens asked per request", m,
                                             buckets=_TOKEN_BUCKETS, registry=r)
         r.register(_WorkerCollector(router, self.prefill_workers, model))
+        self.kvstore = KVStoreFigures(model)
+        r.register(self.kvstore)
         self._queries = 0
         self._hits = 0
 

@@ -89,9 +89,13 @@ class Router:
         elif ev.tier == "host":
             w.host_blocks.difference_update(ev.hashes)
 
+    def on_kvstore_removed(self, ev: BlockRemoved) -> None:
+        """Blocks that left every tier of the kvstore."""
+        for h in ev.hashes:
+            self._kvstore_blocks.pop(h, None)
+
     def on_kvstore_stored(self, ev: BlockStored) -> None:
-        """The kvstore's puts (its own subject). Evictions are not announced: a stale entry only makes a
-        worker look a little better than it is, and is forgotten in time."""
+        """The kvstore's puts (its own subject)."""
         held = self._kvstore_blocks
         for h in ev.hashes:
             held[h] = None

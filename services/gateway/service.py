@@ -27,6 +27,7 @@ from shared.bus import MicroService
 from shared.models.model_config import load_model_config
 from shared.models.tokenizer import load_tokenizer
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
+from shared.protocol.kvstore import StatsReply
 from shared.service_runner import Service, main_for
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,11 @@ class GatewayService(Service):
             else:
                 router.on_removed(ev)
 
-        async def on_kvstore_event(ev: BlockStored, _: bus.RequestContext) -> None:
-            if ev.tier == "kvstore":
-                router.on_kvstore_stored(ev)
+        async def on_kvstore_event(ev: BlockStored | BlockRemoved | StatsReply, _: bus.RequestContext) -> None:
+            if isinstance(ev, StatsReply):
+                ctx.metrics.kvstore.on_stats(ev)
+            elif ev.tier == "kvstore":
+                (router.on_kvstore_stored if isinstance(ev, BlockStored) else router.on_kvstore_removed)(ev)
 
         def believable(beat: LoadBeat, msg: bus.RequestContext, role: str) -> bool:
             problem = beat_problem(beat, msg.subject, ctx.model_max_len, role)
@@ -103,7 +106,7 @@ class GatewayService(Service):
 
         self._subs = [
             await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved)),
-            await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, BlockStored),
+            await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, (BlockStored, BlockRemoved, StatsReply)),
             await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat),
             await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat),
         ]

@@ -67,6 +67,7 @@ def decode_block(block_hash: bytes, data: bytes) -> StoredBlock | None:
 
 class DiskTier(KVTier):
     def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
+        self.dropped: list[bytes] = []  # hashes evicted since the owner last took them (for routers)
         assert capacity_bytes > 0, "capacity_bytes must be positive"
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -189,6 +190,7 @@ class DiskTier(KVTier):
             self._bytes -= size
             freed += size
             self._evictions += 1
+            self.dropped.append(h)  # gone from the whole store (no tier lies below)
             self._path(h).unlink(missing_ok=True)
         return []
 

@@ -18,12 +18,12 @@ from nats.aio.client import Client
 from services.inflight import InFlight, MicroServiceDrain
 from services.kvstore.cpu_tier import CPUTier
 from services.kvstore.disk_tier import DiskTier
-from services.kvstore.tier import KVTier
+from services.kvstore.tier import KVTier, PutResult
 from services.kvstore.tiered import TieredStore
 from shared import bus, subjects
 from shared.block_hash import DIGEST_SIZE
 from shared.protocol import errors as codes
-from shared.protocol.events import BlockStored
+from shared.protocol.events import BlockRemoved, BlockStored
 from shared.protocol.kvstore import (
     ContainsReply,
     ContainsRequest,
@@ -45,6 +45,9 @@ DEFAULT_CAPACITY_BYTES = 2 << 30
 DEFAULT_MAX_REPLY_BYTES = bus.DEFAULT_LIMITS.max_message_bytes // 2
 
 
+STATS_INTERVAL_S = 2.0  # how often the kvstore announces its tiers' figures
+
+
 class KVStoreService(MicroServiceDrain, Service):
     name = "kvstore"
 
@@ -54,6 +57,7 @@ class KVStoreService(MicroServiceDrain, Service):
         self.max_reply_bytes = max_reply_bytes
         self._micro: bus.MicroService | None = None
         self._nc: Client | None = None
+        self._announcer: asyncio.Future | None = None
         self._inflight = InFlight()
 
     async def start(self, nc: Client) -> None:
@@ -71,8 +75,11 @@ class KVStoreService(MicroServiceDrain, Service):
             metadata={"capacity_bytes": str(self.tier.stats().capacity_bytes)},
         )  # fmt: skip
         await nc.flush()  # the server has our subscriptions once start() returns, so "serving" is true
+        self._announcer = asyncio.ensure_future(self._announce_stats())
 
     async def release(self, remaining_s: float) -> None:
+        if self._announcer is not None:
+            self._announcer.cancel()
         await super().release(remaining_s)
         self._io.shutdown(wait=True)  # a disk write in progress finishes (files are renamed into place whole)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvstore-io")  # a restarted service can serve again
@@ -88,9 +95,14 @@ class KVStoreService(MicroServiceDrain, Service):
         for i, block in enumerate(req.blocks):  # all checked before any is stored: a bad put stores nothing
             _check_block(i, block)
         result = await self._on_tiers(self.tier.put, req.blocks)
-        if result.stored and self._nc is not None:  # routers count these blocks as cheap for every worker
-            await bus.publish(self._nc, subjects.KVSTORE_EVENTS, BlockStored(
-                worker_id="kvstore", hashes=[b.hash for b in req.blocks], tier="kvstore"))
+        gone = await self._on_tiers(self._take_gone, result)
+        if self._nc is not None:  # routers count these blocks as cheap for every worker, and forget the gone
+            if gone:
+                await bus.publish(self._nc, subjects.KVSTORE_EVENTS, BlockRemoved(
+                    worker_id="kvstore", hashes=gone, tier="kvstore"))
+            if result.stored:
+                await bus.publish(self._nc, subjects.KVSTORE_EVENTS, BlockStored(
+                    worker_id="kvstore", hashes=[b.hash for b in req.blocks], tier="kvstore"))
         return PutReply(num_stored=result.stored)
 
     async def get(self, req: GetRequest, ctx: bus.RequestContext) -> GetReply:
@@ -103,12 +115,29 @@ class KVStoreService(MicroServiceDrain, Service):
         return ContainsReply(num_prefix_blocks=await self._on_tiers(self.tier.contains_chain, req.hashes))
 
     async def stats(self, req: StatsRequest, ctx: bus.RequestContext) -> StatsReply:
+        return self._stats()
+
+    def _take_gone(self, result: PutResult) -> list[bytes]:
+        return self.tier.take_gone() if isinstance(self.tier, TieredStore) else [b.hash for b in result.evicted]
+
+    def _stats(self) -> StatsReply:
         t = self.tier
         cpu = t.cpu.stats() if isinstance(t, TieredStore) else t.stats()
         disk = t.disk.stats() if isinstance(t, TieredStore) and t.disk is not None else None
         total = t.stats()
         return StatsReply(cpu_blocks=cpu.blocks, cpu_bytes=cpu.bytes, disk_blocks=disk.blocks if disk else 0,
-                          disk_bytes=disk.bytes if disk else 0, hits=total.hits, misses=total.misses)
+                          disk_bytes=disk.bytes if disk else 0, hits=total.hits, misses=total.misses,
+                          cpu_hits=cpu.hits, disk_hits=disk.hits if disk else 0)
+
+    async def _announce_stats(self) -> None:
+        """Every STATS_INTERVAL_S: blocks, bytes and hits per tier, for the gateway's /metrics."""
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            try:
+                assert self._nc is not None
+                await bus.publish(self._nc, subjects.KVSTORE_EVENTS, await self._on_tiers(self._stats))
+            except Exception:  # noqa: BLE001 - a lost announcement is repaired by the next one
+                log.debug("kvstore stats announcement failed", exc_info=True)
 
 
 def _check_block(i: int, block: StoredBlock) -> None:

@@ -24,16 +24,28 @@ class TieredStore(KVTier):
         self._uses: Counter[bytes] = Counter()
         self.demoted = 0  # blocks written to disk on CPU eviction
         self.not_admitted = 0  # evicted blocks used too few times for the disk
+        self._gone: list[bytes] = []  # hashes no tier holds any more, until take_gone()
 
     def _count(self, blocks: Sequence[StoredBlock]) -> None:
         if len(self._uses) > MAX_USE_COUNTS:
             self._uses.clear()
         self._uses.update(b.hash for b in blocks)
 
+    def take_gone(self) -> list[bytes]:
+        """Hashes that left the whole store since the last call (what routers must forget)."""
+        gone, self._gone = self._gone, []
+        if self.disk is not None:
+            gone += self.disk.dropped
+            self.disk.dropped = []
+        return gone
+
     def _demote(self, evicted: list[StoredBlock]) -> None:
         if self.disk is None or not evicted:
+            self._gone += [b.hash for b in evicted]
             return
         keep = [b for b in evicted if self._uses[b.hash] >= self.disk_min_uses]
+        self._gone += [b.hash for b in evicted if self._uses[b.hash] < self.disk_min_uses
+                       and not self.disk.contains_chain([b.hash])]
         self.not_admitted += len(evicted) - len(keep)
         if keep:
             self.demoted += self.disk.put(keep).stored

@@ -69,6 +69,8 @@ class StatsReply(Message):
     disk_bytes: int
     hits: int
     misses: int
+    cpu_hits: int = 0  # blocks served from memory (cumulative)
+    disk_hits: int = 0  # blocks served from disk (cumulative)
 
     @property
     def hit_rate(self) -> float:
