@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import statistics
 import sys
@@ -26,7 +25,7 @@ import torch
 from loadtest.offline import model_dir
 from loadtest.shapes import SHAPES
 from shared.bus.natsd import NatsServer
-from loadtest.workload import machine_info, random_tokens, read_shape, warn_if_busy
+from loadtest.workload import machine_info, random_tokens, read_shape, warn_if_busy, write_result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -257,8 +256,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"TTFT {args.prompt_len}-token prompt: local {ttft['ttft_local_s']:.3f} s, remote "
           f"{ttft['ttft_remote_s']:.3f} s, prefix from kvstore {ttft['ttft_kvstore_s']:.3f} s "
           f"(cached tokens {ttft['kvstore_cached_tokens']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+    write_result(args.json, result)
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -31,7 +30,7 @@ import torch
 
 from loadtest.offline import model_dir
 from loadtest.shapes import SHAPES
-from loadtest.workload import machine_info, random_tokens, read_shape, warn_if_busy
+from loadtest.workload import machine_info, random_tokens, read_shape, warn_if_busy, write_result
 from shared.bus.natsd import NatsServer
 
 TIERS = ("device", "host", "kvstore", "disk", "none")
@@ -220,8 +219,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"shared prefixes: {sp['with_tiers']['output_tokens_per_s']:.1f} tok/s with the tiers, "
           f"{sp['without_tiers']['output_tokens_per_s']:.1f} without ({sp['speedup']:.2f}x; prompt tokens reused "
           f"{sp['with_tiers']['prompt_tokens_reused']} vs {sp['without_tiers']['prompt_tokens_reused']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+    write_result(args.json, result)
     return 0

@@ -5,6 +5,8 @@ difference in speed is the engines', never the weights'.
 """
 from __future__ import annotations
 
+import json
+
 import os
 import platform
 import random
@@ -161,3 +163,11 @@ def machine_info(device: str = "cpu") -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
     return info
+
+
+def write_result(path: str | None, result: dict) -> None:
+    """A benchmark's JSON report (nothing when no --json was given)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")

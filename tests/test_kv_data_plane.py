@@ -4,6 +4,7 @@ halfway fails cleanly on both sides; an unreachable endpoint falls back to NATS.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 
@@ -43,6 +44,20 @@ def sink(k: torch.Tensor, first_block: int = 0):  # noqa: ANN201
     return dk, dv, write, writes
 
 
+@contextlib.asynccontextmanager
+async def channel(sender_settings: DirectSettings = SMALL):  # noqa: ANN201
+    """A registry, a DirectServer on the loopback feeding it, and a sender: stopped afterwards."""
+    registry = TransferRegistry()
+    server = DirectServer(registry, "127.0.0.1", 0, SMALL)
+    await server.start()
+    sender = DirectSender(sender_settings)
+    try:
+        yield registry, server, sender
+    finally:
+        await sender.close()
+        await server.stop()
+
+
 @pytest.mark.parametrize("path", ["shm", "tcp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_each_direct_path_moves_blocks_bit_exactly(path: str, dtype: torch.dtype) -> None:
@@ -50,12 +65,8 @@ def test_each_direct_path_moves_blocks_bit_exactly(path: str, dtype: torch.dtype
         pytest.skip("no /dev/shm")
 
     async def go() -> None:
-        registry = TransferRegistry()
-        server = DirectServer(registry, "127.0.0.1", 0, SMALL)
-        await server.start()
-        sender = DirectSender(DirectSettings(frame_bytes=SMALL.frame_bytes, slots=SMALL.slots,
-                                             shared_memory=path == "shm"))
-        try:
+        settings = DirectSettings(frame_bytes=SMALL.frame_bytes, slots=SMALL.slots, shared_memory=path == "shm")
+        async with channel(settings) as (registry, server, sender):
             for first_block in (0, 3):  # two transfers on one connection, the second after a cached prefix
                 k, v = kv(dtype)
                 dk, dv, write, writes = sink(k, first_block)
@@ -70,20 +81,13 @@ def test_each_direct_path_moves_blocks_bit_exactly(path: str, dtype: torch.dtype
             assert (server.shm_frames > 0) == (path == "shm") and server.frames > 0
             assert sender.uses_shared_memory(server.endpoint) == (path == "shm")
             assert not [p for p in os.listdir("/dev/shm") if p.startswith(shm_ring.PREFIX)] if path == "shm" else True
-        finally:
-            await sender.close()
-            await server.stop()
 
     asyncio.run(go())
 
 
 def test_a_strangers_frames_are_refused_and_the_transfer_goes_on() -> None:
     async def go() -> None:
-        registry = TransferRegistry()
-        server = DirectServer(registry, "127.0.0.1", 0, SMALL)
-        await server.start()
-        sender = DirectSender(SMALL)
-        try:
+        async with channel() as (registry, server, sender):
             k, v = kv(torch.float32)
             dk, dv, write, _ = sink(k)
             done = registry.expect("t", k.shape[1], write, 10.0, token=b"right-token-0123")
@@ -101,9 +105,6 @@ def test_a_strangers_frames_are_refused_and_the_transfer_goes_on() -> None:
                 await sender.send(server.endpoint, b"tok", "short", 0, k, v, 5.0)
             with pytest.raises(TransferError):
                 await done
-        finally:
-            await sender.close()
-            await server.stop()
 
     asyncio.run(go())
 
