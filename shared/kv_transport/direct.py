@@ -24,8 +24,8 @@ from opentelemetry import propagate, trace
 
 from shared.kv_transport import shm_ring
 from shared.kv_transport.base import TransferError
-from shared.kv_transport.frames import (FrameError, as_bytes, digest, header, kv_views, recv_header, recv_into,
-                                        send_all)
+from shared.kv_transport.frames import (FrameError, as_bytes, digest, discard, header, kv_views, recv_header,
+                                        recv_into, send_all)
 from shared.kv_transport.incoming import TransferRegistry
 from shared.kv_transport.plan import plan_chunks
 
@@ -128,7 +128,10 @@ class DirectServer:
                     raise FrameError(f"frame of {nbytes!r} bytes")
                 if not isinstance(slot, int):
                     raise FrameError("slot is not an int")
-                if slot < 0:
+                if slot < 0 and not self.registry.authorized(h.get("t"), h.get("tok")):
+                    await discard(loop, sock, nbytes)  # a stranger's (or a late) frame: no allocation
+                    payload = memoryview(b"")
+                elif slot < 0:
                     buf = bytearray(nbytes)
                     await recv_into(loop, sock, memoryview(buf))
                     payload = memoryview(buf)

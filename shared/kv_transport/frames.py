@@ -57,6 +57,15 @@ async def recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: 
         got += n
 
 
+async def discard(loop: asyncio.AbstractEventLoop, sock: socket.socket, nbytes: int) -> None:
+    """Reads and drops nbytes through one small buffer (a refused frame's payload)."""
+    buf = memoryview(bytearray(min(nbytes, 1 << 20)))
+    while nbytes > 0:
+        n = min(nbytes, len(buf))
+        await recv_into(loop, sock, buf[:n])
+        nbytes -= n
+
+
 async def recv_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> dict:
     size = bytearray(4)
     await recv_into(loop, sock, memoryview(size))

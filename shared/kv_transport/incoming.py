@@ -50,6 +50,12 @@ class TransferRegistry:
         for t in list(self._incoming):
             self.fail(t, reason)
 
+    def authorized(self, transfer_id: object, token: object) -> bool:
+        """Whether a direct-channel frame names a registered transfer with its token (checked before
+        its payload is read, so a stranger cannot make the receiver allocate anything)."""
+        inc = self._incoming.get(transfer_id) if isinstance(transfer_id, str) else None
+        return inc is not None and isinstance(token, bytes) and bool(inc.token) and hmac.compare_digest(token, inc.token)
+
     def check(self, transfer_id: str, seq: int, total: int, block_end: int, token: bytes | None = None
               ) -> tuple[Incoming | None, str | None]:
         """The transfer a chunk belongs to, or why the chunk is refused. token None: the chunk came
