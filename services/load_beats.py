@@ -75,7 +75,8 @@ class LoadBeats:
 
 def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens: int, block_size: int,
               hash_root: bytes, max_model_len: int, kv_cache_dtype: str, offloaded: int = 0,
-              offload_dropped: int = 0, host_hit_tokens: int = 0, host_bytes: int = 0) -> LoadBeat:
+              offload_dropped: int = 0, host_hit_tokens: int = 0, host_bytes: int = 0,
+              kv_endpoint: str = "") -> LoadBeat:
     hist = stats.iteration_tokens
     return LoadBeat(
         worker_id=worker_id, role=role, running=stats.running, waiting=stats.waiting,
@@ -86,4 +87,4 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         iteration_token_counts=list(hist.counts) if hist else [],
         iteration_tokens_sum=hist.total if hist else 0, kv_cache_dtype=kv_cache_dtype,
         offloaded_blocks=offloaded, offload_dropped_blocks=offload_dropped, host_tier_hit_tokens=host_hit_tokens,
-        kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes)
+        kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes, kv_endpoint=kv_endpoint)

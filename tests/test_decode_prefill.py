@@ -39,6 +39,8 @@ def test_remote_prefill_forced_matches_transformers(nats_server, checkpoints, hf
             # The KV went over the direct channel (shared memory: one host), not over NATS.
             assert prefill.transport.direct_sends == decode.remote_prefills and prefill.transport.fallbacks == 0
             assert decode.transport.server.shm_frames == decode.transport.server.frames > 0
+            beat = await decode._load_snapshot()  # the endpoint is advertised in beats and nats.micro info too
+            assert beat.kv_endpoint == decode.transport.endpoint and beat.kv_endpoint.startswith("tcp://")
 
     asyncio.run(main())
 

@@ -85,7 +85,7 @@ class DecodeService(EngineWorker):
                          GenerateRequest),
             bus.Endpoint("generate_worker", subjects.decode_generate(s.worker_id), f"{subjects.QUEUE_DECODE}.{s.worker_id}",
                          self._on_generate, GenerateRequest),
-        ], metadata={"worker_id": s.worker_id})
+        ], metadata={"worker_id": s.worker_id, "kv_endpoint": self.transport.endpoint or ""})
         await nc.flush()  # registration must reach the server before anyone is told we are up
         self.outbox.start()
         await self.beats.beat()

@@ -72,3 +72,4 @@ class LoadBeat(Message):
     host_tier_hit_tokens: int = 0
     kvstore_hit_tokens: int = 0
     host_tier_bytes: int = 0
+    kv_endpoint: str = ""  # the worker's direct KV channel (tcp://host:port), "" when KV comes over NATS only
