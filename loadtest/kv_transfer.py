@@ -105,33 +105,30 @@ async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Ran
                 copy_s = time.perf_counter() - t0
                 dst.abort(rid)
                 if i:
-                    runs.append((sent, seconds, copy_s))
+                    runs.append((seconds, copy_s))
             if path != "nats":
                 assert sender.direct_sends == args.repeats + 1, f"{path}: the direct channel was not used"
                 server = receiver.server
                 assert (server.shm_frames > 0) == (path == "shm"), f"{path}: shared memory used or not as asked"
             await sender.stop()
             await receiver.stop()
-            sent = runs[0][0]
-            seconds = statistics.median(r[1] for r in runs)
-            copy_s = statistics.median(r[2] for r in runs)
-            paths[path] = {"bytes": sent, "blocks": int(k.shape[1]), "seconds": seconds, "gb_per_s": sent / seconds / 1e9,
-                           "memcpy_seconds": copy_s, "memcpy_gb_per_s": sent / copy_s / 1e9,
-                           "ratio_to_memcpy": copy_s / seconds,
-                           "runs": [{"seconds": r[1], "memcpy_seconds": r[2]} for r in runs]}
+            paths[path] = _figures(sent, int(k.shape[1]), runs)
         await nc_send.drain()
         await nc_recv.drain()
     for shm in (True, False):  # the direct channel again with the receiver in its own process, as in a mesh
         name = "shm-2proc" if shm else "tcp-2proc"
         runs = await _two_process_runs(k, v, args.repeats, shm)
-        sent = 2 * k.numel() * k.element_size()
-        seconds, copy_s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-        paths[name] = {"bytes": sent, "blocks": int(k.shape[1]), "seconds": seconds, "gb_per_s": sent / seconds / 1e9,
-                       "memcpy_seconds": copy_s, "memcpy_gb_per_s": sent / copy_s / 1e9,
-                       "ratio_to_memcpy": copy_s / seconds,
-                       "runs": [{"seconds": r[0], "memcpy_seconds": r[1]} for r in runs]}
+        paths[name] = _figures(2 * k.numel() * k.element_size(), int(k.shape[1]), runs)
     # The NATS figures stay at the top level (earlier result files have them there).
     return {**paths["nats"], "max_payload": chunk_limit, "paths": paths}
+
+
+def _figures(sent: int, blocks: int, runs: list[tuple[float, float]]) -> dict:
+    """One path's report from its (seconds, memory-copy seconds) runs: medians, GB/s, ratio to the copy."""
+    seconds, copy_s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    return {"bytes": sent, "blocks": blocks, "seconds": seconds, "gb_per_s": sent / seconds / 1e9,
+            "memcpy_seconds": copy_s, "memcpy_gb_per_s": sent / copy_s / 1e9, "ratio_to_memcpy": copy_s / seconds,
+            "runs": [{"seconds": s, "memcpy_seconds": c} for s, c in runs]}
 
 
 async def _two_process_runs(k: torch.Tensor, v: torch.Tensor, repeats: int, shm: bool) -> list[tuple[float, float]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 DIGEST_SIZE = 16
 BlockHash = bytes
@@ -39,3 +39,14 @@ def hash_blocks(root: BlockHash, token_ids: Sequence[int], block_size: int, star
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+def held_prefix(chain: Sequence[BlockHash], held: Collection[BlockHash]) -> int:
+    """How many of chain's blocks, from the first, `held` has: a block is only reusable after its whole
+    prefix, so the count stops at the first one missing."""
+    n = 0
+    for h in chain:
+        if h not in held:
+            break
+        n += 1
+    return n

@@ -126,26 +126,16 @@ class Mesh:
 
     def crash(self, worker_id: str) -> None:
         """The worker goes silent as a killed process would: no more tokens, beats or answers."""
+        d = self.decoders.pop(worker_id)
+
         async def go() -> None:
-            d = self.decoders.pop(worker_id)
-            d.outbox.stop()
-            d.beats.stop()
-            await d.micro.stop()
-            await d.cancel_sub.unsubscribe()
-            await d.transport.stop()
-            d.thread.stop()
+            d.outbox.stop()  # on the mesh's loop: it cancels the outbox's task
+            await _silence(d)
         self.call(go())
 
     def crash_prefill(self) -> None:
         """The (first) prefill worker goes silent as a killed process would."""
-        async def go() -> None:
-            p = self.prefills.pop(0)
-            p.beats.stop()
-            await p.micro.stop()
-            await p.cancel_sub.unsubscribe()
-            await p.transport.stop()
-            p.thread.stop()
-        self.call(go())
+        self.call(_silence(self.prefills.pop(0)))
 
     def wait_until(self, predicate, timeout: float = 5.0) -> None:  # noqa: ANN001
         end = time.monotonic() + timeout
@@ -173,6 +163,15 @@ class Mesh:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
             (self.cluster or self.nats).stop()
+
+
+async def _silence(worker: DecodeService | PrefillService) -> None:
+    """What a SIGKILL looks like on the bus: beats, endpoints, cancels and KV transport stop; the engine too."""
+    worker.beats.stop()
+    await worker.micro.stop()
+    await worker.cancel_sub.unsubscribe()
+    await worker.transport.stop()
+    worker.thread.stop()
 
 
 @contextmanager

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shared.block_hash import hash_blocks
+from shared.block_hash import hash_blocks, held_prefix
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 
 DEFAULT_EXPIRY_S = 3.0
@@ -76,18 +76,19 @@ class Router:
 
     def on_stored(self, ev: BlockStored) -> None:
         """A worker's event (its device pool or host tier; a worker cannot speak for the kvstore)."""
-        w = self._worker(ev.worker_id)
-        if ev.tier == "device":
-            w.blocks.update(ev.hashes)
-        elif ev.tier == "host":
-            w.host_blocks.update(ev.hashes)
+        held = self._held(ev)
+        if held is not None:
+            held.update(ev.hashes)
 
     def on_removed(self, ev: BlockRemoved) -> None:
+        held = self._held(ev)
+        if held is not None:
+            held.difference_update(ev.hashes)
+
+    def _held(self, ev: BlockStored | BlockRemoved) -> set[bytes] | None:
+        """The set of the worker's blocks the event's tier speaks of; None for a tier not the worker's."""
         w = self._worker(ev.worker_id)
-        if ev.tier == "device":
-            w.blocks.difference_update(ev.hashes)
-        elif ev.tier == "host":
-            w.host_blocks.difference_update(ev.hashes)
+        return {"device": w.blocks, "host": w.host_blocks}.get(ev.tier)
 
     def on_kvstore_removed(self, ev: BlockRemoved) -> None:
         """Blocks that left every tier of the kvstore."""
@@ -144,9 +145,9 @@ class Router:
             if key not in hashes:
                 hashes[key] = hash_blocks(w.beat.hash_root, prompt_token_ids, w.beat.block_size) if w.beat.hash_root else []
             chain = hashes[key]
-            cached = _prefix_len(chain, w.blocks)
-            host = _prefix_len(chain[cached:], w.host_blocks)
-            stored = _prefix_len(chain[cached + host:], self._kvstore_blocks)
+            cached = held_prefix(chain, w.blocks)
+            host = held_prefix(chain[cached:], w.host_blocks)
+            stored = held_prefix(chain[cached + host:], self._kvstore_blocks)
             c = self.config
             cost = host * c.host_cost + stored * c.kvstore_cost + (len(chain) - cached - host - stored)
             load = w.kv_usage + (w.beat.waiting + w.pending) / self.config.max_waiting
@@ -164,13 +165,3 @@ class Router:
         if w is None:
             w = self._workers[worker_id] = WorkerState(worker_id)
         return w
-
-
-def _prefix_len(chain: list[bytes], held: Collection[bytes]) -> int:
-    """Blocks are only reusable as a prefix: stop at the first block the worker lacks."""
-    n = 0
-    for h in chain:
-        if h not in held:
-            break
-        n += 1
-    return n

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.kvstore.tier import KVTier, PutResult, TierStats, block_nbytes
+from shared.block_hash import held_prefix
 from shared.protocol.kvstore import StoredBlock
 
 
@@ -64,12 +65,7 @@ class CPUTier(KVTier):
         return found
 
     def contains_chain(self, hashes: Sequence[bytes]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
+        return held_prefix(hashes, self._blocks)
 
     def evict(self, nbytes: int) -> list[StoredBlock]:
         evicted: list[StoredBlock] = []

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from services.kvstore.tier import KVTier, PutResult, TierStats, block_nbytes
+from shared.block_hash import held_prefix
 from shared.protocol.kvstore import StoredBlock
 from shared.wire import WireTensor
 
@@ -175,12 +176,7 @@ class DiskTier(KVTier):
         return block
 
     def contains_chain(self, hashes: Sequence[bytes]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self._files:
-                break
-            n += 1
-        return n
+        return held_prefix(hashes, self._files)
 
     def evict(self, nbytes: int) -> list[StoredBlock]:
         """Deletes files, least recently used first; returns nothing (no tier lies below the disk)."""

@@ -94,8 +94,7 @@ class KVStoreService(MicroServiceDrain, Service):
     async def put(self, req: PutRequest, ctx: bus.RequestContext) -> PutReply:
         for i, block in enumerate(req.blocks):  # all checked before any is stored: a bad put stores nothing
             _check_block(i, block)
-        result = await self._on_tiers(self.tier.put, req.blocks)
-        gone = await self._on_tiers(self._take_gone, result)
+        result, gone = await self._on_tiers(self._put, req.blocks)
         if self._nc is not None:  # routers count these blocks as cheap for every worker, and forget the gone
             if gone:
                 await bus.publish(self._nc, subjects.KVSTORE_EVENTS, BlockRemoved(
@@ -117,8 +116,11 @@ class KVStoreService(MicroServiceDrain, Service):
     async def stats(self, req: StatsRequest, ctx: bus.RequestContext) -> StatsReply:
         return self._stats()
 
-    def _take_gone(self, result: PutResult) -> list[bytes]:
-        return self.tier.take_gone() if isinstance(self.tier, TieredStore) else [b.hash for b in result.evicted]
+    def _put(self, blocks: list[StoredBlock]) -> tuple[PutResult, list[bytes]]:
+        """One trip to the I/O thread: the put, and the hashes that left the whole store meanwhile."""
+        result = self.tier.put(blocks)
+        gone = self.tier.take_gone() if isinstance(self.tier, TieredStore) else [b.hash for b in result.evicted]
+        return result, gone
 
     def _stats(self) -> StatsReply:
         t = self.tier

@@ -88,9 +88,7 @@ class HostTier:
         return blocks
 
     def clear(self) -> None:
-        with self._lock:
-            self._blocks.clear()
-            self.stats.blocks = self.stats.bytes = 0
+        self.take_all()
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:

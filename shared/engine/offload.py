@@ -104,45 +104,45 @@ class Offloader:
         self.dropped = 0  # blocks not offloaded because too many puts were in flight (backpressure)
         self.submitted = 0  # blocks handed to the store
 
-    def submit(self, batch: OffloadBatch | None) -> None:
-        if batch is None:
-            return
+    def _puts(self, batch: OffloadBatch) -> list[OffloadBatch]:
+        """batch cut into puts of at most max_put_bytes (a put is one bus upload)."""
         n = len(batch.hashes)
         per_block = 2 * batch.k[:, 0].numel() * batch.k.element_size() if n else 0
-        step = max(1, self.max_put_bytes // per_block) if per_block else n
-        if n > step:
-            for i in range(0, n, step):
-                self.submit(OffloadBatch(batch.hashes[i:i + step], batch.parents[i:i + step],
-                                         batch.k[:, i:i + step], batch.v[:, i:i + step]))
-            return
-        if len(self._tasks) >= self.max_in_flight:
-            self.dropped += len(batch.hashes)
-            return
-        self.submitted += len(batch.hashes)
-        task = asyncio.ensure_future(self.client.put(batch.hashes, batch.parents, batch.k, batch.v))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        step = max(1, self.max_put_bytes // per_block) if per_block else max(n, 1)
+        if n <= step:
+            return [batch]
+        return [OffloadBatch(batch.hashes[i:i + step], batch.parents[i:i + step], batch.k[:, i:i + step],
+                             batch.v[:, i:i + step]) for i in range(0, n, step)]
+
+    def submit(self, batch: OffloadBatch | None) -> None:
+        """Best effort: each put starts now if fewer than max_in_flight are under way, else is dropped."""
+        for put in self._puts(batch) if batch is not None else []:
+            if len(self._tasks) >= self.max_in_flight:
+                self.dropped += len(put.hashes)
+            else:
+                self._start(put)
 
     async def send_all(self, batch: OffloadBatch | None, timeout: float) -> None:
         """Every block of batch, in puts of at most max_put_bytes, never more than max_in_flight at once:
         waits for room instead of dropping, up to timeout (a worker leaving the mesh; flooding the bus with
         puts makes the server cut the kvstore off as a slow consumer)."""
-        if batch is None:
-            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        n = len(batch.hashes)
-        per_block = 2 * batch.k[:, 0].numel() * batch.k.element_size() if n else 0
-        step = max(1, self.max_put_bytes // per_block) if per_block else max(n, 1)
-        for i in range(0, n, step):
+        puts = self._puts(batch) if batch is not None else []
+        for i, put in enumerate(puts):
             while len(self._tasks) >= self.max_in_flight:
                 left = deadline - loop.time()
                 if left <= 0:
-                    self.dropped += n - i
+                    self.dropped += sum(len(p.hashes) for p in puts[i:])
                     return
                 await asyncio.wait(set(self._tasks), timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            self.submit(OffloadBatch(batch.hashes[i:i + step], batch.parents[i:i + step],
-                                     batch.k[:, i:i + step], batch.v[:, i:i + step]))
+            self._start(put)
+
+    def _start(self, put: OffloadBatch) -> None:
+        self.submitted += len(put.hashes)
+        task = asyncio.ensure_future(self.client.put(put.hashes, put.parents, put.k, put.v))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def flush(self, timeout: float) -> None:
         if self._tasks:

@@ -9,6 +9,7 @@ on one core here, against 0.9 GB/s for crc32, so the check does not cap the chan
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import struct
 
@@ -88,10 +89,7 @@ def kv_views(payload: memoryview, dtype: str, shape: list[int]) -> tuple[torch.T
     dt = DTYPES.get(dtype)
     if dt is None or len(shape) != 5 or any(not isinstance(x, int) or x <= 0 for x in shape):
         raise FrameError(f"bad dtype {dtype!r} or shape {shape!r}")
-    n = 1
-    for x in shape:
-        n *= x
-    nbytes = n * torch.empty((), dtype=dt).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
     if len(payload) != 2 * nbytes:
         raise FrameError(f"payload of {len(payload)} bytes for K and V of {nbytes} bytes each")
     flat = torch.frombuffer(payload, dtype=torch.uint8)
