@@ -22,8 +22,8 @@ from tests.nats_fixtures import nats_server  # noqa: F401
 SMALL = DirectSettings(frame_bytes=4 << 10, slots=3)  # many frames per transfer, few slots: pipelining
 
 
-def kv(dtype: torch.dtype, layers: int = 4, blocks: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
+def kv(dtype: torch.dtype, layers: int = 4, blocks: int = 10, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     shape = (layers, blocks, 16, 2, 8)
     return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
 
@@ -67,8 +67,10 @@ def test_each_direct_path_moves_blocks_bit_exactly(path: str, dtype: torch.dtype
     async def go() -> None:
         settings = DirectSettings(frame_bytes=SMALL.frame_bytes, slots=SMALL.slots, shared_memory=path == "shm")
         async with channel(settings) as (registry, server, sender):
-            for first_block in (0, 3):  # two transfers on one connection, the second after a cached prefix
-                k, v = kv(dtype)
+            # Two transfers on one connection, the second after a cached prefix and with other bytes (the
+            # receiver reuses its frame buffers and ring slots: nothing of the first may show through).
+            for first_block in (0, 3):
+                k, v = kv(dtype, seed=first_block)
                 dk, dv, write, writes = sink(k, first_block)
                 token = secrets.token_bytes(16)
                 done = registry.expect(f"t{first_block}", first_block + k.shape[1], write, 10.0, token)
