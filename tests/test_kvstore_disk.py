@@ -1,16 +1,22 @@
 """The kvstore's persistent disk tier (issue 10 item 3): bit-exact round trips, found again after a
-restart, a byte cap with LRU eviction, damaged files detected and never served, admission of blocks
-used twice, and the whole stack through a real kvstore service on a real nats-server."""
+restart, a byte cap with LRU eviction, damaged or old-format slots detected and never served, the I/O
+thread pool and O_DIRECT giving the same blocks as plain reads, full disks, admission of blocks used
+twice, and the whole stack through a real kvstore service on a real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
+import struct
 
 import pytest
 import torch
 
 from services.kvstore.cpu_tier import CPUTier
-from services.kvstore.disk_tier import DiskTier, encode_block
+from services.kvstore import disk_record, slab_file
+from services.kvstore.aligned_io import round_up
+from services.kvstore.disk_tier import DiskTier
 from services.kvstore.service import KVStoreService
 from services.kvstore.tiered import TieredStore
 from shared.bus.natsd import NatsServer
@@ -44,35 +50,153 @@ def test_round_trip_is_bit_exact_and_survives_a_restart(tmp_path) -> None:  # no
     assert again.stats().blocks == 4 and again.stats().hits == 4
 
 
-def test_byte_cap_evicts_least_recently_used_files(tmp_path) -> None:  # noqa: ANN001
-    size = len(encode_block(_block(0)))
-    disk = DiskTier(tmp_path, 3 * size)
+SLOT = round_up(disk_record.record_bytes(_block(0)))  # one block's slot (all test blocks are one size)
+
+
+def _slab(tier: DiskTier):  # noqa: ANN202
+    return next(tier.dir.glob("blocks-*.slab"))
+
+
+def _slot_offset(tier: DiskTier, block_hash: bytes) -> int:
+    return tier._index[block_hash].where * SLOT
+
+
+def test_byte_cap_evicts_least_recently_used_blocks(tmp_path) -> None:  # noqa: ANN001
+    disk = DiskTier(tmp_path, 3 * SLOT)
     disk.put(_chain(2))  # 0, 1
     disk.get_chain([bytes([0]) * 16])  # 0 is now most recent
     disk.put(_chain(2, start=10))  # needs room for two more: 1 goes, then the oldest remaining
-    files = sorted(p.name for p in tmp_path.glob("*/*.kvb"))
-    assert len(files) == 3 and disk.stats().bytes <= 3 * size
-    assert disk.contains_chain([bytes([1]) * 16]) == 0
+    assert disk.stats().blocks == 3 and disk.stats().bytes <= 3 * SLOT
+    assert disk.contains_chain([bytes([1]) * 16]) == 0 and disk.contains_chain([bytes([0]) * 16]) == 1
+    assert _slab(disk).stat().st_size <= 3 * SLOT, "the file never grows past the cap"
+    disk.close()
+    again = DiskTier(tmp_path, 2 * SLOT)  # a lower cap after a restart: the oldest written goes first
+    assert again.stats().blocks == 2 and again.contains_chain([bytes([10]) * 16, bytes([11]) * 16]) == 2
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
-def test_damaged_files_are_dropped_never_served(tmp_path, damage) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("damage", ["flip", "torn", "truncate", "garbage", "old-version"])
+def test_damaged_slots_are_dropped_never_served(tmp_path, damage) -> None:  # noqa: ANN001
     chain = _chain(3)
-    DiskTier(tmp_path, 1 << 20).put(chain)
-    victim = next(tmp_path.glob(f"*/{chain[1].hash.hex()}.kvb"))
-    data = bytearray(victim.read_bytes())
-    if damage == "flip":
-        data[-5] ^= 0xFF
-    elif damage == "truncate":
-        data = data[: len(data) // 2]
-    else:
-        data = bytearray(b"not a block")
-    victim.write_bytes(bytes(data))
-    (victim.parent / "leftover.tmp").write_bytes(b"half a write")
+    disk = DiskTier(tmp_path, 1 << 20)
+    for block in chain:  # one put each: slots 0, 1, 2 in chain order
+        disk.put([block])
+    at, path = _slot_offset(disk, chain[1].hash), _slab(disk)
+    assert at == SLOT
+    disk.close()
+    record = disk_record.record_bytes(chain[1])
+    with open(path, "r+b") as f:
+        if damage == "flip":
+            f.seek(at + record - 5)
+            byte = f.read(1)[0]
+            f.seek(at + record - 5)
+            f.write(bytes([byte ^ 0xFF]))
+        elif damage == "torn":  # the write stopped half way: the rest is the slot's earlier content
+            f.seek(at + record // 2)
+            f.write(b"\0" * (record - record // 2))
+        elif damage == "truncate":  # the file ends mid-record (and the slot after it is gone)
+            f.truncate(at + record // 2)
+        elif damage == "garbage":
+            f.seek(at)
+            f.write(b"not a block")
+        else:  # a record of format version 1 (crc32): not ours
+            f.seek(at + 4)
+            f.write(struct.pack("<H", 1))
     disk = DiskTier(tmp_path, 1 << 20)
     got = disk.get_chain([b.hash for b in chain])
     assert [g.hash for g in got] == [chain[0].hash], "the chain stops at the damaged block"
-    assert disk.corrupt == 1 and not victim.exists() and not (victim.parent / "leftover.tmp").exists()
+    assert [g.model_dump() for g in got] == [chain[0].model_dump()]
+    found_at_scan = damage in ("flip", "torn")  # its header is intact: found, then fails its checksum at read
+    assert disk.corrupt == (1 if found_at_scan else 0)
+    assert disk.contains_chain([chain[1].hash]) == 0, "dropped from the index"
+    assert disk.put([chain[1]]).stored == 1 and disk.get_chain([chain[1].hash])[0] == chain[1], "its slot is reused"
+
+
+def test_old_one_file_per_block_files_are_dropped_never_served(tmp_path) -> None:  # noqa: ANN001
+    """The version 1 layout: `<2 hex>/<hash hex>.kvb`, a crc32 header, and .tmp files of cut-off writes."""
+    block = _block(0)
+    h = block.hash.hex()
+    (tmp_path / h[:2]).mkdir()
+    old = tmp_path / h[:2] / f"{h}.kvb"
+    old.write_bytes(b"KVMB" + struct.pack("<H", 1) + block.k.data + block.v.data)
+    (tmp_path / h[:2] / "leftover.tmp").write_bytes(b"half a write")
+    disk = DiskTier(tmp_path, 1 << 20)
+    assert disk.stats().blocks == 0 and disk.get_chain([block.hash]) == []
+    assert not old.exists() and not (tmp_path / h[:2]).exists()
+
+
+def test_concurrent_reads_and_writes_match_one_thread_and_o_direct_matches_buffered(tmp_path) -> None:  # noqa: ANN001
+    chains = [_chain(8, start=10 * i) for i in range(4)]
+    hashes = [[b.hash for b in c] for c in chains]
+    want = [[b.model_dump() for b in c] for c in chains]
+    direct_ok = DiskTier(tmp_path / "probe", 1 << 20, direct=True).direct
+    results = {}
+    for threads in (1, 4):
+        for direct in (False, True):
+            where = tmp_path / f"t{threads}-{direct}"
+            disk = DiskTier(where, 1 << 20, io_threads=threads, direct=direct)
+            assert disk.direct == (direct and direct_ok) and disk.stats().blocks == 0
+            for c in chains:
+                assert disk.put(c).stored == 8
+            disk.close()
+            for read_direct in (False, True):  # written one way, read back both ways after a restart
+                again = DiskTier(where, 1 << 20, io_threads=threads, direct=read_direct)
+                results[threads, direct, read_direct] = [[g.model_dump() for g in again.get_chain(h)] for h in hashes]
+                again.close()
+    assert all(r == want for r in results.values()), "every mode gives the blocks put, bit for bit"
+
+
+def test_o_direct_refused_falls_back_to_buffered_io(tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
+    from services.kvstore import disk_tier
+
+    monkeypatch.setattr(disk_tier, "direct_supported", lambda directory: False)  # as on tmpfs
+    with caplog.at_level(logging.WARNING):
+        disk = DiskTier(tmp_path, 1 << 20, direct=True)
+    assert not disk.direct and "O_DIRECT" in caplog.text
+    chain = _chain(3)
+    disk.put(chain)
+    assert disk.get_chain([b.hash for b in chain]) == chain
+
+
+@pytest.mark.parametrize("failure", ["fallocate", "write"])
+def test_a_full_or_failing_disk_is_logged_and_the_tier_keeps_serving(tmp_path, monkeypatch, caplog,  # noqa: ANN001
+                                                                     failure) -> None:
+    monkeypatch.setattr(slab_file, "GROW_BYTES", SLOT)  # the file grows a slot at a time
+    disk = DiskTier(tmp_path, 1 << 30)
+    first = _chain(2)
+    assert disk.put(first).stored == 2
+
+    def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if failure == "fallocate":  # the next slot needs the file to grow, and the disk is full
+        monkeypatch.setattr(slab_file.os, "posix_fallocate", fail)
+    else:
+        monkeypatch.setattr(slab_file, "pwrite_full", fail)
+    with caplog.at_level(logging.ERROR):
+        assert disk.put(_chain(2, start=10)).stored == 0
+    assert disk.write_errors == 2 and "disk tier: cannot" in caplog.text
+    assert disk.get_chain([b.hash for b in first]) == first, "what it holds is still served"
+    monkeypatch.undo()
+    if failure == "fallocate":  # the tier now keeps to the file it has: new blocks evict old ones
+        assert disk._cap() == disk._bytes
+        assert disk.put(_chain(2, start=20)).stored == 2 and disk.stats().blocks == 2
+    else:  # the failed slots were given back
+        assert disk.put(_chain(2, start=20)).stored == 2 and disk.stats().blocks == 4
+
+
+def test_the_slot_size_follows_the_first_block_and_larger_blocks_wait_for_an_empty_tier(tmp_path) -> None:  # noqa: ANN001
+    small = _chain(2)
+    big = StoredBlock(hash=b"\xbb" * 16, k=tensor_to_wire(torch.zeros(2, 16, 8, 8, dtype=torch.bfloat16)),
+                      v=tensor_to_wire(torch.ones(2, 16, 8, 8, dtype=torch.bfloat16)))
+    disk = DiskTier(tmp_path, 1 << 20)
+    disk.put(small)
+    assert disk.put([big]).stored == 0 and disk.too_large == 1, "larger than a slot while the file holds blocks"
+    disk.evict(1 << 30)
+    assert disk.put([big]).stored == 1 and disk.put(small).stored == 2, "an empty tier takes the new size"
+    assert [p.name for p in tmp_path.glob("*.slab")] == [f"blocks-{round_up(disk_record.record_bytes(big))}.slab"]
+    disk.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.get_chain([big.hash]) == [big] and again.get_chain([b.hash for b in small]) == small
 
 
 def test_an_unwritable_directory_is_a_clear_error_at_start(tmp_path) -> None:  # noqa: ANN001
@@ -89,7 +213,7 @@ def test_an_unwritable_directory_is_a_clear_error_at_start(tmp_path) -> None:  #
 
 
 def test_blocks_used_twice_go_down_to_disk_and_come_back_up(tmp_path) -> None:  # noqa: ANN001
-    one = len(encode_block(_block(0))) - 64  # about one block of tensor bytes
+    one = _block(0).k.nbytes * 2  # one block of tensor bytes
     store = TieredStore(CPUTier(3 * one), DiskTier(tmp_path, 1 << 20), disk_min_uses=2)
     hot, cold = _chain(2), _chain(2, start=20)
     store.put(hot)

@@ -1,75 +1,49 @@
-"""The disk tier: one file per block under a directory, bounded in bytes, least recently used evicted first.
+"""The disk tier: KV blocks in one slab file under a directory, bounded in bytes, least recently used evicted first.
 
-Layout: `<dir>/<first 2 hex of the hash>/<hash hex>.kvb`, each file a small header (magic, version, crc32 of
-everything after the header, the parent hash, dtype, shape) then the raw bytes of K and V. A file is written
-to a temporary name, flushed and renamed into place, so a crash leaves either the whole block or no block;
-a torn or corrupted file (a crash mid-write on a filesystem that reorders, a bad sector) fails its checksum,
-is deleted and reads as a miss, never served. At start the directory is scanned (names and sizes only,
-oldest modification first as the LRU order), so the tier survives a restart.
+Layout (`slab_file.py`): one file of fixed-size slots, each a self-describing record (`disk_record.py`)
+checksummed with xxh3-64; a torn or corrupted record fails its checksum at read, is dropped and reads as a
+miss, never served. At start every slot's header is read, so the tier survives a restart (write order is the
+LRU order). The byte cap counts slots (slot size = a block's record rounded up to 4096).
 
-Why one file per block rather than one preallocated file with a slab allocator: blocks of one model are all
-one size, so a slab file would only save the filesystem's per-file overhead; per-file keeps crash safety to
-one atomic rename (a slab needs its own journal for its allocation table), deletes free space at once, and
-a restart is a directory scan. Our blocks are 0.1-5 MB, where per-file overhead is small; measuring a slab
-file is left for when the disk tier's time per block is the bottleneck (see the issue note).
+Why a slab file rather than one file per block (or per group of blocks): measured with `kvmesh bench
+disk-layout` (docs/architecture.md has the figures). Per-file pays a create, a rename and, once the tier is
+full, an unlink per block; on ext4 with online discard that cost dominates blocks of 0.1-2 MB, while a slab
+slot is overwritten in place. O_DIRECT is off by default (`direct`) because, on the machine measured, the
+page cache made buffered reads and writes faster; where the filesystem takes it and memory is short, turn it
+on (it is probed once and falls back to buffered I/O where refused).
+
+Threads: the index (the LRU OrderedDict, the byte count) is touched only by the caller, one call at a time
+(the kvstore's one I/O thread); the file I/O of one call (a put's writes, a get's reads) fans out over a
+small pool owned by the tier.
 """
 from __future__ import annotations
 
 import logging
-import os
-import struct
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from services.kvstore.tier import KVTier, PutResult, TierStats, block_nbytes
+from services.kvstore import disk_record
+from services.kvstore.aligned_io import direct_supported
+from services.kvstore.block_layout import LayoutFactory, Placed
+from services.kvstore.slab_file import SlabFile
+from services.kvstore.tier import KVTier, PutResult, TierStats
 from shared.block_hash import held_prefix
 from shared.protocol.kvstore import StoredBlock
-from shared.wire import WireTensor
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVMB"
-VERSION = 1
-# magic, version, crc32 of the rest, has-parent, parent (16 bytes), dtype length, ndim
-_HEAD = struct.Struct("<4sHIB16sBB")
-SUFFIX = ".kvb"
-
-
-def encode_block(block: StoredBlock) -> bytes:
-    dtype = block.k.dtype.encode()
-    shape = struct.pack(f"<{len(block.k.shape)}q", *block.k.shape)
-    body = dtype + shape + block.k.data + block.v.data
-    parent = block.parent or b"\0" * 16
-    return _HEAD.pack(MAGIC, VERSION, zlib.crc32(body), block.parent is not None, parent, len(dtype),
-                      len(block.k.shape)) + body
-
-
-def decode_block(block_hash: bytes, data: bytes) -> StoredBlock | None:
-    """The block, or None when the bytes are not a whole, intact block file."""
-    if len(data) < _HEAD.size:
-        return None
-    magic, version, crc, has_parent, parent, dlen, ndim = _HEAD.unpack_from(data)
-    body = data[_HEAD.size:]
-    if magic != MAGIC or version != VERSION or zlib.crc32(body) != crc:
-        return None
-    dtype = body[:dlen].decode(errors="replace")
-    shape = list(struct.unpack_from(f"<{ndim}q", body, dlen))
-    tensors = body[dlen + 8 * ndim:]
-    half = len(tensors) // 2
-    try:
-        k = WireTensor(dtype=dtype, shape=shape, data=tensors[:half])
-        v = WireTensor(dtype=dtype, shape=shape, data=tensors[half:])
-    except ValueError:
-        return None
-    return StoredBlock(hash=block_hash, parent=parent if has_parent else None, k=k, v=v)
+DEFAULT_IO_THREADS = 4
+DEFAULT_DIRECT = False  # see the module docstring: the figures favoured the page cache
 
 
 class DiskTier(KVTier):
-    def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
-        self.dropped: list[bytes] = []  # hashes evicted since the owner last took them (for routers)
+    def __init__(self, directory: str | Path, capacity_bytes: int, io_threads: int = DEFAULT_IO_THREADS,
+                 direct: bool = DEFAULT_DIRECT, layout: LayoutFactory = SlabFile) -> None:
         assert capacity_bytes > 0, "capacity_bytes must be positive"
+        assert io_threads > 0, "io_threads must be positive"
+        self.dropped: list[bytes] = []  # hashes evicted since the owner last took them (for routers)
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         probe = self.dir / ".write-probe"
@@ -79,117 +53,118 @@ class DiskTier(KVTier):
         except OSError as e:
             raise RuntimeError(f"kvstore disk tier: cannot write to {self.dir}: {e}") from e
         self.capacity_bytes = capacity_bytes
-        self._files: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, least recently used first
+        self.direct = direct and direct_supported(self.dir)
+        if direct and not self.direct:
+            log.warning("disk tier: %s does not take O_DIRECT; using buffered I/O", self.dir)
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-disk")
+        self._layout = layout(self.dir, capacity_bytes, self.direct, self._pool)
+        self._index: OrderedDict[bytes, Placed] = OrderedDict()  # least recently used first
         self._bytes = 0
-        self._hits = self._misses = self._evictions = self.corrupt = self.write_errors = 0
+        self._seq = 0
+        self._hits = self._misses = self._evictions = self.corrupt = self.write_errors = self.too_large = 0
         self._scan()
-
-    def _path(self, block_hash: bytes) -> Path:
-        h = block_hash.hex()
-        return self.dir / h[:2] / f"{h}{SUFFIX}"
+        log.info("disk tier: %s, %s I/O on %d threads, %d blocks (%d bytes) found", self.dir,
+                 "O_DIRECT" if self.direct else "buffered", io_threads, len(self._index), self._bytes)
 
     def _scan(self) -> None:
-        found = []
-        for path in self.dir.glob(f"*/*{SUFFIX}"):
-            try:
-                h = bytes.fromhex(path.stem)
-                st = path.stat()
-            except (ValueError, OSError):
-                continue
-            found.append((st.st_mtime_ns, h, st.st_size))
-        for tmp in self.dir.glob("*/*.tmp"):  # writes a crash interrupted
-            tmp.unlink(missing_ok=True)
-        for _, h, size in sorted(found):
-            self._files[h] = size
-            self._bytes += size
-        if self._bytes > self.capacity_bytes:  # the cap was lowered since
-            self.evict(self._bytes - self.capacity_bytes)
-        if found:
-            log.info("disk tier: %d blocks (%d bytes) found in %s", len(self._files), self._bytes, self.dir)
+        for placed in sorted(self._layout.scan(), key=lambda p: p.seq):
+            self._index[placed.hash] = placed
+            self._bytes += placed.cost
+            self._seq = placed.seq + 1
+        if self._bytes > self._cap():  # the cap was lowered since
+            self.evict(self._bytes - self._cap())
+
+    def _cap(self) -> int:
+        limit = self._layout.limit_bytes
+        return self.capacity_bytes if limit is None else min(limit, self.capacity_bytes)
+
+    def close(self) -> None:
+        """Stops the I/O threads and closes the files (the blocks stay on disk for the next start)."""
+        self._pool.shutdown(wait=True)
+        self._layout.close()
 
     # --- KVTier -------------------------------------------------------------------------------------
 
     def put(self, blocks: Sequence[StoredBlock]) -> PutResult:
-        for block in reversed(blocks):  # tail first: the head ends up most recent
-            if block.hash in self._files:
-                self._files.move_to_end(block.hash)
+        batch: dict[bytes, tuple[StoredBlock, int]] = {}  # to write, tail first: the head ends up most recent
+        batch_bytes = 0
+        for block in reversed(blocks):
+            if block.hash in self._index:
+                self._index.move_to_end(block.hash)
                 continue
-            data = encode_block(block)
-            if len(data) > self.capacity_bytes:
+            cost = self._layout.footprint(disk_record.record_bytes(block))
+            if block.hash in batch or cost is None or cost > self._cap():
+                self.too_large += block.hash not in batch
                 continue
-            if self._bytes + len(data) > self.capacity_bytes:
-                self.evict(self._bytes + len(data) - self.capacity_bytes)
-            if self._write(block.hash, data):
-                self._files[block.hash] = len(data)
-                self._bytes += len(data)
-        return PutResult(sum(b.hash in self._files for b in blocks), [])
-
-    def _write(self, block_hash: bytes, data: bytes) -> bool:
-        path = self._path(block_hash)
-        tmp = path.with_suffix(".tmp")
-        try:
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-            os.replace(tmp, path)  # atomic: the block is there whole, or not at all
-            return True
-        except OSError as e:  # a full or failing disk: the block is simply not stored here
-            self.write_errors += 1
-            log.error("disk tier: cannot write %s: %s", path, e)
-            tmp.unlink(missing_ok=True)
-            return False
+            while self._bytes + batch_bytes + cost > self._cap():
+                if self._index:
+                    self.evict(1)
+                else:  # the put alone is larger than the tier: its tail makes way for its head
+                    batch_bytes -= batch.pop(next(iter(batch)))[1]
+            batch[block.hash] = (block, cost)
+            batch_bytes += cost
+        writes = [(block, self._seq + i) for i, (block, _) in enumerate(batch.values())]
+        self._seq += len(writes)
+        for placed in self._layout.write(writes):
+            if placed is None:  # a full or failing disk (logged by the layout): the block is not stored here
+                self.write_errors += 1
+                continue
+            self._index[placed.hash] = placed
+            self._bytes += placed.cost
+        return PutResult(sum(b.hash in self._index for b in blocks), [])
 
     def get_chain(self, hashes: Sequence[bytes], max_blocks: int | None = None,
                   max_bytes: int | None = None) -> list[StoredBlock]:
         wanted = hashes if max_blocks is None else hashes[: max(max_blocks, 0)]
-        found: list[StoredBlock] = []
+        plan: list[Placed] = []
         total = 0
+        missing = False
         for h in wanted:
-            block = self._read(h)
-            if block is None:
-                self._misses += len(wanted) - len(found)
+            placed = self._index.get(h)
+            if placed is None:
+                missing = True
                 break
-            total += block_nbytes(block)
+            total += placed.payload_bytes
             if max_bytes is not None and total > max_bytes:
+                break  # held but too big for this reply: neither a hit nor a miss
+            plan.append(placed)
+        found: list[StoredBlock] = []
+        for placed, block in zip(plan, self._layout.read(plan)):  # read concurrently, checked in chain order
+            if block is None:  # torn, corrupted or unreadable: never served, and the chain stops here
+                self.corrupt += 1
+                log.warning("disk tier: dropping damaged block %s", placed.hash.hex())
+                self._forget(placed.hash)
+                self.dropped.append(placed.hash)  # gone from the whole store: routers forget it too
+                missing = True
                 break
             found.append(block)
         self._hits += len(found)
-        for block in reversed(found):
-            self._files.move_to_end(block.hash)
+        if missing:
+            self._misses += len(wanted) - len(found)
+        for block in reversed(found):  # head most recent
+            self._index.move_to_end(block.hash)
         return found
 
-    def _read(self, block_hash: bytes) -> StoredBlock | None:
-        if block_hash not in self._files:
-            return None
-        path = self._path(block_hash)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            data = b""
-        block = decode_block(block_hash, data)
-        if block is None:  # torn, corrupted or vanished: never served
-            self.corrupt += 1
-            log.warning("disk tier: dropping damaged block file %s", path)
-            self._bytes -= self._files.pop(block_hash)
-            path.unlink(missing_ok=True)
-        return block
-
     def contains_chain(self, hashes: Sequence[bytes]) -> int:
-        return held_prefix(hashes, self._files)
+        return held_prefix(hashes, self._index)
 
     def evict(self, nbytes: int) -> list[StoredBlock]:
-        """Deletes files, least recently used first; returns nothing (no tier lies below the disk)."""
+        """Frees at least `nbytes` (or everything), least recently used first; returns nothing (no tier lies
+        below the disk): the hashes go to `dropped`, for routers to forget."""
         freed = 0
-        while freed < nbytes and self._files:
-            h, size = self._files.popitem(last=False)
-            self._bytes -= size
-            freed += size
+        while freed < nbytes and self._index:
+            h = next(iter(self._index))
+            freed += self._forget(h)
             self._evictions += 1
-            self.dropped.append(h)  # gone from the whole store (no tier lies below)
-            self._path(h).unlink(missing_ok=True)
+            self.dropped.append(h)
         return []
 
+    def _forget(self, block_hash: bytes) -> int:
+        placed = self._index.pop(block_hash)
+        self._bytes -= placed.cost
+        self._layout.free(placed)
+        return placed.cost
+
     def stats(self) -> TierStats:
-        return TierStats(blocks=len(self._files), bytes=self._bytes, capacity_bytes=self.capacity_bytes,
+        return TierStats(blocks=len(self._index), bytes=self._bytes, capacity_bytes=self.capacity_bytes,
                          hits=self._hits, misses=self._misses, evictions=self._evictions)
