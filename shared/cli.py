@@ -18,6 +18,7 @@ BENCH = {
     "decode": ("loadtest.decode_bench", "ms per decode step by batch size, GPU-busy share, decode attention bandwidth"),
     "kv-transfer": ("loadtest.kv_transfer", "KV transfer over NATS, TCP and shared memory, and TTFT local vs remote vs kvstore"),
     "tiers": ("loadtest.tiers", "TTFT of a long prompt whose prefix is in device / host / kvstore / disk / nowhere"),
+    "disk-layout": ("loadtest.disk_layout", "the kvstore disk tier's layouts: slab file vs file per block vs per group"),
     "serve": ("loadtest.serve.cli", "serving benchmark against any OpenAI-compatible server"),
     "compare": ("loadtest.serve.compare", "same workload against two servers, side by side"),
     "baseline": ("loadtest.serve.baseline", "start `transformers serve --continuous-batching` on a model dir"),
