@@ -7,6 +7,12 @@ import os
 from shared.config import EngineConfig
 
 
+# A prefill worker's chunk: its KV goes out while the next chunk computes, so the decode worker waits
+# for one chunk's transfer instead of the whole prompt's (docs/architecture.md, "Pushing KV while the
+# prompt computes").
+PREFILL_CHUNK_TOKENS = 1024
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=os.environ.get("KVMESH_MODEL"), required="KVMESH_MODEL" not in os.environ,
                         help="Hugging Face checkpoint directory (env KVMESH_MODEL)")
@@ -32,6 +38,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                        help="at most this many prompt tokens of one request per step (0: no cap); a prefill "
+                             "worker pushes each chunk's KV while the next computes (default: 0, prefill "
+                             "workers %d)" % PREFILL_CHUNK_TOKENS)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--served-model-name", default=None, help="model id folded into block hashes")
     # Not a flag (it would show in `ps`): the mesh's secret, folded into every block hash so nobody can
@@ -51,4 +61,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
                         model_id=args.served_model_name, cache_salt=args.cache_salt)

@@ -16,6 +16,7 @@ from shared.engine.engine_thread import EngineThread
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.offload import Offloader, collect
 from shared.kv_transport import MeshKVTransport, NatsKVTransport
+from shared.kv_transport.outgoing import PushStats
 from shared.kvstore_client import KVStoreClient
 from shared.prefix_fetch import PrefixFetches
 from shared.protocol.events import LoadBeat
@@ -41,6 +42,7 @@ class EngineWorker(Service):
         self.beat_interval_s = beat_interval_s
         self.kvstore_hit_tokens = 0  # prompt tokens loaded from the kvstore (prefix-cache hits beyond our own)
         self.host_hit_tokens = 0  # prompt tokens loaded from this worker's host tier
+        self.kv_push = PushStats()  # KV this worker pushed to others (a prefill worker's)
         self._stats_pending: asyncio.Future | None = None
         self._last_stats: EngineStats | None = None
 
@@ -93,7 +95,7 @@ class EngineWorker(Service):
                          e.block_manager.root, e.max_model_len, kv_dtype, off.submitted if off else 0,
                          off.dropped if off else 0, self.host_hit_tokens,
                          e.host_tier.stats.bytes if e.host_tier is not None else 0,
-                         self.transport.endpoint or "")
+                         self.transport.endpoint or "", self.kv_push)
 
     async def wait_closed(self) -> None:
         """Ends the service (non-zero exit, so a supervisor restarts it) if the engine thread crashed."""

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from shared.engine.llm_engine import EngineStats
+from shared.kv_transport.outgoing import PushStats
 from shared.protocol.events import LoadBeat
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class LoadBeats:
 def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens: int, block_size: int,
               hash_root: bytes, max_model_len: int, kv_cache_dtype: str, offloaded: int = 0,
               offload_dropped: int = 0, host_hit_tokens: int = 0, host_bytes: int = 0,
-              kv_endpoint: str = "") -> LoadBeat:
+              kv_endpoint: str = "", kv_push: PushStats | None = None) -> LoadBeat:
+    push = kv_push or PushStats()
     hist = stats.iteration_tokens
     return LoadBeat(
         worker_id=worker_id, role=role, running=stats.running, waiting=stats.waiting,
@@ -87,4 +89,5 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         iteration_token_counts=list(hist.counts) if hist else [],
         iteration_tokens_sum=hist.total if hist else 0, kv_cache_dtype=kv_cache_dtype,
         offloaded_blocks=offloaded, offload_dropped_blocks=offload_dropped, host_tier_hit_tokens=host_hit_tokens,
-        kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes, kv_endpoint=kv_endpoint)
+        kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes, kv_endpoint=kv_endpoint,
+        kv_pushes=push.pushes, kv_push_bytes=push.bytes, kv_push_wait_seconds=push.wait_s)

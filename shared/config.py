@@ -26,6 +26,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the byte budget (tests use it to force preemption)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048  # per-step token budget; prompts are chunked to fit
+    # At most this many prompt tokens of one request per step (0: no cap), as vLLM's flag of the name:
+    # a prefill worker cuts long prompts into chunks so each chunk's KV goes out while the next computes.
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     enable_prefix_caching: bool = True
     # Host memory for blocks evicted from the device pool (shared/engine/host_tier.py); 0: no host tier.
@@ -39,6 +42,7 @@ class EngineConfig:
         assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of 2"
         assert self.max_num_seqs > 0
         assert self.max_num_batched_tokens > 0
+        assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"
         assert self.load_format in ("auto", "dummy"), f"unknown load_format {self.load_format!r}"
         assert self.offload_policy in ("eviction", "write-through"), f"unknown offload_policy {self.offload_policy!r}"
         assert self.host_kv_bytes >= 0, "host_kv_bytes must be >= 0"

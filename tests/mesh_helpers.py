@@ -24,10 +24,11 @@ def engine_config(model, **overrides) -> EngineConfig:
 
 
 def decode_service(model, worker_id="d0", threshold=0, kvstore=True, transfer_timeout=3.0, remote_timeout=10.0,
-                   beat_interval_s=0.2, **engine) -> DecodeService:
+                   beat_interval_s=0.2, direct_kv=True, **engine) -> DecodeService:
     return DecodeService(engine_config(model, **engine), DecodeSettings(
         worker_id=worker_id, remote_prefill_threshold=threshold, use_kvstore=kvstore,
-        remote_prefill_timeout_s=remote_timeout, kv_transfer_timeout_s=transfer_timeout, beat_interval_s=beat_interval_s))
+        remote_prefill_timeout_s=remote_timeout, kv_transfer_timeout_s=transfer_timeout, beat_interval_s=beat_interval_s,
+        direct_kv=direct_kv))
 
 
 _prefill_ids = itertools.count()

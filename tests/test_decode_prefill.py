@@ -22,10 +22,14 @@ def check(ckpt, hf_reference, prompt, tokens):
     assert tokens == ref
 
 
-def test_remote_prefill_forced_matches_transformers(nats_server, checkpoints, hf_reference):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "nats"])
+def test_remote_prefill_forced_matches_transformers(nats_server, checkpoints, hf_reference, direct):
     ckpt = checkpoints["qwen2"]
     prompts = random_prompts([3, 16, 40, 90, 17], seed=21)
-    decode, prefill = decode_service(ckpt, threshold=0), prefill_service(ckpt)
+    # Prompts past 32 tokens prefill in 32-token chunks, whose blocks are pushed while the next chunk
+    # computes (40: one piece before the last blocks, 90: two); over NATS they go together at the end.
+    decode = decode_service(ckpt, threshold=0, direct_kv=direct)
+    prefill = prefill_service(ckpt, long_prefill_token_threshold=32)
 
     async def main():
         async with running(nats_server, kvstore_service(), prefill, decode) as nc:
@@ -36,6 +40,10 @@ def test_remote_prefill_forced_matches_transformers(nats_server, checkpoints, hf
                 assert [c.seq for c in chunks] == list(range(len(chunks)))
             await wait_idle(decode, prefill)
             assert (decode.remote_prefills, decode.remote_fallbacks) == (len(prompts), 0)
+            assert prefill.kv_pieces == 3
+            if not direct:
+                assert prefill.transport.direct_sends == 0 and decode.transport.endpoint is None
+                return
             # The KV went over the direct channel (shared memory: one host), not over NATS.
             assert prefill.transport.direct_sends == decode.remote_prefills and prefill.transport.fallbacks == 0
             assert decode.transport.server.shm_frames == decode.transport.server.frames > 0
@@ -45,13 +53,16 @@ def test_remote_prefill_forced_matches_transformers(nats_server, checkpoints, hf
     asyncio.run(main())
 
 
-def test_a_direct_transfer_cut_off_halfway_recomputes_locally(nats_server, checkpoints, hf_reference):
+@pytest.mark.parametrize("chunk", [0, 32], ids=["whole", "pieces"])
+def test_a_direct_transfer_cut_off_halfway_recomputes_locally(nats_server, checkpoints, hf_reference, chunk):
     """The decode side drops the direct connection after the first frame of the first transfer: that
     request is prefilled locally (same tokens), every reserved block is freed, and the next transfer
-    opens a new connection."""
+    opens a new connection. With chunk 32 the cut falls in a piece pushed while the prompt still
+    computes: the pieces after it are not sent."""
     ckpt = checkpoints["llama"]
     prompts = random_prompts([90, 70], seed=25)
-    decode, prefill = decode_service(ckpt, threshold=0, transfer_timeout=3.0), prefill_service(ckpt)
+    decode = decode_service(ckpt, threshold=0, transfer_timeout=3.0)
+    prefill = prefill_service(ckpt, long_prefill_token_threshold=chunk)
 
     async def main():
         async with running(nats_server, prefill, decode) as nc:
@@ -72,6 +83,7 @@ def test_a_direct_transfer_cut_off_halfway_recomputes_locally(nats_server, check
                 check(ckpt, hf_reference, p, tokens)
             assert (decode.remote_prefills, decode.remote_fallbacks) == (1, 1)
             assert frames[0] > 3, (frames, prefill.transport.direct_sends, prefill.transport.fallbacks)
+            assert prefill.kv_pieces == (4 if chunk else 0)  # 90 tokens: 2 pieces sent or not, 70: 2
             await wait_idle(decode, prefill)
 
     asyncio.run(main())

@@ -13,21 +13,30 @@ def remote_prefill(decode, prefill, rid, prompt, params):
     first_block = res.num_cached_tokens // decode.config.block_size
     prefill.add_request(rid, prompt, SamplingParams(**{**params.__dict__, "max_tokens": 1}),
                         capture_kv_from_block=first_block)
-    out = run_to_completion(prefill)[rid]
-    k, v = out.kv_blocks
-    assert k.shape[1] == res.num_blocks - first_block
-    decode.write_blocks(rid, first_block, k, v)
+    # As a prefill worker pushes them: each chunk's completed blocks as they come, the rest at the end.
+    pieces, out = [], None
+    while out is None:
+        for o in prefill.step():
+            if o.request_id == rid and o.kv_blocks is not None:
+                pieces.append((o.kv_first_block, o.kv_blocks[0].shape[1]))
+                decode.write_blocks(rid, o.kv_first_block, *o.kv_blocks)
+            if o.request_id == rid and o.finished:
+                out = o
+    # Every block exactly once, in order, however the prompt was chunked.
+    assert [b for b, _ in pieces] == [first_block + sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+    assert sum(n for _, n in pieces) == res.num_blocks - first_block
     lp = out.logprobs[0] if out.logprobs else None
-    return res, decode.commit_held(rid, len(prompt), out.output_token_ids[0], lp)
+    return res, decode.commit_held(rid, len(prompt), out.output_token_ids[0], lp), len(pieces)
 
 
 def test_remote_prefill_then_local_decode_matches_transformers(checkpoints, hf_reference):
     ckpt = checkpoints["qwen3"]
     decode, prefill = make_engine(ckpt), make_engine(ckpt, max_num_batched_tokens=24)
     prompts = random_prompts([5, 16, 40, 77], seed=11)
-    for i, p in enumerate(prompts):
-        _, first = remote_prefill(decode, prefill, f"r{i}", p, greedy(12))
+    for i, p in enumerate(prompts):  # 40 and 77 tokens take several 24-token chunks: several pieces
+        _, first, pieces = remote_prefill(decode, prefill, f"r{i}", p, greedy(12))
         assert first is not None and first.new_token_ids == first.output_token_ids
+        assert pieces == -(-len(p) // 24) if len(p) > 24 else pieces == 1
     done = run_to_completion(decode)
     assert_matches_hf(ckpt, hf_reference, prompts, [done[f"r{i}"] for i in range(len(prompts))], 12)
     assert_all_free(decode)
@@ -40,7 +49,7 @@ def test_remote_prefill_after_partial_local_prefix_hit(checkpoints, hf_reference
     shared = random_prompts([40], seed=12)[0]
     decode.generate([shared + [1]], greedy(2), use_tqdm=False)
     prompt = shared + random_prompts([30], seed=13)[0]
-    res, _ = remote_prefill(decode, prefill, "x", prompt, greedy(10))
+    res, _, _ = remote_prefill(decode, prefill, "x", prompt, greedy(10))
     assert res.num_cached_tokens == 32
     done = run_to_completion(decode)
     assert_matches_hf(ckpt, hf_reference, [prompt], [done["x"]], 10)

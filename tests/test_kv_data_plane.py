@@ -177,3 +177,75 @@ def test_the_mesh_transport_goes_direct_and_falls_back_to_nats(nats_server) -> N
             await nc_recv.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("reachable", [True, False], ids=["direct", "nats"])
+def test_a_transfer_in_pieces_lands_while_later_pieces_are_computed(nats_server, reachable) -> None:  # noqa: F811
+    """A prefill hands its KV over chunk by chunk: each piece is written at the receiver before the
+    next one is even handed over (what lets the push overlap the compute), frames are numbered across
+    pieces and only the last says how many; with the endpoint out of reach the pieces wait and go
+    over NATS together at the end."""
+    async def go() -> None:
+        nc_recv, nc_send = await bus.connect(nats_server), await bus.connect(nats_server)
+        receiver, sender = MeshKVTransport(nc_recv, settings=SMALL), MeshKVTransport(nc_send, settings=SMALL)
+        await receiver.start("d0")
+        await sender.start(None)
+        try:
+            k, v = kv(torch.float32, blocks=10, seed=5)
+            dk, dv, write, writes = sink(k, first_block=2)
+            token = secrets.token_bytes(16)
+            done = receiver.expect("t", 12, write, 10.0, token=token)
+            endpoint = receiver.endpoint if reachable else f"tcp://127.0.0.1:{free_port()}"
+            tx = sender.open_transfer("d0", "t", 10.0, endpoint=endpoint, token=token)
+            for b0, b1 in ((0, 3), (3, 7)):  # blocks 2..4, then 5..8 of the request
+                tx.push(2 + b0, k[:, b0:b1], v[:, b0:b1])
+                if reachable:  # written before the next piece exists
+                    await asyncio.wait_for(_until(lambda: torch.equal(dk[:, 2 + b0:2 + b1], k[:, b0:b1])), 5)
+                else:
+                    await asyncio.sleep(0.05)
+                    assert not writes  # kept for the bus
+                assert not done.done()
+            sent = await tx.finish(9, k[:, 7:], v[:, 7:])
+            await asyncio.wait_for(done, 5)
+            assert sent == 2 * k.numel() * k.element_size()
+            assert torch.equal(dk[:, 2:], k) and torch.equal(dv[:, 2:], v)
+            assert (sender.direct_sends, sender.fallbacks) == ((1, 0) if reachable else (0, 1))
+            assert tx.went_direct is reachable
+        finally:
+            await sender.stop()
+            await receiver.stop()
+            await nc_send.close()
+            await nc_recv.close()
+
+    asyncio.run(go())
+
+
+def test_a_frame_numbered_past_the_known_total_is_refused() -> None:
+    async def go() -> None:
+        registry = TransferRegistry()
+        k, v = kv(torch.float32, blocks=2)
+        _, _, write, _ = sink(k)
+        done = registry.expect("t", 2, write, 10.0, token=b"tok")
+        inc, err = registry.check("t", 0, 0, 1)  # a piece before the total is known
+        assert err is None
+        assert await registry.accept("t", inc, 0, 0, 0, k[:, :1], v[:, :1], 0) is None
+        assert not done.done()
+        inc, err = registry.check("t", 1, 2, 2)  # the last frame says there are two
+        assert await registry.accept("t", inc, 1, 2, 1, k[:, 1:], v[:, 1:], 0) is None
+        await asyncio.wait_for(done, 1)
+        registry.expect("u", 2, write, 10.0)
+        inc, _ = registry.check("u", 0, 1, 1)
+        await registry.accept("u", inc, 0, 1, 0, k[:, :1], v[:, :1], 0)
+        assert registry.check("u", 3, 0, 2) == (None, "unknown transfer")  # complete: gone
+        registry.expect("w", 2, write, 10.0)
+        inc, _ = registry.check("w", 1, 2, 1)
+        await registry.accept("w", inc, 1, 2, 0, k[:, :1], v[:, :1], 0)
+        assert registry.check("w", 2, 0, 2)[1] == "chunk 2 of 2"  # past the total a final frame gave
+        assert registry.check("w", 0, 3, 2)[1] == "chunk count changed mid-transfer"
+
+    asyncio.run(go())
+
+
+async def _until(cond) -> None:  # noqa: ANN001
+    while not cond():
+        await asyncio.sleep(0.005)

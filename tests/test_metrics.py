@@ -148,3 +148,23 @@ def test_offload_counters_per_worker(model_dir, tmp_path) -> None:  # noqa: ANN0
         assert sample(scrape(mesh), "kvstore_blocks", tier="disk") == 0  # the harness's kvstore has no disk
     finally:
         mesh.close()
+
+
+def test_kv_push_counters_of_a_prefill_worker(model_dir, tmp_path) -> None:  # noqa: ANN001
+    """A prefill worker's pushes: how many, their bytes, and what decode waited after the compute."""
+    mesh = Mesh(tmp_path, model_dir)
+    try:
+        mesh.start_tokenizer()
+        prefill = mesh.start_prefill()
+        mesh.start_decoder("d0", threshold=0)
+        mesh.wait_until(lambda: mesh.gateway.ctx.router.alive() and mesh.gateway.ctx.metrics.prefill_workers.alive())
+        client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        client.completions.create(model="tiny", prompt=list(range(1, 70)), max_tokens=3, temperature=0)
+        wid = prefill.settings.worker_id
+        mesh.wait_until(lambda: (sample(scrape(mesh), "kv_pushes_total", worker=wid) or 0) == 1)
+        text = scrape(mesh)
+        assert sample(text, "kv_push_bytes_total", worker=wid) == prefill.kv_push.bytes > 0
+        assert 0 < sample(text, "kv_push_wait_seconds_total", worker=wid) < 10
+        assert sample(text, "kv_pushes_total", worker="d0") == 0  # decode workers push nothing
+    finally:
+        mesh.close()

@@ -105,6 +105,13 @@ class _WorkerCollector(Collector):
                                         labels=labels + ["tier"])
         host_bytes = GaugeMetricFamily(f"{PREFIX}host_tier_bytes", "Bytes of KV in the worker's host tier",
                                        labels=labels)
+        pushes = CounterMetricFamily(f"{PREFIX}kv_pushes", "KV transfers a prefill worker pushed to decode workers",
+                                     labels=labels)
+        push_bytes = CounterMetricFamily(f"{PREFIX}kv_push_bytes", "Bytes of KV a prefill worker pushed",
+                                         labels=labels)
+        push_wait = CounterMetricFamily(f"{PREFIX}kv_push_wait_seconds", "Seconds decode workers waited for pushed "
+                                        "KV after the prompt's last chunk computed (what compute did not hide)",
+                                        labels=labels)
         alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
                                   labels=["model_name", "role"])
         decode = [w.beat for w in self._router.alive() if w.beat is not None]
@@ -122,6 +129,9 @@ class _WorkerCollector(Collector):
             tier_hits.add_metric(v + ["host"], b.host_tier_hit_tokens)
             tier_hits.add_metric(v + ["kvstore"], b.kvstore_hit_tokens)
             host_bytes.add_metric(v, b.host_tier_bytes)
+            pushes.add_metric(v, b.kv_pushes)
+            push_bytes.add_metric(v, b.kv_push_bytes)
+            push_wait.add_metric(v, b.kv_push_wait_seconds)
             if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
                 cumulative, acc = [], 0
                 for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
@@ -132,7 +142,7 @@ class _WorkerCollector(Collector):
         alive.add_metric([self._model, "decode"], len(decode))
         alive.add_metric([self._model, "prefill"], len(prefill))
         yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
-                    iteration, config, alive)
+                    pushes, push_bytes, push_wait, iteration, config, alive)
 
 
 class GatewayMetrics:

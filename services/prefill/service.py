@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 
 from nats.aio.client import Client
 from opentelemetry import trace
@@ -20,10 +21,11 @@ from shared.config import EngineConfig
 from shared.engine.commands import Abort, Commit, Enqueue, Reserve
 from shared.engine.outputs import RequestOutput
 from shared.kv_transport import TransferError
+from shared.kv_transport.outgoing import OutgoingTransfer
 from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, TokenLogprob
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
-from services.engine_args import add_engine_arguments, engine_config_from_args
+from services.engine_args import PREFILL_CHUNK_TOKENS, add_engine_arguments, engine_config_from_args
 from services.engine_worker import EngineWorker, default_worker_id
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ class PrefillService(EngineWorker):
         super().__init__(engine_config, settings.use_kvstore, settings.worker_id, settings.beat_interval_s)
         self.settings = settings
         self.pending: dict[str, asyncio.Future] = {}
+        self.outgoing: dict[str, OutgoingTransfer] = {}  # each request's KV push, open while it computes
+        self.kv_pieces = 0  # blocks of a chunk pushed while the prompt's next chunk computed
         self.draining = False
 
     async def start(self, nc: Client) -> None:
@@ -97,6 +101,10 @@ class PrefillService(EngineWorker):
         params = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
+        # Opened before the prefill starts: the blocks of each chunk go out while the next one computes.
+        tx = self.outgoing[rid] = self.transport.open_transfer(
+            req.decode_worker_id, req.transfer_id, self.settings.kv_transfer_timeout_s, endpoint=req.kv_endpoint,
+            token=req.kv_token)
         try:
             with _tracer.start_as_current_span("prefill.compute", attributes={
                     "kvmesh.request_id": rid, "kvmesh.prompt_tokens": len(req.prompt_token_ids),
@@ -105,20 +113,24 @@ class PrefillService(EngineWorker):
                 self.beats.changed()
                 span.set_attribute("kvmesh.cached_tokens", cached)
                 out: RequestOutput = await fut
+                span.set_attribute("kvmesh.kv.pieces", tx.pieces + 1)
             if out.finish_reason == "abort" or out.kv_blocks is None:
                 return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error="cancelled")
             k, v = out.kv_blocks
-            if k.shape[1] != req.num_dest_blocks:
+            computed = out.kv_first_block + k.shape[1] - first_block
+            if computed != req.num_dest_blocks:
                 return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id,
-                                          error=f"computed {k.shape[1]} blocks, decode reserved {req.num_dest_blocks}")
-            await self.transport.send(req.decode_worker_id, req.transfer_id, first_block, k, v,
-                                      self.settings.kv_transfer_timeout_s, endpoint=req.kv_endpoint,
-                                      token=req.kv_token)
+                                          error=f"computed {computed} blocks, decode reserved {req.num_dest_blocks}")
+            t0 = time.perf_counter()
+            sent = await tx.finish(out.kv_first_block, k, v)
+            self.kv_push.record(sent, time.perf_counter() - t0)
         except ValueError as e:
             raise bus.RemoteError(codes.BAD_REQUEST, str(e)) from None
         except (bus.BusError, TransferError, asyncio.TimeoutError) as e:
             return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error=f"KV push failed: {e}")
         finally:
+            self.outgoing.pop(rid, None)
+            await tx.cancel()  # a no-op once finished; stops pieces still going out otherwise
             if self.pending.pop(rid, None) is not None and not fut.done():
                 await self.thread.run(Abort(rid))
         lp = TokenLogprob.from_engine(out.logprobs[0]) if out.logprobs else None
@@ -140,6 +152,9 @@ class PrefillService(EngineWorker):
             fut = self.pending.get(out.request_id)
             if out.finished and fut is not None and not fut.done():
                 fut.set_result(out)
+            elif not out.finished and out.kv_blocks is not None and out.request_id in self.outgoing:
+                self.outgoing[out.request_id].push(out.kv_first_block, *out.kv_blocks)
+                self.kv_pieces += 1
         super()._on_step(outputs, events, offload)
 
     async def on_engine_crash(self) -> None:
@@ -165,6 +180,7 @@ class PrefillService(EngineWorker):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    parser.set_defaults(long_prefill_token_threshold=PREFILL_CHUNK_TOKENS)
     parser.add_argument("--worker-id", default=os.environ.get("KVMESH_WORKER_ID") or default_worker_id("prefill"))
     parser.add_argument("--no-kvstore", action="store_true")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)

@@ -91,7 +91,8 @@ class LLMEngine:
         # Blocks on their way to the kvstore under the eviction policy (track_for_offload): hash, K, V
         # [layers, block_size, heads, dim] host copies. None: not tracked.
         self.offload_out: list[tuple[bytes, torch.Tensor, torch.Tensor]] | None = None
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_token_threshold)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
         self.capture_kv: dict[str, int] = {}
@@ -137,8 +138,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
                     arrival_time: float | None = None, capture_kv_from_block: int | None = None) -> None:
-        """Queue a request. capture_kv_from_block: when it finishes, its RequestOutput.kv_blocks holds
-        the K/V of its prompt's logical blocks from that index on (what a prefill worker pushes)."""
+        """Queue a request. capture_kv_from_block: its RequestOutputs' kv_blocks hold the K/V of its
+        prompt's logical blocks from that index on (what a prefill worker pushes): the blocks a chunk
+        completed with each unfinished output, the rest with the finished one."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
         self._track(seq, capture_kv_from_block)
         self.scheduler.add(seq)
@@ -324,11 +326,31 @@ class LLMEngine:
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
+        pieces = self._captured_pieces(plan.scheduled, {id(s) for _, s in sampling})
         if not rows:
-            return []
+            return pieces
         now = time.time()
         samples = self.sampler.sample(logits, [s for _, s in sampling], token_bitmask=bitmask)
-        return [self._append_token(seq, token, lp, now) for (_, seq), (token, lp) in zip(sampling, samples)]
+        return pieces + [self._append_token(seq, token, lp, now) for (_, seq), (token, lp) in zip(sampling, samples)]
+
+    def _captured_pieces(self, scheduled: list[tuple[Sequence, int]], sampling: set[int]) -> list[RequestOutput]:
+        """For prefill-only requests still computing their prompt: the K/V of the blocks this step
+        completed, as an unfinished output, so they travel while the next chunk computes (the rest,
+        the last partial block included, comes with the finished output)."""
+        pieces = []
+        for seq, _ in scheduled:
+            start = self.capture_kv.get(seq.request_id)
+            if start is None or id(seq) in sampling:
+                continue
+            done = seq.num_computed_tokens // self.config.block_size
+            if done <= start:
+                continue
+            out = self._output(seq, [])
+            out.kv_blocks = self.read_blocks(seq.block_table[start:done])
+            out.kv_first_block = start
+            self.capture_kv[seq.request_id] = done
+            pieces.append(out)
+        return pieces
 
     @staticmethod
     def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], last_row: list[int]
@@ -384,13 +406,15 @@ class LLMEngine:
         if reason is not None:
             if seq.request_id in self.capture_kv:
                 # Prefill-only requests hand their prompt KV out before the blocks are freed.
-                kv = self.read_request_blocks(seq.request_id, self.capture_kv.pop(seq.request_id))
+                kv_first_block = self.capture_kv.pop(seq.request_id)
+                kv = self.read_request_blocks(seq.request_id, kv_first_block)
             seq.finish_reason = reason
             seq.finished_time = now
             self.scheduler.finish(seq)
             del self.seqs[seq.request_id]
         out = self._output(seq, [token])
-        out.kv_blocks = kv
+        if kv is not None:
+            out.kv_blocks, out.kv_first_block = kv, kv_first_block
         return out
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

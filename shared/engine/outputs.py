@@ -25,6 +25,8 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # first step that computed any of its tokens
     first_token_time: float | None = None
     finished_time: float | None = None
-    # Prefill-only requests (capture_kv_from_block): K and V of the pushed prompt blocks,
-    # each [layers, blocks, block_size, kv_heads, head_dim], on CPU.
+    # Prefill-only requests (capture_kv_from_block): K and V of prompt blocks from kv_first_block on,
+    # each [layers, blocks, block_size, kv_heads, head_dim], on CPU. An unfinished output carries the
+    # blocks a prefill chunk completed; the finished one the rest (the last partial block included).
     kv_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    kv_first_block: int = 0

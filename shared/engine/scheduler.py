@@ -26,10 +26,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens  # prompt tokens of one request per step
         # Both kept sorted by Sequence.sort_key(): priority first, then arrival.
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []
         self.running: list[tuple[tuple[int, int], Sequence]] = []
@@ -84,7 +86,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, self.chunk_cap)
             while not self.bm.can_allocate(seq, n):
                 _, victim = self.running[-1]  # lowest priority, newest first
                 self._preempt(victim)
@@ -100,7 +102,7 @@ class Scheduler:
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             key, seq = self.waiting[0]
             computed = self.bm.get_computed_blocks(seq)
-            n = min(seq.num_tokens - len(computed) * self.bm.block_size, budget)
+            n = min(seq.num_tokens - len(computed) * self.bm.block_size, budget, self.chunk_cap)
             if not self.bm.allocate(seq, n, computed):
                 break
             del self.waiting[0]

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.kv_transport.outgoing import OutgoingTransfer
 
 # write(first_logical_block, k, v, first_layer) with k, v [layers, blocks, block_size, kv_heads, head_dim];
 # a chunk may carry a range of layers when one block of all layers does not fit in a message.
@@ -32,6 +36,12 @@ class KVTransport(abc.ABC):
                    deadline_s: float, endpoint: str | None = None, token: bytes = b"") -> int:
         """Push blocks [first_block, first_block + k.shape[1]) of a transfer; returns bytes sent.
         endpoint, token: the receiver's direct channel and this transfer's token, when it has one."""
+
+    @abc.abstractmethod
+    def open_transfer(self, dest_worker: str, transfer_id: str, deadline_s: float, endpoint: str | None = None,
+                      token: bytes = b"") -> "OutgoingTransfer":
+        """A transfer sent in pieces as they are computed (outgoing.py): push() each chunk's blocks,
+        finish() with the last ones."""
 
     @abc.abstractmethod
     def expect(self, transfer_id: str, num_blocks: int, write: BlockWriter, deadline_s: float,

@@ -348,14 +348,27 @@ class DirectSender:
         finally:
             conn.release()
 
+    def num_frames(self, k: torch.Tensor) -> int:
+        return len(self._plan(k))
+
+    def _plan(self, k: torch.Tensor) -> list[tuple[int, int, int, int]]:
+        per_block_layer = 2 * k[0, 0].numel() * k.element_size()
+        return plan_chunks(k.shape[0], k.shape[1], per_block_layer, self.settings.frame_bytes, headroom=0)
+
+    async def connect(self, endpoint: str) -> None:
+        """Opens (or reuses) the connection to endpoint; DirectUnavailable when it cannot be reached."""
+        await self._conn(endpoint)
+
     async def send(self, endpoint: str, token: bytes, transfer_id: str, first_block: int, k: torch.Tensor,
-                   v: torch.Tensor, deadline_s: float) -> int:
-        """Push blocks [first_block, first_block + k.shape[1]); returns payload bytes sent."""
+                   v: torch.Tensor, deadline_s: float, first_seq: int = 0, final: bool = True) -> int:
+        """Push blocks [first_block, first_block + k.shape[1]) as frames first_seq, first_seq + 1, ...;
+        returns payload bytes sent. final=False: a piece of a transfer whose size is not known yet (its
+        frames say total 0; the final piece's frames carry the transfer's frame count)."""
         conn = await self._conn(endpoint)
         loop = asyncio.get_running_loop()
-        layers, n = k.shape[0], k.shape[1]
-        per_block_layer = 2 * k[0, 0].numel() * k.element_size()
-        chunks = plan_chunks(layers, n, per_block_layer, self.settings.frame_bytes, headroom=0)
+        n = k.shape[1]
+        chunks = self._plan(k)
+        total = first_seq + len(chunks) if final else 0
         deadline = time.monotonic() + deadline_s
         dtype = str(k.dtype).removeprefix("torch.")
         sent = 0
@@ -389,7 +402,7 @@ class DirectSender:
                 if conn.broken is not None:
                     raise TransferError(f"direct KV connection lost: {conn.broken}")
                 fut = conn.acks[(transfer_id, seq)] = loop.create_future()
-                hdr = header(op="kv", t=transfer_id, tok=token, seq=seq, total=len(chunks), l0=l0, l1=l1,
+                hdr = header(op="kv", t=transfer_id, tok=token, seq=seq, total=total, l0=l0, l1=l1,
                              b0=first_block + b0, b1=first_block + b1, dtype=dtype, shape=list(kk.shape),
                              nbytes=2 * half, slot=frame_slot, xxh=xxh, tp=carrier)
                 async with conn.lock:
@@ -413,7 +426,7 @@ class DirectSender:
                 raise TransferError(f"decode refused chunk {seq} of {transfer_id}: {ack.get('err')}")
             sent += 2 * half
 
-        tasks = [asyncio.ensure_future(one(i, *c)) for i, c in enumerate(chunks)]
+        tasks = [asyncio.ensure_future(one(first_seq + i, *c)) for i, c in enumerate(chunks)]
         try:
             await asyncio.gather(*tasks)
         except BaseException as e:

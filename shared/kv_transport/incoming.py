@@ -65,12 +65,15 @@ class TransferRegistry:
             return None, "unknown transfer"
         if token is not None and not (inc.token and hmac.compare_digest(token, inc.token)):
             return None, "wrong transfer token"
-        if not 0 <= seq < total:
+        # total 0: a chunk of a piece sent before the prefill knew how many chunks there would be.
+        if seq < 0 or total < 0 or (total and seq >= total):
             return None, f"chunk {seq} of {total}"
         if seq in inc.seen:
             return None, f"chunk {seq} received twice"
-        if inc.total is not None and total != inc.total:
+        if total and inc.total is not None and total != inc.total:
             return None, "chunk count changed mid-transfer"
+        if inc.total is not None and seq >= inc.total:
+            return None, f"chunk {seq} of {inc.total}"
         if block_end > inc.num_blocks:
             return None, f"blocks up to {block_end} but only {inc.num_blocks} were reserved"
         return inc, None
@@ -85,8 +88,9 @@ class TransferRegistry:
             self.fail(transfer_id, error)
             return error
         inc.seen.add(seq)
-        inc.total = total
-        if len(inc.seen) == total and not inc.done.done():
+        if total:
+            inc.total = total
+        if len(inc.seen) == inc.total and not inc.done.done():
             self._incoming.pop(transfer_id, None)
             inc.done.set_result(None)
         return None

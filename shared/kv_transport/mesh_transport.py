@@ -15,9 +15,10 @@ import torch
 from nats.aio.client import Client
 
 from shared.kv_transport.base import BlockWriter
-from shared.kv_transport.direct import DirectSender, DirectServer, DirectSettings, DirectUnavailable
+from shared.kv_transport.direct import DirectSender, DirectServer, DirectSettings
 from shared.kv_transport.incoming import TransferRegistry
 from shared.kv_transport.nats_transport import NatsKVTransport
+from shared.kv_transport.outgoing import OutgoingTransfer
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,21 @@ class MeshKVTransport(NatsKVTransport):
                token: bytes = b"") -> asyncio.Future:
         return self.registry.expect(transfer_id, num_blocks, write, deadline_s, token)
 
+    def open_transfer(self, dest_worker: str, transfer_id: str, deadline_s: float, endpoint: str | None = None,
+                      token: bytes = b"") -> OutgoingTransfer:
+        tx = OutgoingTransfer(transfer_id, deadline_s, self._bus_send(dest_worker, transfer_id), self.sender,
+                              endpoint, token)
+        tx.add_done_callback(lambda ok: self._count(tx, dest_worker, ok))
+        return tx
+
+    def _count(self, tx: OutgoingTransfer, dest_worker: str, ok: bool) -> None:
+        if ok and tx.went_direct:
+            self.direct_sends += 1
+        elif ok and tx.fell_back is not None and "no direct endpoint" not in tx.fell_back:
+            self.fallbacks += 1
+            log.info("direct KV channel to %s unavailable, pushed over NATS: %s", dest_worker, tx.fell_back)
+
     async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
                    deadline_s: float, endpoint: str | None = None, token: bytes = b"") -> int:
-        if endpoint and token:
-            try:
-                sent = await self.sender.send(endpoint, token, transfer_id, first_block, k, v, deadline_s)
-                self.direct_sends += 1
-                return sent
-            except DirectUnavailable as e:
-                self.fallbacks += 1
-                log.info("direct KV channel to %s unavailable, pushing over NATS: %s", dest_worker, e)
-        return await super().send(dest_worker, transfer_id, first_block, k, v, deadline_s)
+        """The whole transfer at once: one piece."""
+        return await self.open_transfer(dest_worker, transfer_id, deadline_s, endpoint, token).finish(first_block, k, v)

@@ -19,6 +19,7 @@ from opentelemetry import trace
 from shared import bus, subjects
 from shared.kv_transport.base import BlockWriter, KVTransport, TransferError
 from shared.kv_transport.incoming import TransferRegistry
+from shared.kv_transport.outgoing import BusSend, OutgoingTransfer
 from shared.kv_transport.plan import plan_chunks
 from shared.protocol.kvtransfer import KVBlockChunk, KVChunkAck, checksum
 from shared.wire import tensor_from_wire, tensor_to_wire
@@ -48,6 +49,16 @@ class NatsKVTransport(KVTransport):
         self.registry.fail_all("receiver stopped")
 
     # --- sending (prefill side) -------------------------------------------------------------------
+
+    def open_transfer(self, dest_worker: str, transfer_id: str, deadline_s: float, endpoint: str | None = None,
+                      token: bytes = b"") -> OutgoingTransfer:
+        """Over NATS the pieces are kept and sent together at the end (chunks are numbered of a known total)."""
+        return OutgoingTransfer(transfer_id, deadline_s, self._bus_send(dest_worker, transfer_id))
+
+    def _bus_send(self, dest_worker: str, transfer_id: str) -> BusSend:
+        async def send(first_block: int, k: torch.Tensor, v: torch.Tensor, deadline_s: float) -> int:
+            return await NatsKVTransport.send(self, dest_worker, transfer_id, first_block, k, v, deadline_s)
+        return send
 
     def outgoing(self, chunk: KVBlockChunk) -> KVBlockChunk | None:
         """The chunk as it goes on the wire (a seam for network test doubles; None: not sent)."""

@@ -73,3 +73,8 @@ class LoadBeat(Message):
     kvstore_hit_tokens: int = 0
     host_tier_bytes: int = 0
     kv_endpoint: str = ""  # the worker's direct KV channel (tcp://host:port), "" when KV comes over NATS only
+    # A prefill worker's KV pushes (cumulative): how many, their bytes, and the seconds decode workers
+    # waited on them after the prompt's last chunk computed (the part of a push no compute hid).
+    kv_pushes: int = Field(default=0, ge=0)
+    kv_push_bytes: int = Field(default=0, ge=0)
+    kv_push_wait_seconds: float = Field(default=0.0, ge=0)
