@@ -297,3 +297,21 @@ def test_cancel_that_overtakes_its_request_still_cancels_it(nats_server, checkpo
             assert len(tokens) == 3
 
     asyncio.run(main())
+
+
+def test_prefill_workers_chunk_long_prompts_by_default(tmp_path) -> None:  # noqa: ANN001
+    """The flag's default on a prefill worker (its KV goes out chunk by chunk); decode workers do not cap."""
+    import argparse
+
+    from services.decode import service as decode_cli
+    from services.prefill import service as prefill_cli
+    from services.engine_args import PREFILL_CHUNK_TOKENS, engine_config_from_args
+
+    def config(cli, *argv):  # noqa: ANN001, ANN202
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return engine_config_from_args(p.parse_args(["--model", str(tmp_path), *argv]))
+
+    assert config(prefill_cli).long_prefill_token_threshold == PREFILL_CHUNK_TOKENS == 1024
+    assert config(prefill_cli, "--long-prefill-token-threshold", "0").long_prefill_token_threshold == 0
+    assert config(decode_cli).long_prefill_token_threshold == 0
