@@ -55,9 +55,11 @@ class SlabFile:
         return self._limit
 
     def footprint(self, record_bytes: int) -> int | None:
+        if self.slot_size is not None and record_bytes <= self.slot_size:
+            return self.slot_size
         if self.slot_size is None or self._used == 0:
             return round_up(record_bytes)  # the slot size is (re)chosen by this block
-        return self.slot_size if record_bytes <= self.slot_size else None
+        return None
 
     # --- the file ------------------------------------------------------------------------------------
 
