@@ -68,7 +68,12 @@ def soak(tmp_path, num_requests: int, concurrency: int) -> dict:  # noqa: ANN001
         survivors = list(mesh.decoders.values())
         mesh.wait_until(lambda: all(h == 0 and f == t for h, f, t in map(mesh.engine_state, survivors)), timeout=10)
         leaked = sum(t - f for _, f, t in map(mesh.engine_state, survivors))
-        after = httpx.post(f"{mesh.url}/v1/completions", json=probe, timeout=30).json()["choices"][0]["text"]
+        # The survivor's beats may still be finding their way back after the NATS restart (on a loaded
+        # machine the gateway once answered this probe 503, no worker alive): the probe waits for it.
+        mesh.wait_until(lambda: len(mesh.gateway.ctx.router.alive()) >= 1, timeout=10)
+        reply = httpx.post(f"{mesh.url}/v1/completions", json=probe, timeout=30)
+        assert reply.status_code == 200, reply.text
+        after = reply.json()["choices"][0]["text"]
         counts = {k: sum(o.kind == k for o in outcomes) for k in ("complete", "clean_error", "cancelled", "lost")}
         return {"sent": num_requests, **counts, "leaked_blocks": leaked, "faults": [f for f, _ in faults],
                 "worst_seconds": max(o.seconds for o in outcomes), "elapsed_s": elapsed,

@@ -29,7 +29,7 @@ from opentelemetry import trace
 
 from shared import bus, subjects
 from shared.engine.commands import Abort, Commit, Enqueue, Reserve, WriteBlocks
-from shared.engine.engine_thread import EngineThread
+from shared.engine.engine_thread import EngineStopped, EngineThread
 from shared.engine.llm_engine import Reservation
 from shared.kv_transport import NatsKVTransport, TransferError
 from shared.protocol.generate import CancelRequest, GenerateRequest
@@ -104,6 +104,11 @@ class Admission:
             await self._admit()
         except InvalidRequest as e:
             await self.host.reject(self, str(e))
+            return
+        except EngineStopped:
+            # The worker is going down (its engine crashed or it is shutting down): what fails or
+            # migrates its requests is the crash handling and the gateway, not this admission.
+            self.state = State.FAILED
             return
         self.host.admitted(self)
 

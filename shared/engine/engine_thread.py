@@ -28,6 +28,10 @@ PostStep = Callable[[LLMEngine, list[RequestOutput], list[BlockEvent]], Any]
 StepCallback = Callable[[list[RequestOutput], list[BlockEvent], Any], None]
 
 
+class EngineStopped(RuntimeError):
+    """A command for an engine thread that has stopped (crashed, or its worker is shutting down)."""
+
+
 class EngineThread:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, on_step: StepCallback,
                  post_step: PostStep | None = None) -> None:
@@ -62,7 +66,7 @@ class EngineThread:
         benchmarks and tests that need to look inside)."""
         fut: Future = Future()
         if self._stopped.is_set():
-            raise RuntimeError("engine thread is not running")
+            raise EngineStopped("engine thread is not running")
         self._commands.put((fn, fut))
         if self._stopped.is_set():
             self._fail_pending()
@@ -122,4 +126,4 @@ class EngineThread:
             except queue.Empty:
                 return
             if item is not None and item[1].set_running_or_notify_cancel():
-                item[1].set_exception(RuntimeError("engine thread is not running"))
+                item[1].set_exception(EngineStopped("engine thread is not running"))

@@ -32,6 +32,9 @@ class TransferRegistry:
                token: bytes = b"") -> asyncio.Future:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
+        # Its waiter may be gone by the time it fails (a cancelled admission, a worker going down):
+        # the failure is then nobody's to report, not an "exception was never retrieved" at exit.
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._incoming[transfer_id] = Incoming(num_blocks, write, time.monotonic() + deadline_s, done, token)
         loop.call_later(deadline_s, self.fail, transfer_id, "transfer timed out")
         return done
