@@ -126,6 +126,7 @@ class EngineWorker(Service):
             assert self.kvstore is not None
             await self.offloader.send_all(await self.thread.run(EvictAll(self.kvstore)), remaining_s)
         await self.offloader.flush(max(0.0, deadline - loop.time()))
+        await self.offloader.abandon()
 
     def _post_step(self, engine: LLMEngine, outputs, events):
         return collect(engine, events, self.kvstore, engine.config.offload_policy)

@@ -172,3 +172,26 @@ def test_nats_tls_for_the_local_server(tmp_path, monkeypatch) -> None:  # noqa: 
     finally:
         proc.terminate()
         proc.wait(5)
+
+
+@pytest.mark.parametrize("locked", [True, False], ids=["roles", "insecure-bus"])
+def test_the_mesh_servers_buffer_enough_for_a_busy_kvstore(tmp_path, locked) -> None:  # noqa: ANN001
+    """kvmesh up's nats-servers (locked down or not) and compose's config buffer SERVER_MAX_PENDING per
+    client before calling it a slow consumer (the default 64 MiB cut the kvstore off under offloads)."""
+    import json
+    import subprocess
+    import urllib.request
+
+    from shared.bus.limits import SERVER_MAX_PENDING
+    from shared.bus.roles import server_auth_config
+
+    srv = LocalNats.on_free_ports(passwords=role_passwords() if locked else None, config_dir=tmp_path)
+    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert asyncio.run(srv.wait_ready(15))
+        with urllib.request.urlopen(f"{srv.monitor_url}/varz", timeout=5) as r:
+            assert json.load(r)["max_pending"] == SERVER_MAX_PENDING > 64 << 20
+    finally:
+        proc.terminate()
+        proc.wait(5)
+    assert f"max_pending: {SERVER_MAX_PENDING}" in server_auth_config()

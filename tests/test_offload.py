@@ -54,3 +54,41 @@ def test_send_all_waits_for_room_instead_of_dropping() -> None:
         assert store.puts == [3, 3, 3, 1] and (off.submitted, off.dropped) == (10, 0)
 
     asyncio.run(go())
+
+
+def test_bytes_in_flight_are_bounded_too() -> None:
+    """However many puts may be under way, their bytes are bounded: nats-server drops a client (the
+    kvstore) with more than 64 MiB waiting for it, which four 32 MiB puts of a leaving worker did."""
+    async def go() -> None:
+        store = Store()
+        k = torch.zeros(2, 10, 4, 1, 2)  # 128 bytes per block
+        batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
+        off = Offloader(store, max_in_flight=10, max_put_bytes=3 * 128, max_in_flight_bytes=6 * 128)
+        off.submit(batch)
+        await asyncio.sleep(0)
+        assert store.puts == [3, 3] and (off.submitted, off.dropped) == (6, 4)
+        store.release.set()
+        await off.flush(1.0)
+        store.puts, store.release = [], asyncio.Event()
+        sending = asyncio.ensure_future(off.send_all(batch, timeout=5.0))
+        await asyncio.sleep(0.05)
+        assert store.puts == [3, 3]  # the rest waits for bytes to come back
+        store.release.set()
+        await sending
+        await off.flush(1.0)
+        assert store.puts == [3, 3, 3, 1] and off.dropped == 4
+
+    asyncio.run(go())
+
+
+def test_a_leaving_worker_abandons_puts_past_its_grace() -> None:
+    async def go() -> None:
+        store = Store()  # never answers
+        k = torch.zeros(2, 4, 4, 1, 2)
+        off = Offloader(store)
+        off.submit(OffloadBatch([bytes([i]) * 16 for i in range(4)], [None] * 4, k, k.clone()))
+        await off.flush(0.05)
+        await off.abandon()
+        assert off.dropped == 4 and not off._tasks
+
+    asyncio.run(go())

@@ -17,3 +17,9 @@ class BusLimits:
 
 
 DEFAULT_LIMITS = BusLimits()
+
+# nats-server's max_pending for the mesh's servers: bytes it buffers for one client before cutting it
+# off as a slow consumer (its default is 64 MiB). The kvstore takes every worker's offload puts; each
+# worker keeps at most 32 MiB of them in flight (shared/engine/offload.py), so 256 MiB leaves room
+# for several workers offloading at once while the kvstore is busy.
+SERVER_MAX_PENDING = 256 << 20

@@ -8,6 +8,7 @@ uploads travel). `$SRV.>` is nats.micro's discovery (PING/INFO/STATS), answered 
 from __future__ import annotations
 
 from shared import subjects as s
+from shared.bus.limits import SERVER_MAX_PENDING
 
 ROLES = ("gateway", "tokenizer", "prefill", "decode", "kvstore")
 INBOX_ROOT = "_INBOX"
@@ -60,4 +61,5 @@ def server_auth_config() -> str:
         perms = json.dumps(permissions(role), indent=None)
         users.append(f'    {{user: "{role}", password: ${password_variable(role)}, permissions: {perms}}}')
     return ("# Generated from shared/bus/roles.py (tests/test_bus_auth.py checks it): one user per kvmesh role.\n"
+            f"max_pending: {SERVER_MAX_PENDING}  # shared/bus/limits.py says why\n"
             "authorization {\n  users = [\n" + ",\n".join(users) + "\n  ]\n}\n")

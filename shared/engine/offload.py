@@ -44,6 +44,10 @@ class OffloadBatch:
     k: torch.Tensor
     v: torch.Tensor
 
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
 
 POLICIES = ("eviction", "write-through")
 
@@ -96,11 +100,16 @@ def _collect_stored(engine: LLMEngine, events: list[BlockEvent], client: BlockSt
 
 
 class Offloader:
-    def __init__(self, client: BlockStore, max_in_flight: int = 4, max_put_bytes: int = 32 << 20) -> None:
+    def __init__(self, client: BlockStore, max_in_flight: int = 4, max_put_bytes: int = 16 << 20,
+                 max_in_flight_bytes: int = 32 << 20) -> None:
         self.client = client
         self.max_in_flight = max_in_flight
         self.max_put_bytes = max_put_bytes  # a put is one bus upload: big batches go as several
-        self._tasks: set[asyncio.Task] = set()
+        # Bytes of puts under way at once. nats-server cuts a client it cannot write to fast enough once
+        # 64 MiB (its default max_pending) wait for it: four 32 MiB puts of a leaving worker did exactly
+        # that to the kvstore (Slow Consumer, MaxPending exceeded; its connection dropped, puts lost).
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self._tasks: dict[asyncio.Task, OffloadBatch] = {}  # the puts under way
         self.dropped = 0  # blocks not offloaded because too many puts were in flight (backpressure)
         self.submitted = 0  # blocks handed to the store
 
@@ -114,13 +123,19 @@ class Offloader:
         return [OffloadBatch(batch.hashes[i:i + step], batch.parents[i:i + step], batch.k[:, i:i + step],
                              batch.v[:, i:i + step]) for i in range(0, n, step)]
 
+    def _room(self, put: OffloadBatch) -> bool:
+        if not self._tasks:
+            return True
+        return (len(self._tasks) < self.max_in_flight
+                and sum(p.nbytes for p in self._tasks.values()) + put.nbytes <= self.max_in_flight_bytes)
+
     def submit(self, batch: OffloadBatch | None) -> None:
-        """Best effort: each put starts now if fewer than max_in_flight are under way, else is dropped."""
+        """Best effort: each put starts now if there is room in flight (puts and bytes), else is dropped."""
         for put in self._puts(batch) if batch is not None else []:
-            if len(self._tasks) >= self.max_in_flight:
-                self.dropped += len(put.hashes)
-            else:
+            if self._room(put):
                 self._start(put)
+            else:
+                self.dropped += len(put.hashes)
 
     async def send_all(self, batch: OffloadBatch | None, timeout: float) -> None:
         """Every block of batch, in puts of at most max_put_bytes, never more than max_in_flight at once:
@@ -130,7 +145,7 @@ class Offloader:
         deadline = loop.time() + timeout
         puts = self._puts(batch) if batch is not None else []
         for i, put in enumerate(puts):
-            while len(self._tasks) >= self.max_in_flight:
+            while not self._room(put):
                 left = deadline - loop.time()
                 if left <= 0:
                     self.dropped += sum(len(p.hashes) for p in puts[i:])
@@ -141,9 +156,18 @@ class Offloader:
     def _start(self, put: OffloadBatch) -> None:
         self.submitted += len(put.hashes)
         task = asyncio.ensure_future(self.client.put(put.hashes, put.parents, put.k, put.v))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = put
+        task.add_done_callback(lambda t: self._tasks.pop(t, None))
 
     async def flush(self, timeout: float) -> None:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout)
+
+    async def abandon(self) -> None:
+        """Gives up the puts still under way (a leaving worker whose grace ran out): counted as dropped,
+        and ended before the worker's connection closes under them."""
+        tasks = dict(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.dropped += sum(len(put.hashes) for t, put in tasks.items() if t.cancelled())

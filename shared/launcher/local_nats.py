@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.bus.natsd import free_port, nats_server_binary
+from shared.bus.limits import SERVER_MAX_PENDING
 from shared.bus.roles import ROLES, permissions
 from shared.launcher.nats_tls import TlsFiles, make_tls
 from shared.launcher.spec import ProcessSpec
@@ -68,7 +69,8 @@ class LocalNats:
         """nats-server's config (JSON is valid nats-server config), readable by this user only."""
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
         users = [{"user": role, "password": pw, "permissions": permissions(role)} for role, pw in self.passwords.items()]
-        config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}"}
+        config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}",
+                  "max_pending": SERVER_MAX_PENDING}
         if users:
             config["authorization"] = {"users": users}
         if self.tls:
@@ -91,7 +93,7 @@ class LocalNats:
         return f"http://{self.host}:{self.http_port}"
 
     def process(self) -> ProcessSpec:
-        if self.passwords or self.tls or self.cluster_port:
+        if self.config_dir is not None or self.passwords or self.tls or self.cluster_port:
             return ProcessSpec(self.name, (nats_server_binary(), "-c", str(self.write_config())))
         argv = (nats_server_binary(), "--addr", self.host, "--port", str(self.port),
                 "--http_port", str(self.http_port))
