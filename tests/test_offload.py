@@ -1,5 +1,6 @@
-"""The offloader: big batches go to the kvstore as several puts under a size bound, and backpressure
-drops (and counts) what does not fit in flight, never blocking."""
+"""The offloader: big batches go to the kvstore as several puts under a size bound, at a bounded pace
+(puts and bytes in flight), what waits is queued up to a byte cap, and backpressure past that drops
+(and counts) offloads, never blocking."""
 from __future__ import annotations
 
 import asyncio
@@ -28,10 +29,10 @@ def test_big_batches_split_and_backpressure_drops() -> None:
         store = Store()
         k = torch.zeros(2, 10, 4, 1, 2)  # 10 blocks of 2 * 2*4*1*2 * 4 bytes = 128 bytes
         batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
-        off = Offloader(store, max_in_flight=3, max_put_bytes=3 * 128)
+        off = Offloader(store, max_in_flight=3, max_put_bytes=3 * 128, max_queued_bytes=0)
         off.submit(batch)
         await asyncio.sleep(0)
-        assert store.puts == [3, 3, 3]  # three puts in flight, the last block dropped
+        assert store.puts == [3, 3, 3]  # three puts in flight, no room to queue: the last block dropped
         assert (off.submitted, off.dropped) == (9, 1)
         store.release.set()
         await off.flush(1.0)
@@ -63,12 +64,15 @@ def test_bytes_in_flight_are_bounded_too() -> None:
         store = Store()
         k = torch.zeros(2, 10, 4, 1, 2)  # 128 bytes per block
         batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
-        off = Offloader(store, max_in_flight=10, max_put_bytes=3 * 128, max_in_flight_bytes=6 * 128)
+        off = Offloader(store, max_in_flight=10, max_put_bytes=3 * 128, max_in_flight_bytes=6 * 128,
+                        max_queued_bytes=3 * 128)
         off.submit(batch)
         await asyncio.sleep(0)
-        assert store.puts == [3, 3] and (off.submitted, off.dropped) == (6, 4)
+        # Two puts fill the bytes in flight, the third waits in the queue, the fourth finds it full.
+        assert store.puts == [3, 3] and (off.submitted, off.dropped) == (6, 1)
         store.release.set()
         await off.flush(1.0)
+        assert store.puts == [3, 3, 3] and (off.submitted, off.dropped) == (9, 1)
         store.puts, store.release = [], asyncio.Event()
         sending = asyncio.ensure_future(off.send_all(batch, timeout=5.0))
         await asyncio.sleep(0.05)
@@ -76,7 +80,23 @@ def test_bytes_in_flight_are_bounded_too() -> None:
         store.release.set()
         await sending
         await off.flush(1.0)
-        assert store.puts == [3, 3, 3, 1] and off.dropped == 4
+        assert store.puts == [3, 3, 3, 1] and off.dropped == 1
+
+    asyncio.run(go())
+
+
+def test_queued_puts_go_as_room_frees_up() -> None:
+    async def go() -> None:
+        store = Store()
+        k = torch.zeros(2, 10, 4, 1, 2)
+        batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
+        off = Offloader(store, max_in_flight=1, max_put_bytes=3 * 128)
+        off.submit(batch)
+        await asyncio.sleep(0)
+        assert store.puts == [3] and off.dropped == 0  # one at a time, the rest queued, none dropped
+        store.release.set()
+        await off.flush(1.0)
+        assert store.puts == [3, 3, 3, 1] and (off.submitted, off.dropped) == (10, 0)
 
     asyncio.run(go())
 
@@ -85,10 +105,11 @@ def test_a_leaving_worker_abandons_puts_past_its_grace() -> None:
     async def go() -> None:
         store = Store()  # never answers
         k = torch.zeros(2, 4, 4, 1, 2)
-        off = Offloader(store)
+        off = Offloader(store, max_in_flight=1, max_put_bytes=2 * 128)  # 128 bytes per block: two puts
         off.submit(OffloadBatch([bytes([i]) * 16 for i in range(4)], [None] * 4, k, k.clone()))
         await off.flush(0.05)
+        assert store.puts == [2]  # one under way, one queued
         await off.abandon()
-        assert off.dropped == 4 and not off._tasks
+        assert off.dropped == 4 and not off._tasks and store.puts == [2]
 
     asyncio.run(go())

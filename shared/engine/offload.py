@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,8 +101,12 @@ def _collect_stored(engine: LLMEngine, events: list[BlockEvent], client: BlockSt
 
 
 class Offloader:
+    """Puts to the kvstore, rate-limited: at most max_in_flight puts and max_in_flight_bytes under way;
+    what does not fit waits in a queue of at most max_queued_bytes (host copies) and goes as puts
+    finish; past that, offloads are dropped and counted, never requests."""
+
     def __init__(self, client: BlockStore, max_in_flight: int = 4, max_put_bytes: int = 16 << 20,
-                 max_in_flight_bytes: int = 32 << 20) -> None:
+                 max_in_flight_bytes: int = 32 << 20, max_queued_bytes: int = 256 << 20) -> None:
         self.client = client
         self.max_in_flight = max_in_flight
         self.max_put_bytes = max_put_bytes  # a put is one bus upload: big batches go as several
@@ -109,8 +114,11 @@ class Offloader:
         # 64 MiB (its default max_pending) wait for it: four 32 MiB puts of a leaving worker did exactly
         # that to the kvstore (Slow Consumer, MaxPending exceeded; its connection dropped, puts lost).
         self.max_in_flight_bytes = max_in_flight_bytes
+        self.max_queued_bytes = max_queued_bytes
         self._tasks: dict[asyncio.Task, OffloadBatch] = {}  # the puts under way
-        self.dropped = 0  # blocks not offloaded because too many puts were in flight (backpressure)
+        self._queue: deque[OffloadBatch] = deque()  # puts waiting for room
+        self._queued_bytes = 0
+        self.dropped = 0  # blocks not offloaded: the queue was full, or a leaving worker ran out of time
         self.submitted = 0  # blocks handed to the store
 
     def _puts(self, batch: OffloadBatch) -> list[OffloadBatch]:
@@ -130,42 +138,56 @@ class Offloader:
                 and sum(p.nbytes for p in self._tasks.values()) + put.nbytes <= self.max_in_flight_bytes)
 
     def submit(self, batch: OffloadBatch | None) -> None:
-        """Best effort: each put starts now if there is room in flight (puts and bytes), else is dropped."""
+        """Best effort: each put starts now if there is room in flight, else waits in the queue if that
+        has room, else is dropped."""
         for put in self._puts(batch) if batch is not None else []:
-            if self._room(put):
-                self._start(put)
-            else:
-                self.dropped += len(put.hashes)
+            self._enqueue(put, self.max_queued_bytes)
 
     async def send_all(self, batch: OffloadBatch | None, timeout: float) -> None:
-        """Every block of batch, in puts of at most max_put_bytes, never more than max_in_flight at once:
-        waits for room instead of dropping, up to timeout (a worker leaving the mesh; flooding the bus with
-        puts makes the server cut the kvstore off as a slow consumer)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        puts = self._puts(batch) if batch is not None else []
-        for i, put in enumerate(puts):
-            while not self._room(put):
-                left = deadline - loop.time()
-                if left <= 0:
-                    self.dropped += sum(len(p.hashes) for p in puts[i:])
-                    return
-                await asyncio.wait(set(self._tasks), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        """Every block of batch (a worker leaving the mesh): queued whatever the queue holds, sent at the
+        same bounded pace, waited for up to timeout."""
+        for put in self._puts(batch) if batch is not None else []:
+            self._enqueue(put, None)
+        await self.flush(timeout)
+
+    def _enqueue(self, put: OffloadBatch, cap: int | None) -> None:
+        if not self._queue and self._room(put):
+            self._start(put)
+        elif cap is None or self._queued_bytes + put.nbytes <= cap:
+            self._queue.append(put)
+            self._queued_bytes += put.nbytes
+        else:
+            self.dropped += len(put.hashes)
+
+    def _pump(self) -> None:
+        while self._queue and self._room(self._queue[0]):
+            put = self._queue.popleft()
+            self._queued_bytes -= put.nbytes
             self._start(put)
 
     def _start(self, put: OffloadBatch) -> None:
         self.submitted += len(put.hashes)
         task = asyncio.ensure_future(self.client.put(put.hashes, put.parents, put.k, put.v))
         self._tasks[task] = put
-        task.add_done_callback(lambda t: self._tasks.pop(t, None))
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.pop(task, None)
+        self._pump()
 
     async def flush(self, timeout: float) -> None:
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout)
+        """Until every queued put went out and every put finished, or timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._tasks and loop.time() < deadline:
+            await asyncio.wait(set(self._tasks), timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
 
     async def abandon(self) -> None:
-        """Gives up the puts still under way (a leaving worker whose grace ran out): counted as dropped,
-        and ended before the worker's connection closes under them."""
+        """Gives up what is still queued or under way (a leaving worker whose grace ran out): counted as
+        dropped, and ended before the worker's connection closes under the puts."""
+        self.dropped += sum(len(put.hashes) for put in self._queue)
+        self._queue.clear()
+        self._queued_bytes = 0
         tasks = dict(self._tasks)
         for task in tasks:
             task.cancel()
