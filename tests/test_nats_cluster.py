@@ -13,6 +13,7 @@ import httpx
 
 from shared import bus
 from shared.bus.nats_cluster import NatsCluster
+from shared.protocol.tokenizer import EncodeReply, EncodeRequest
 from tests.checkpoints import build_checkpoint
 from tests.fault_client import BOUND_S, Outcome, one_request
 from tests.gateway_harness import Mesh
@@ -109,3 +110,45 @@ def test_the_mesh_survives_a_nats_server_dying_under_load(tmp_path) -> None:  # 
             mesh.wait_until(lambda d=d: (lambda h, f, t: h == 0 and f == t)(*mesh.engine_state(d)), timeout=10)
     finally:
         mesh.close()
+
+
+def test_an_idempotent_request_is_asked_again_after_a_failover(tmp_path) -> None:  # noqa: ANN001
+    """A question lost with a dying server (here: the responder ignores the first one, as if it went
+    down with the server) is asked again once the client's connection moved to another server, long
+    before its timeout; a plain request would wait the whole timeout."""
+    async def go(cluster: NatsCluster) -> None:
+        server = await bus.connect(cluster.url_from(2), dont_randomize=True)
+        client = await bus.connect(cluster.url_from(0), dont_randomize=True)
+        asked: list[str] = []
+
+        async def answer(msg: EncodeRequest, ctx: bus.RequestContext) -> EncodeReply:
+            asked.append(msg.prompt)
+            if asked.count("hi") == 1 and msg.prompt == "hi":
+                await asyncio.sleep(60)  # lost: never answered
+            return EncodeReply(token_ids=[asked.count(msg.prompt)])
+
+        served = await bus.serve(server, "ask", None, answer, EncodeRequest)
+        await server.flush()
+        deadline = time.monotonic() + 5
+        while True:  # until the subscription reached server 0 over the route
+            try:
+                await bus.request(client, "ask", EncodeRequest(prompt="warm"), timeout=0.5, expect=EncodeReply)
+                break
+            except bus.BusError:
+                assert time.monotonic() < deadline, "the subscription never crossed the route"
+                await asyncio.sleep(0.05)
+        asked.clear()
+        t0 = time.monotonic()
+        pending = asyncio.ensure_future(bus.request_idempotent(client, "ask", EncodeRequest(prompt="hi"), timeout=30,
+                                                               expect=EncodeReply))
+        await asyncio.sleep(0.3)
+        assert asked == ["hi"] and not pending.done()
+        cluster.kill(0)  # the client's server dies; it reconnects to another one
+        reply = await asyncio.wait_for(pending, 15)
+        assert reply.token_ids == [2] and asked == ["hi", "hi"] and time.monotonic() - t0 < 15
+        await served.stop()
+        await client.close()
+        await server.close()
+
+    with NatsCluster(3, workdir=tmp_path) as cluster:
+        asyncio.run(go(cluster))

@@ -105,8 +105,9 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
 
 async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None = None) -> list[int]:
     try:
-        reply = await bus.request(ctx.nc, subjects.TOKENIZER_ENCODE, req, timeout=timeout or ctx.config.tokenizer_timeout_s,
-                                  expect=EncodeReply)
+        # Asked again if the gateway's connection moved servers meanwhile (tokenizing twice is harmless).
+        reply = await bus.request_idempotent(ctx.nc, subjects.TOKENIZER_ENCODE, req,
+                                             timeout=timeout or ctx.config.tokenizer_timeout_s, expect=EncodeReply)
     except bus.NoRespondersError:
         raise unavailable("no tokenizer service is available", code="no_tokenizer") from None
     except bus.BusTimeout:

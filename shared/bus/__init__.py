@@ -5,7 +5,7 @@
     served = await bus.serve(nc, subjects.TOKENIZER_ENCODE, subjects.QUEUE_TOKENIZER, handler, EncodeRequest)
 """
 from shared.bus.chunks import Envelope, Reassembler
-from shared.bus.client import publish, request, request_stream, send_request
+from shared.bus.client import publish, request, request_idempotent, request_stream, send_request
 from shared.bus.connect import connect
 from shared.bus.errors import BusError, BusTimeout, ChunkError, NoRespondersError, RemoteError, StreamGapError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
@@ -17,5 +17,5 @@ __all__ = [
     "BusError", "BusLimits", "BusTimeout", "ChunkError", "DEFAULT_LIMITS", "Dispatcher", "Endpoint",
     "Envelope", "MicroService", "NoRespondersError", "Reassembler", "RemoteError", "ReplyStream",
     "RequestContext", "Served", "StreamGapError", "StreamReply", "add_micro_service", "connect",
-    "publish", "request", "request_stream", "send_request", "serve", "stream_reply", "subscribe",
+    "publish", "request", "request_idempotent", "request_stream", "send_request", "serve", "stream_reply", "subscribe",
 ]  # fmt: skip

@@ -43,6 +43,40 @@ async def request(
             raise BusError(f"{subject!r} ended its reply stream without sending anything") from None
 
 
+async def request_idempotent(
+    nc: Client,
+    subject: str,
+    msg: wire.Message,
+    timeout: float = 5.0,
+    *,
+    expect: type[M] | None = None,
+    limits: BusLimits = DEFAULT_LIMITS,
+    poll_s: float = 0.05,
+) -> M:
+    """request() for a question that may be asked twice (tokenizing, a lookup): asked again when the
+    connection reconnected while it waited. A request or its answer in flight on a server that died is
+    gone (NATS does not redeliver): without this the caller waits its whole timeout for nothing."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        reconnects = nc.stats["reconnects"]
+        call = asyncio.ensure_future(request(nc, subject, msg, timeout=max(deadline - loop.time(), 0.001),
+                                             expect=expect, limits=limits))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=poll_s)
+                if done:
+                    return call.result()
+                if nc.stats["reconnects"] != reconnects:
+                    break  # asked again below, on the connection as it is now
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+        if loop.time() >= deadline:
+            raise BusTimeout(subject, timeout)
+
+
 async def request_stream(
     nc: Client,
     subject: str,

@@ -77,7 +77,7 @@ class MeshKVTransport(NatsKVTransport):
     def _count(self, tx: OutgoingTransfer, dest_worker: str, ok: bool) -> None:
         if ok and tx.went_direct:
             self.direct_sends += 1
-        elif ok and tx.fell_back is not None and "no direct endpoint" not in tx.fell_back:
+        elif ok and tx.direct_offered:
             self.fallbacks += 1
             log.info("direct KV channel to %s unavailable, pushed over NATS: %s", dest_worker, tx.fell_back)
 

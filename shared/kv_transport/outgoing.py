@@ -53,6 +53,7 @@ class OutgoingTransfer:
         self._deadline = time.monotonic() + deadline_s
         self._bus_send = bus_send
         self._direct = direct if endpoint and token else None
+        self.direct_offered = self._direct is not None  # the receiver has a direct endpoint to try
         self._endpoint, self._token = endpoint or "", token
         self._queue: asyncio.Queue[_Piece] = asyncio.Queue()
         self._worker = asyncio.ensure_future(self._run())
