@@ -58,6 +58,23 @@ async def channel(sender_settings: DirectSettings = SMALL):  # noqa: ANN201
         await server.stop()
 
 
+@contextlib.asynccontextmanager
+async def mesh_transports(url: str):  # noqa: ANN201
+    """A receiving MeshKVTransport (worker "d0", direct endpoint on the loopback) and a sending one, each
+    on its own connection to a real nats-server: stopped and closed afterwards."""
+    nc_recv, nc_send = await bus.connect(url), await bus.connect(url)
+    receiver, sender = MeshKVTransport(nc_recv, settings=SMALL), MeshKVTransport(nc_send, settings=SMALL)
+    await receiver.start("d0")
+    await sender.start(None)
+    try:
+        yield receiver, sender
+    finally:
+        await sender.stop()
+        await receiver.stop()
+        await nc_send.close()
+        await nc_recv.close()
+
+
 @pytest.mark.parametrize("path", ["shm", "tcp"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_each_direct_path_moves_blocks_bit_exactly(path: str, dtype: torch.dtype) -> None:
@@ -153,11 +170,7 @@ def test_an_unreachable_endpoint_is_unavailable() -> None:
 
 def test_the_mesh_transport_goes_direct_and_falls_back_to_nats(nats_server) -> None:  # noqa: F811
     async def go() -> None:
-        nc_recv, nc_send = await bus.connect(nats_server), await bus.connect(nats_server)
-        receiver, sender = MeshKVTransport(nc_recv, settings=SMALL), MeshKVTransport(nc_send, settings=SMALL)
-        await receiver.start("d0")
-        await sender.start(None)
-        try:
+        async with mesh_transports(nats_server) as (receiver, sender):
             assert receiver.endpoint is not None and receiver.endpoint.startswith("tcp://127.0.0.1:")
             assert sender.endpoint is None
             for endpoint, expect_direct in ((receiver.endpoint, 1), (f"tcp://127.0.0.1:{free_port()}", 1)):
@@ -170,11 +183,6 @@ def test_the_mesh_transport_goes_direct_and_falls_back_to_nats(nats_server) -> N
                 assert torch.equal(dk.view(torch.uint8), k.view(torch.uint8))
                 assert torch.equal(dv.view(torch.uint8), v.view(torch.uint8))
             assert sender.direct_sends == 1 and sender.fallbacks == 1
-        finally:
-            await sender.stop()
-            await receiver.stop()
-            await nc_send.close()
-            await nc_recv.close()
 
     asyncio.run(go())
 
@@ -186,11 +194,7 @@ def test_a_transfer_in_pieces_lands_while_later_pieces_are_computed(nats_server,
     pieces and only the last says how many; with the endpoint out of reach the pieces wait and go
     over NATS together at the end."""
     async def go() -> None:
-        nc_recv, nc_send = await bus.connect(nats_server), await bus.connect(nats_server)
-        receiver, sender = MeshKVTransport(nc_recv, settings=SMALL), MeshKVTransport(nc_send, settings=SMALL)
-        await receiver.start("d0")
-        await sender.start(None)
-        try:
+        async with mesh_transports(nats_server) as (receiver, sender):
             k, v = kv(torch.float32, blocks=10, seed=5)
             dk, dv, write, writes = sink(k, first_block=2)
             token = secrets.token_bytes(16)
@@ -211,11 +215,6 @@ def test_a_transfer_in_pieces_lands_while_later_pieces_are_computed(nats_server,
             assert torch.equal(dk[:, 2:], k) and torch.equal(dv[:, 2:], v)
             assert (sender.direct_sends, sender.fallbacks) == ((1, 0) if reachable else (0, 1))
             assert tx.went_direct is reachable
-        finally:
-            await sender.stop()
-            await receiver.stop()
-            await nc_send.close()
-            await nc_recv.close()
 
     asyncio.run(go())
 

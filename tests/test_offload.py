@@ -24,11 +24,16 @@ class Store:
         await self.release.wait()
 
 
+def blocks(n: int) -> OffloadBatch:
+    """n blocks of 128 bytes each (K and V: 2 layers x 4 tokens x 1 head x 2 dims of float32)."""
+    k = torch.zeros(2, n, 4, 1, 2)
+    return OffloadBatch([bytes([i]) * 16 for i in range(n)], [None] * n, k, k.clone())
+
+
 def test_big_batches_split_and_backpressure_drops() -> None:
     async def go() -> None:
         store = Store()
-        k = torch.zeros(2, 10, 4, 1, 2)  # 10 blocks of 2 * 2*4*1*2 * 4 bytes = 128 bytes
-        batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
+        batch = blocks(10)
         off = Offloader(store, max_in_flight=3, max_put_bytes=3 * 128, max_queued_bytes=0)
         off.submit(batch)
         await asyncio.sleep(0)
@@ -43,8 +48,7 @@ def test_big_batches_split_and_backpressure_drops() -> None:
 def test_send_all_waits_for_room_instead_of_dropping() -> None:
     async def go() -> None:
         store = Store()
-        k = torch.zeros(2, 10, 4, 1, 2)
-        batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
+        batch = blocks(10)
         off = Offloader(store, max_in_flight=2, max_put_bytes=3 * 128)
         sending = asyncio.ensure_future(off.send_all(batch, timeout=5.0))
         await asyncio.sleep(0.05)
@@ -62,8 +66,7 @@ def test_bytes_in_flight_are_bounded_too() -> None:
     kvstore) with more than 64 MiB waiting for it, which four 32 MiB puts of a leaving worker did."""
     async def go() -> None:
         store = Store()
-        k = torch.zeros(2, 10, 4, 1, 2)  # 128 bytes per block
-        batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
+        batch = blocks(10)
         off = Offloader(store, max_in_flight=10, max_put_bytes=3 * 128, max_in_flight_bytes=6 * 128,
                         max_queued_bytes=3 * 128)
         off.submit(batch)
@@ -88,8 +91,7 @@ def test_bytes_in_flight_are_bounded_too() -> None:
 def test_queued_puts_go_as_room_frees_up() -> None:
     async def go() -> None:
         store = Store()
-        k = torch.zeros(2, 10, 4, 1, 2)
-        batch = OffloadBatch([bytes([i]) * 16 for i in range(10)], [None] * 10, k, k.clone())
+        batch = blocks(10)
         off = Offloader(store, max_in_flight=1, max_put_bytes=3 * 128)
         off.submit(batch)
         await asyncio.sleep(0)
@@ -104,9 +106,8 @@ def test_queued_puts_go_as_room_frees_up() -> None:
 def test_a_leaving_worker_abandons_puts_past_its_grace() -> None:
     async def go() -> None:
         store = Store()  # never answers
-        k = torch.zeros(2, 4, 4, 1, 2)
         off = Offloader(store, max_in_flight=1, max_put_bytes=2 * 128)  # 128 bytes per block: two puts
-        off.submit(OffloadBatch([bytes([i]) * 16 for i in range(4)], [None] * 4, k, k.clone()))
+        off.submit(blocks(4))
         await off.flush(0.05)
         assert store.puts == [2]  # one under way, one queued
         await off.abandon()

@@ -332,21 +332,21 @@ class LLMEngine:
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-        pieces = self._captured_pieces(plan.scheduled, {id(s) for _, s in sampling})
+        pieces = self._captured_pieces(plan.scheduled)
         if not rows:
             return pieces
         now = time.time()
         samples = self.sampler.sample(logits, [s for _, s in sampling], token_bitmask=bitmask)
         return pieces + [self._append_token(seq, token, lp, now) for (_, seq), (token, lp) in zip(sampling, samples)]
 
-    def _captured_pieces(self, scheduled: list[tuple[Sequence, int]], sampling: set[int]) -> list[RequestOutput]:
+    def _captured_pieces(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """For prefill-only requests still computing their prompt: the K/V of the blocks this step
         completed, as an unfinished output, so they travel while the next chunk computes (the rest,
-        the last partial block included, comes with the finished output)."""
+        the last partial block included, comes with the finished output of the step that samples)."""
         pieces = []
         for seq, _ in scheduled:
             start = self.capture_kv.get(seq.request_id)
-            if start is None or id(seq) in sampling:
+            if start is None or seq.num_computed_tokens == seq.num_tokens:  # sampling now: finishes below
                 continue
             done = seq.num_computed_tokens // self.config.block_size
             if done <= start:

@@ -68,15 +68,15 @@ class TransferRegistry:
             return None, "unknown transfer"
         if token is not None and not (inc.token and hmac.compare_digest(token, inc.token)):
             return None, "wrong transfer token"
-        # total 0: a chunk of a piece sent before the prefill knew how many chunks there would be.
-        if seq < 0 or total < 0 or (total and seq >= total):
-            return None, f"chunk {seq} of {total}"
+        # total 0: a chunk of a piece sent before the prefill knew how many chunks there would be; the
+        # count a final chunk gave bounds every chunk after it.
+        known = total or inc.total
+        if seq < 0 or total < 0 or (known and seq >= known):
+            return None, f"chunk {seq} of {known}"
         if seq in inc.seen:
             return None, f"chunk {seq} received twice"
         if total and inc.total is not None and total != inc.total:
             return None, "chunk count changed mid-transfer"
-        if inc.total is not None and seq >= inc.total:
-            return None, f"chunk {seq} of {inc.total}"
         if block_end > inc.num_blocks:
             return None, f"blocks up to {block_end} but only {inc.num_blocks} were reserved"
         return inc, None

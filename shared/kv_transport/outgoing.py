@@ -53,13 +53,17 @@ class OutgoingTransfer:
         self._deadline = time.monotonic() + deadline_s
         self._bus_send = bus_send
         self._direct = direct if endpoint and token else None
-        self.direct_offered = self._direct is not None  # the receiver has a direct endpoint to try
         self._endpoint, self._token = endpoint or "", token
         self._queue: asyncio.Queue[_Piece] = asyncio.Queue()
         self._worker = asyncio.ensure_future(self._run())
         self.pieces = 0  # handed over so far
         self.went_direct: bool | None = None  # decided by the first piece
         self.fell_back: str | None = None  # why the bus carried it, when it did
+
+    @property
+    def direct_offered(self) -> bool:
+        """Whether the receiver has a direct endpoint to try."""
+        return self._direct is not None
 
     def push(self, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Hand over the blocks a chunk completed; they go out in order while the caller goes on."""
