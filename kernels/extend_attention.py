@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels.decode_attention import dequant, gather_blocks
 from kernels.store_kv import FP8_DTYPE
-from kernels.triton_support import tl, triton, upcast_dot
+from kernels.triton_support import recording, tl, triton, upcast_dot
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
@@ -54,7 +54,8 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 if triton is not None:
 
-    @triton.jit
+    # The block-table width changes from step to step: never specialised (see decode_attention._PER_STEP).
+    @triton.jit(do_not_specialize=["stride_btb"])
     def _extend_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, qs_ptr, ctx_ptr, bt_ptr,
         scale_log2, k_scale, v_scale, window,
@@ -151,6 +152,8 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
         BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_FP8=k_cache.dtype == FP8_DTYPE,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=upcast_dot(q.dtype),
+        # head_dim 128 on 4 warps spills on sm_90 (tests/test_kernel_aot_compile.py); 8 warps do not.
+        num_warps=8 if head_dim > 64 else 4,
     )
     return out
 
@@ -175,6 +178,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.is_cuda:
         return extend_attention_triton(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len,
                                        scale, sliding_window, k_scale, v_scale, out=out)
+    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
+        extend_attention_triton(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len, scale,
+                                sliding_window, k_scale, v_scale, out=torch.empty_like(q))
     check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block_tables)
     return extend_attention_ref(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len, scale,
                                 sliding_window, k_scale, v_scale, out)

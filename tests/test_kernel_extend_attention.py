@@ -88,3 +88,11 @@ def test_bad_inputs_are_refused() -> None:
         extend_attention(q, k, v, starts[:-1], ctx, tables, max_q, 1.0)
     with pytest.raises(AssertionError, match="int32"):
         extend_attention(q, k, v, starts, ctx.long(), tables, max_q, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smollm2_heads_a_group_of_three(dtype) -> None:
+    # SmolLM2-135M: 9 query heads over 3 KV heads, head_dim 64; a fresh prompt and a chunk after a prefix.
+    data = make([20, 9, 1], [20, 37, 50], 3, 3, 64, 16, dtype, seed=93)
+    check(*data)
+    check(*data, window=12)

@@ -134,3 +134,30 @@ def test_rotary_refuses_bad_positions() -> None:
     table = cos_sin_cache(ROPES["default"], 64, 16)
     with pytest.raises(AssertionError, match="positions"):
         rotary(torch.zeros(3, 2, 64), torch.zeros(3, 1, 64), torch.zeros(2, dtype=torch.long), table)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_smollm2_heads_nine_over_three(dtype) -> None:
+    # SmolLM2-135M's 9 query / 3 KV heads of 64 (head counts padded to 16 and 4 in the kernels) and hidden 576.
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 5
+    g = torch.Generator().manual_seed(576)
+    table = cos_sin_cache(ROPES["default"], head_dim, 64)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    results = []
+    for rot in (rotary_triton, rotary_ref):
+        x = qkv.clone()
+        q = x[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = x[:, heads * head_dim:][:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+        rot(q, k, positions, table)
+        results.append(x)
+    torch.testing.assert_close(results[0], results[1], atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.tensor([0, 17, -1, 31, 5])
+    caches = [torch.zeros(3, 16, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    store_kv_triton(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    x, w = torch.randn(tokens, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), atol=TOL[dtype], rtol=TOL[dtype])

@@ -16,6 +16,9 @@ from shared.engine.sequence import Sequence
 from shared.models.llama import LlamaFamilyForCausalLM
 
 
+ALIGN = 4  # int32 elements: 16 bytes
+
+
 class StepBuffers:
     """One int32 staging buffer on the host (pinned on CUDA) and its twin on the device, grown on demand."""
 
@@ -30,21 +33,25 @@ class StepBuffers:
         self.dev = self.host if self.device == "cpu" else torch.empty(capacity, dtype=torch.int32, device=self.device)
 
     def upload(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """Copy the concatenated chunks in one transfer; return one device view per chunk."""
-        total = sum(len(c) for c in chunks)
+        """Copy the concatenated chunks in one transfer; return one device view per chunk.
+
+        Each chunk starts on a 16-byte boundary: Triton specialises a pointer argument on its alignment, so
+        views at arbitrary offsets would compile a new kernel variant whenever a step's sizes moved them."""
+        flat: list[int] = []
+        starts = []
+        for c in chunks:
+            starts.append(len(flat))
+            flat.extend(c)
+            flat.extend([0] * (-len(flat) % ALIGN))
+        total = len(flat)
         if total > self.capacity:
             self._alloc(max(total, 2 * self.capacity))
         # torch.tensor from one flat list is the fastest host-side fill for Python ints.
-        flat = [x for c in chunks for x in c]
         if flat:
             self.host[:total] = torch.tensor(flat, dtype=torch.int32)
         if self.dev is not self.host:
             self.dev[:total].copy_(self.host[:total], non_blocking=True)
-        views, at = [], 0
-        for c in chunks:
-            views.append(self.dev[at : at + len(c)])
-            at += len(c)
-        return views
+        return [self.dev[at : at + len(c)] for at, c in zip(starts, chunks)]
 
 
 class ModelRunner:
