@@ -20,6 +20,7 @@ import torch
 
 from kernels import AttentionMetadata
 from shared.engine.sequence import Sequence
+from shared.engine.staging import StagingRing, copy_stream_for
 from shared.models.llama import LlamaFamilyForCausalLM
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,12 @@ class DecodeGraphs:
         self.max_bs = self.buckets[-1]
         self.width = -(-max_model_len // block_size)
         pinned = device.startswith("cuda")
-        # Rows: ids, positions, slots, context lengths; one copy per step.
-        self.host_vec = torch.zeros(4, self.max_bs, dtype=torch.int32, pin_memory=pinned)
-        self.host_tables = torch.zeros(self.max_bs * self.width, dtype=torch.int32, pin_memory=pinned)
+        # Rows: ids, positions, slots, context lengths; one copy per step. Two host sets used in turn, each
+        # rewritten only after its last copy ran (shared/engine/staging.py).
+        self.stream = copy_stream_for(device)
+        self.staging = StagingRing([(torch.zeros(4, self.max_bs, dtype=torch.int32, pin_memory=pinned),
+                                     torch.zeros(self.max_bs * self.width, dtype=torch.int32, pin_memory=pinned))
+                                    for _ in range(2 if self.stream is not None else 1)], self.stream)
         self.vec = torch.zeros(4, self.max_bs, dtype=torch.int32, device=device)
         self.tables = torch.zeros(self.max_bs, self.width, dtype=torch.int32, device=device)
         empty = torch.zeros(1, dtype=torch.int32, device=device)
@@ -105,15 +109,20 @@ class DecodeGraphs:
             ctx.append(pos + 1)
         width = -(-max(ctx) // bsz)
         pad = bs - n
-        vec = self.host_vec
+        vec, host_tables = self.staging.acquire()
         vec[:, :bs] = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, ctx + [1] * pad],
                                    dtype=torch.int32)
         rows = [seq.block_table[: -(-c // bsz)] for (seq, _), c in zip(plan, ctx)]
-        host_t = self.host_tables[: bs * width]
+        host_t = host_tables[: bs * width]
         host_t.copy_(torch.tensor([b for r in rows for b in r + [0] * (width - len(r))] + [0] * (pad * width),
                                   dtype=torch.int32))
-        self.vec.copy_(vec, non_blocking=True)
-        self.tables[:bs, :width].copy_(host_t.view(bs, width), non_blocking=True)
+        if self.stream is None:
+            self.vec.copy_(vec)
+            self.tables[:bs, :width].copy_(host_t.view(bs, width))
+        else:
+            self.stream.copy(self.vec, vec)
+            self.stream.copy(self.tables[:bs, :width], host_t.view(bs, width))
+            self.staging.sent()
         graph = self.graphs.get(bs)
         if graph is None:
             return self._forward(bs)[:n]

@@ -2,7 +2,7 @@
 
 It decides no policy: which tokens to compute comes from the plan, what to sample from the sampler.
 Every integer a step needs (token ids, positions, slots, chunk offsets, context lengths, block tables, the
-rows to sample) is written into one host buffer (pinned on CUDA) and sent to the device in one
+rows to sample) is written into one host buffer (pinned on CUDA, two used in turn) and sent to the device in one
 non-blocking copy; the metadata are views into that one device buffer. Nothing in the step waits for the
 device: the logits come back on it, and the sampler's single copy of sampled ids is the step's only sync.
 """
@@ -13,6 +13,7 @@ import torch
 from kernels import AttentionMetadata
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.sequence import Sequence
+from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
 from shared.models.llama import LlamaFamilyForCausalLM
 
 
@@ -20,17 +21,26 @@ ALIGN = 4  # int32 elements: 16 bytes
 
 
 class StepBuffers:
-    """One int32 staging buffer on the host (pinned on CUDA) and its twin on the device, grown on demand."""
+    """The step's int32 staging buffers on the host (two, pinned, on CUDA: shared/engine/staging.py) and one
+    buffer on the device, grown on demand. On CPU one buffer is both."""
 
-    def __init__(self, device: str, capacity: int = 1 << 16) -> None:
+    def __init__(self, device: str, capacity: int = 1 << 16, stream: CopyStream | None | str = "auto") -> None:
         self.device = device
-        self.pinned = device.startswith("cuda")
+        self.stream = copy_stream_for(device) if stream == "auto" else stream
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
-        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=self.pinned)
-        self.dev = self.host if self.device == "cpu" else torch.empty(capacity, dtype=torch.int32, device=self.device)
+        if self.stream is None:
+            self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
+            self.ring = StagingRing([self.dev], None)
+            return
+        pinned = self.device.startswith("cuda")
+        # Host buffers given up by a growth may still be read by an enqueued copy: torch's pinned-memory
+        # allocator keeps them until that copy has run.
+        self.ring = StagingRing([torch.empty(capacity, dtype=torch.int32, pin_memory=pinned) for _ in range(2)],
+                                self.stream)
+        self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
 
     def upload(self, chunks: list[list[int]]) -> list[torch.Tensor]:
         """Copy the concatenated chunks in one transfer; return one device view per chunk.
@@ -46,11 +56,13 @@ class StepBuffers:
         total = len(flat)
         if total > self.capacity:
             self._alloc(max(total, 2 * self.capacity))
+        host = self.ring.acquire()  # waits, if ever, for the copy that last read this buffer
         # torch.tensor from one flat list is the fastest host-side fill for Python ints.
         if flat:
-            self.host[:total] = torch.tensor(flat, dtype=torch.int32)
-        if self.dev is not self.host:
-            self.dev[:total].copy_(self.host[:total], non_blocking=True)
+            host[:total] = torch.tensor(flat, dtype=torch.int32)
+        if self.stream is not None:
+            self.stream.copy(self.dev[:total], host[:total])
+            self.ring.sent()
         return [self.dev[at : at + len(c)] for at, c in zip(starts, chunks)]
 
 
