@@ -22,6 +22,7 @@ from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype,
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
 from shared.engine.profile_run import profile_run
+from shared.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.engine.sampler import Sampler
 from shared.sampling_params import SamplingParams
@@ -322,11 +323,12 @@ class LLMEngine:
             end += n
             last_row.append(end - 1)
         rows = [last_row[i] for i, _ in sampling]
-        prompt_rows = self._prompt_logprob_rows(plan.scheduled, last_row)
-        logits = self.runner.execute(plan.scheduled, rows + [r for r, _, _ in prompt_rows])
+        prompt_rows = prompt_logprob_rows(plan.scheduled, last_row)
         if prompt_rows:
-            self._record_prompt_logprobs(logits[len(rows):], prompt_rows)
-            logits = logits[: len(rows)]
+            logits, hidden = self.runner.execute_rows(plan.scheduled, rows, [r for r, _, _ in prompt_rows])
+            record_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
+        else:
+            logits = self.runner.execute(plan.scheduled, rows)
         # On CUDA the forward is still running here: the grammar masks are filled on the host meanwhile.
         bitmask = self._token_bitmask([s for _, s in sampling])
         for seq, n in plan.scheduled:
@@ -357,38 +359,6 @@ class LLMEngine:
             self.capture_kv[seq.request_id] = done
             pieces.append(out)
         return pieces
-
-    @staticmethod
-    def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], last_row: list[int]
-                             ) -> list[tuple[int, Sequence, int]]:
-        """(row, sequence, prompt token it predicts) for the prompt positions computed this step by
-        requests that want prompt logprobs: the row at position p gives the logprob of prompt token p + 1."""
-        out = []
-        for (seq, n), last in zip(scheduled, last_row):
-            if seq.params.prompt_logprobs is None or seq.num_computed_tokens >= seq.num_prompt_tokens:
-                continue
-            start = seq.num_computed_tokens
-            first_row = last - n + 1
-            for p in range(start, min(start + n, seq.num_prompt_tokens - 1)):
-                out.append((first_row + p - start, seq, p + 1))
-        return out
-
-    @staticmethod
-    def _record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> None:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor([seq.token_ids[t] for _, seq, t in rows], device=logprobs.device)
-        picked = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        top_n = max(seq.params.prompt_logprobs or 0 for _, seq, _ in rows)
-        vals, ids = (logprobs.topk(top_n, dim=-1) if top_n else (None, None))
-        vals, ids = (vals.tolist(), ids.tolist()) if top_n else ([], [])
-        for i, (_, seq, t) in enumerate(rows):
-            if not seq.prompt_logprobs:
-                seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
-            if t != len(seq.prompt_logprobs):
-                continue  # recomputed after a preemption: already recorded
-            n = seq.params.prompt_logprobs or 0
-            top = list(zip(ids[i][:n], vals[i][:n])) if n else []
-            seq.prompt_logprobs.append(TokenLogprobs(seq.token_ids[t], picked[i], top))
 
     def _token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         rows = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]

@@ -143,6 +143,15 @@ class ModelRunner:
         """Run one step; return float32 logits, on the device, for the given rows (plan row numbering)."""
         if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
             return self.model.compute_logits(self.graphs.run(plan))
-        ids, positions, meta, rows, _ = self.build(plan, sample_rows)
+        return self.execute_rows(plan, sample_rows, [])[0]
+
+    @torch.inference_mode()
+    def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one (eager) step: float32 logits of sample_rows and the hidden states of hidden_rows (whose
+        logits the caller computes in slices: prompt logprobs), both on the device, plan row numbering."""
+        ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
         hidden = self.model(ids, positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden[rows.long()])
+        rows = rows.long()
+        n = len(sample_rows)
+        return self.model.compute_logits(hidden[rows[:n]]), hidden[rows[n:]]
