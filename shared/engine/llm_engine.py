@@ -79,6 +79,7 @@ class LLMEngine:
         self.num_blocks = self._plan_num_blocks(start)
         self.runner.kv_caches = allocate_kv_cache(mc, self.num_blocks, config.block_size, self.kv_dtype,
                                                   config.device)
+        self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if config.device.startswith("cuda") and not config.enforce_eager:
             self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, config.block_size,
                                               self.max_model_len, config.max_num_seqs, config.device, capture=True)

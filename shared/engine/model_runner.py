@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 
 from kernels import AttentionMetadata
+from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
 from shared.models.llama import LlamaFamilyForCausalLM
+from shared.sampling_params import SamplingParams
 
 
 ALIGN = 4  # int32 elements: 16 bytes
@@ -137,6 +139,20 @@ class ModelRunner:
             decode_context_lens=dctx_t, decode_block_tables=dtab_t.view(len(dctx), dw),
             sliding_window=self.sliding_window)
         return ids_t, pos_t, meta, rows_t, order
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One eager step with a prompt chunk and a decode row, then a structured-output mask on its logits:
+        every Triton variant the engine can launch compiles here, at start, and never in a serving step
+        (per-step sizes are never specialised: kernels/decode_attention.py, StepBuffers.upload), which
+        tests/test_warm_up.py checks. Its K/V goes to block 0, free at start."""
+        params = SamplingParams(max_tokens=1)
+        chunk = Sequence("warm-up-chunk", [0, 0, 0], params)
+        decode = Sequence("warm-up-decode", [0, 0], params)
+        decode.num_computed_tokens = 1
+        chunk.block_table = decode.block_table = [0]
+        logits = self.execute([(chunk, 2), (decode, 1)], [1, 2])
+        apply_token_bitmask(logits, torch.full((2, -(-logits.shape[1] // 32)), -1, dtype=torch.int32))
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
