@@ -82,7 +82,8 @@ class LLMEngine:
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if config.device.startswith("cuda") and not config.enforce_eager:
             self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, config.block_size,
-                                              self.max_model_len, config.max_num_seqs, config.device, capture=True)
+                                              self.max_model_len, config.max_num_seqs, config.device, capture=True,
+                                              block_tables=self.runner.tables)
         model_id = config.model_id or Path(config.model).resolve().name
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
         root = root_hash(model_id, config.block_size, str(self.kv_dtype).removeprefix("torch."), config.cache_salt)
@@ -405,15 +406,26 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        """A finished output carries everything; a streamed one only what a stream sends (its new tokens and
+        their logprobs, the prompt logprobs with the first token): copying each sequence's prompt and output
+        on every token was most of a decode step's host time at batch 128 and 4k-token prompts."""
+        done = seq.is_finished
+        first = bool(new) and seq.num_output_tokens == len(new)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = list(seq.logprobs) if done else (seq.logprobs[-len(new):] if new else [])
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and (done or first):
+            prompt_logprobs = list(seq.prompt_logprobs) or [None]
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            prompt_token_ids=seq.prompt_token_ids if done else [],
+            output_token_ids=seq.output_token_ids if done else [],
             new_token_ids=new,
-            finished=seq.is_finished,
+            finished=done,
             finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            prompt_logprobs=(list(seq.prompt_logprobs) or [None]) if seq.params.prompt_logprobs is not None else None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,

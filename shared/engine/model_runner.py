@@ -12,6 +12,7 @@ import torch
 
 from kernels import AttentionMetadata
 from kernels.token_bitmask import apply_token_bitmask
+from shared.engine.block_tables import BlockTables
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
@@ -44,28 +45,45 @@ class StepBuffers:
                                 self.stream)
         self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
 
-    def upload(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """Copy the concatenated chunks in one transfer; return one device view per chunk.
+    def upload(self, chunks: list[list[int] | torch.Tensor]) -> list[torch.Tensor]:
+        """Copy the chunks (lists of ints, or int32 tensors such as block tables) in one transfer; return one
+        device view per chunk, shaped like it.
 
         Each chunk starts on a 16-byte boundary: Triton specialises a pointer argument on its alignment, so
-        views at arbitrary offsets would compile a new kernel variant whenever a step's sizes moved them."""
+        views at arbitrary offsets would compile a new kernel variant whenever a step's sizes moved them.
+        The lists go into the buffer as one flat list (torch.tensor of one list is the fastest fill for
+        Python ints), the tensors after them."""
         flat: list[int] = []
-        starts = []
-        for c in chunks:
-            starts.append(len(flat))
+        starts: list[int] = [0] * len(chunks)
+        tensors = []
+        for i, c in enumerate(chunks):
+            if isinstance(c, torch.Tensor):
+                tensors.append(i)
+                continue
+            starts[i] = len(flat)
             flat.extend(c)
             flat.extend([0] * (-len(flat) % ALIGN))
         total = len(flat)
+        for i in tensors:
+            starts[i] = total
+            total += chunks[i].numel() + (-chunks[i].numel() % ALIGN)
         if total > self.capacity:
             self._alloc(max(total, 2 * self.capacity))
         host = self.ring.acquire()  # waits, if ever, for the copy that last read this buffer
-        # torch.tensor from one flat list is the fastest host-side fill for Python ints.
         if flat:
-            host[:total] = torch.tensor(flat, dtype=torch.int32)
+            host[: len(flat)] = torch.tensor(flat, dtype=torch.int32)
+        for i in tensors:
+            host[starts[i] : starts[i] + chunks[i].numel()].view(chunks[i].shape).copy_(chunks[i])
         if self.stream is not None:
             self.stream.copy(self.dev[:total], host[:total])
             self.ring.sent()
-        return [self.dev[at : at + len(c)] for at, c in zip(starts, chunks)]
+        views = []
+        for at, c in zip(starts, chunks):
+            if isinstance(c, torch.Tensor):
+                views.append(self.dev[at : at + c.numel()].view(c.shape))
+            else:
+                views.append(self.dev[at : at + len(c)])
+        return views
 
 
 class ModelRunner:
@@ -77,6 +95,7 @@ class ModelRunner:
         self.device = device
         self.sliding_window = model.cfg.sliding_window
         self.buffers = StepBuffers(device)
+        self.tables = BlockTables()  # every running sequence's block table, kept across steps
         self.graphs: DecodeGraphs | None = None  # set by the engine once the KV pool exists (CUDA only)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
@@ -103,40 +122,46 @@ class ModelRunner:
             at += n
         qstart = [0]
         pctx: list[int] = []
-        ptables: list[list[int]] = []
+        prows: list[int] = []
         dctx: list[int] = []
-        dtables: list[list[int]] = []
+        drows: list[int] = []
+        pw = dw = 0
         bs = self.block_size
+        tables = self.tables
         for i in order:
             seq, n = plan[i]
             start = seq.num_computed_tokens
             ctx = start + n
+            at = len(ids)
             for j in range(n):
-                new_row[old_start[i] + j] = len(ids) + j
-            ids.extend(seq.token_ids[start:ctx])
-            positions.extend(range(start, ctx))
-            slots.extend(self._slots(seq.block_table, start, ctx))
-            table = seq.block_table[: -(-ctx // bs)]
+                new_row[old_start[i] + j] = at + j
+            nblk = -(-ctx // bs)
+            row = tables.sync(seq, nblk)
             if n > 1:
+                ids.extend(seq.token_ids[start:ctx])
+                positions.extend(range(start, ctx))
+                slots.extend(self._slots(seq.block_table, start, ctx))
                 qstart.append(qstart[-1] + n)
                 pctx.append(ctx)
-                ptables.append(table)
+                prows.append(row)
+                pw = max(pw, nblk)
             else:
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
                 dctx.append(ctx)
-                dtables.append(table)
-        pw = max((len(t) for t in ptables), default=0)
-        dw = max((len(t) for t in dtables), default=0)
-        # Padding entries of a block table are never read (each kernel stops at its context length).
-        pflat = [b for t in ptables for b in t + [0] * (pw - len(t))]
-        dflat = [b for t in dtables for b in t + [0] * (dw - len(t))]
+                drows.append(row)
+                dw = max(dw, nblk)
+        # Entries of a row past its sequence's blocks are never read (each kernel stops at its context length).
         rows = [new_row[r] for r in sample_rows]
-        (ids_t, pos_t, slot_t, qs_t, pctx_t, ptab_t, dctx_t, dtab_t, rows_t) = self.buffers.upload(
-            [ids, positions, slots, qstart if pctx else [0], pctx, pflat, dctx, dflat, rows])
+        (ids_t, pos_t, slot_t, qs_t, pctx_t, dctx_t, rows_t, ptab_t, dtab_t) = self.buffers.upload(
+            [ids, positions, slots, qstart if pctx else [0], pctx, dctx, rows, tables.gather(prows, pw),
+             tables.gather(drows, dw)])
         meta = AttentionMetadata(
             slot_mapping=slot_t, num_prefill_tokens=qstart[-1], prefill_query_start=qs_t,
-            prefill_context_lens=pctx_t, prefill_block_tables=ptab_t.view(len(pctx), pw),
+            prefill_context_lens=pctx_t, prefill_block_tables=ptab_t,
             max_prefill_query_len=max((b - a for a, b in zip(qstart, qstart[1:])), default=0),
-            decode_context_lens=dctx_t, decode_block_tables=dtab_t.view(len(dctx), dw),
+            decode_context_lens=dctx_t, decode_block_tables=dtab_t,
             sliding_window=self.sliding_window)
         return ids_t, pos_t, meta, rows_t, order
 
