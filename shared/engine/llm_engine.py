@@ -94,6 +94,8 @@ class LLMEngine:
         # Blocks on their way to the kvstore under the eviction policy (track_for_offload): hash, K, V
         # [layers, block_size, heads, dim] host copies. None: not tracked.
         self.offload_out: list[tuple[bytes, torch.Tensor, torch.Tensor]] | None = None
+        # Spilled blocks whose device-to-host copies may still run: hashes, K, V, the copies' event (or None).
+        self._spills: list[tuple[list[bytes], torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold)
         self.seqs: dict[str, Sequence] = {}
@@ -197,30 +199,62 @@ class LLMEngine:
         self.block_manager.reused = []
         self.offload_out = []
 
-    def spill_evicted(self) -> None:
+    def spill_evicted(self, wait: bool = True) -> None:
         """Copy the cached blocks the block manager gave up since the last call down a tier (the host
-        tier, else the offload queue), while their KV is still intact (nothing has written into them)."""
+        tier, else the offload queue), while their KV is still intact (nothing has written into them).
+
+        On CUDA the blocks are gathered on the device and copied into pinned host memory without blocking,
+        ordered before the forward that will overwrite them; with wait=False (a step) they reach the tier at
+        the end of the step (finish_spills), by when the copy has long run, while the forward still does."""
         bm = self.block_manager
-        if not bm.evicted or (self.host_tier is None and self.offload_out is None):
-            return
-        evicted, bm.evicted = bm.evicted, []
-        hashes = [h for h, _ in evicted]
-        k, v = self.read_blocks([b for _, b in evicted])
-        if self.host_tier is None:
-            assert self.offload_out is not None
-            self.offload_out.extend((h, k[:, i], v[:, i]) for i, h in enumerate(hashes))
-            return
-        stored, dropped = self.host_tier.put(hashes, k, v)
-        if self.offload_out is not None:
-            self.offload_out.extend(dropped)  # out of the host tier: on down to the kvstore
-        # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
-        if dropped:
-            bm.events.append(BlockRemoved(hashes=[h for h, _, _ in dropped], tier="host"))
-        if stored:
-            bm.events.append(BlockStored(hashes=stored, tier="host"))
+        if bm.evicted and (self.host_tier is not None or self.offload_out is not None):
+            evicted, bm.evicted = bm.evicted, []
+            k, v, ready = self._read_blocks_async([b for _, b in evicted])
+            self._spills.append(([h for h, _ in evicted], k, v, ready))
+        if wait or not self.config.device.startswith("cuda"):
+            self.finish_spills()
+
+    def finish_spills(self) -> None:
+        """Hand the spilled blocks to the host tier (or the offload queue) once their copies have run."""
+        spills, self._spills = self._spills, []
+        bm = self.block_manager
+        for hashes, k, v, ready in spills:
+            if ready is not None:
+                ready.synchronize()
+                k, v = k.clone(), v.clone()  # pinned staging -> ordinary memory: the tier can be large
+            if self.host_tier is None:
+                assert self.offload_out is not None
+                self.offload_out.extend((h, k[:, i], v[:, i]) for i, h in enumerate(hashes))
+                continue
+            stored, dropped = self.host_tier.put(hashes, k, v)
+            if self.offload_out is not None:
+                self.offload_out.extend(dropped)  # out of the host tier: on down to the kvstore
+            # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
+            if dropped:
+                bm.events.append(BlockRemoved(hashes=[h for h, _, _ in dropped], tier="host"))
+            if stored:
+                bm.events.append(BlockStored(hashes=stored, tier="host"))
+
+    def _read_blocks_async(self, block_ids: Seq[int]):
+        """(K, V, event): host copies of physical blocks as read_blocks, on CUDA pinned and still in flight
+        until the event completes; on CPU done (event None)."""
+        k, v = self._gather_blocks(block_ids)
+        if not k.is_cuda:
+            return k, v, None
+        k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+        v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        k_host.copy_(k, non_blocking=True)
+        v_host.copy_(v, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return k_host, v_host, ready
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
+        k, v = self._gather_blocks(block_ids)
+        return k.cpu(), v.cpu()
+
+    def _gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.config.device)
         caches = self.runner.kv_caches
         # Gathered straight into one tensor per K and V (not gathered per layer, then stacked: a second
@@ -230,7 +264,7 @@ class LLMEngine:
         for i, (kc, vc) in enumerate(caches):
             torch.index_select(kc, 0, ids, out=k[i])
             torch.index_select(vc, 0, ids, out=v[i])
-        return k.cpu(), v.cpu()
+        return k, v
 
     def read_request_blocks(self, request_id: str, first_block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of a live request's logical blocks from first_block to its last (partial) prompt block."""
@@ -310,7 +344,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        self.spill_evicted()  # before the forward overwrites blocks this schedule took from the cache
+        # Before the forward overwrites blocks this schedule took from the cache; they reach the tier at the end.
+        self.spill_evicted(wait=False)
+        try:
+            return self._step(plan)
+        finally:
+            self.finish_spills()
+
+    def _step(self, plan) -> list[RequestOutput]:
         if plan.is_empty:
             return []
         step_start = time.time()
