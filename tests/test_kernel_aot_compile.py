@@ -16,8 +16,8 @@ from tests.kernel_launches import AOT_CASES, record_shape
 pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
 
 ARCHS = [80, 90, 100]
-EVERY_KERNEL = {"_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", "_extend_kernel", "_decode_split_kernel",
-                "_decode_reduce_kernel", "_apply_bitmask_kernel"}
+EVERY_KERNEL = {"_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_extend_kernel",
+                "_decode_split_kernel", "_decode_reduce_kernel", "_apply_bitmask_kernel"}
 
 
 @pytest.fixture(scope="module")

@@ -161,3 +161,19 @@ def test_smollm2_heads_nine_over_three(dtype) -> None:
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     x, w = torch.randn(tokens, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
     torch.testing.assert_close(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ------------------------------------------------------------------------------------------------ silu * mul
+
+
+@pytest.mark.parametrize("inter", [64, 1536, 3000])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_twin(inter, dtype) -> None:
+    from kernels.silu_mul import silu_mul_ref, silu_mul_triton
+
+    g = torch.Generator().manual_seed(inter)
+    x = (torch.randn(5, 2 * inter, generator=g) * 3).to(dtype)
+    got, want = silu_mul_triton(x), silu_mul_ref(x)
+    assert got.shape == (5, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    assert silu_mul_triton(x[:0]).shape == (0, inter)

@@ -8,12 +8,12 @@ add+RMSNorm (vLLM's layout: each layer returns (hidden, residual)), store-KV and
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, paged_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import rotary
+from kernels.silu_mul import silu_mul
 from shared.models.model_config import ModelConfig
 from shared.models.rope import cos_sin_cache
 
@@ -68,8 +68,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
