@@ -115,6 +115,8 @@ def step_kernels(args) -> dict:
 
     from kernels.decode_attention import decode_attention_ref, decode_attention_triton
     from kernels.extend_attention import extend_attention_ref, extend_attention_triton
+    from kernels.qk_rope_store import qk_rope_store_ref, qk_rope_store_triton
+    from kernels.silu_mul import silu_mul_ref, silu_mul_triton
     from kernels.rmsnorm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
     from kernels.rotary import rotary_ref, rotary_triton
     from kernels.store_kv import FP8_DTYPE, store_kv_ref, store_kv_triton
@@ -169,6 +171,8 @@ def step_kernels(args) -> dict:
                    table if d == 128 else table64)
                 outs.append(y)
             record("rotary", dtype, f"{hq}/{hk} heads x {d}", outs[0], outs[1], 4 * tol[dtype])
+            x = randn(tokens, 2 * hq * d, dtype=dtype)
+            record("silu_mul", dtype, f"inter {hq * d}", silu_mul_triton(x), silu_mul_ref(x), tol[dtype])
             for kv_dtype in [dtype] + ([FP8_DTYPE] if fp8 else []):
                 name = "fp8" if kv_dtype == FP8_DTYPE else str(dtype).removeprefix("torch.")
                 k, v = randn(tokens, hk, d, dtype=dtype), randn(tokens, hk, d, dtype=dtype)
@@ -178,6 +182,19 @@ def step_kernels(args) -> dict:
                 store_kv_ref(k, v, caches[2], caches[3], slots, 0.5, 0.5)
                 record("store_kv", name, f"{hk} heads x {d}", torch.cat(caches[:2]), torch.cat(caches[2:]),
                        fp8_store_tol if kv_dtype == FP8_DTYPE else 0.0)
+                # The fused q/k norm + rotary + store-KV, with and without the norm (Qwen3 / the others).
+                for norm in (False, True):
+                    w = (randn(d).abs() + 0.5).to(dtype) if norm else None
+                    pos = torch.randint(0, 4000, (tokens,), generator=g).to(dev)
+                    fused = [torch.zeros(4, 16, hk, d, device=dev, dtype=kv_dtype) for _ in range(4)]
+                    table_d = table if d == 128 else table64
+                    got_q = qk_rope_store_triton(qkv.clone(), hq, hk, d, w, w, 1e-6, pos, table_d, fused[0], fused[1],
+                                                 slots, 0.5, 0.5)
+                    want_q = qk_rope_store_ref(qkv.clone(), hq, hk, d, w, w, 1e-6, pos, table_d, fused[2], fused[3],
+                                               slots, 0.5, 0.5)
+                    record("qk_rope_store", name, f"{hq}/{hk}x{d} norm {norm}: q", got_q, want_q, 4 * tol[dtype])
+                    record("qk_rope_store", name, f"{hq}/{hk}x{d} norm {norm}: k/v cache", torch.cat(fused[:2]),
+                           torch.cat(fused[2:]), max(4 * tol[dtype], fp8_store_tol if kv_dtype == FP8_DTYPE else 0))
                 # Decode attention over a paged cache, contexts from 1 to ctx_max, shuffled blocks.
                 blocks_per = -(-ctx_max // 16)
                 nblocks = batch * blocks_per + 1

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from kernels.aot import LaunchRecorder
+from kernels.rotary import rotary
+from kernels.store_kv import store_kv
 from kernels.token_bitmask import apply_token_bitmask
 from loadtest.shapes import SHAPES, build_shape_checkpoint
 from shared.config import EngineConfig
@@ -66,4 +68,12 @@ def record_shape(root: Path, name: str, kv_cache_dtype: str, batch: int = 64) ->
         # Structured-output masks at the real vocabulary (the sampler applies them on the logits' device).
         logits = torch.zeros(2, real_vocab)
         apply_token_bitmask(logits, torch.full((2, -(-real_vocab // 32)), -1, dtype=torch.int32))
+        # store-KV and rotary on their own (the engine runs them fused in qk_rope_store) at the shape.
+        cfg, (kc, vc) = engine.model_config, engine.runner.kv_caches[0]
+        qkv = torch.zeros(3, cfg.q_size + 2 * cfg.kv_size, dtype=engine.dtype)
+        q = qkv[:, : cfg.q_size].view(3, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(3, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(3, cfg.num_kv_heads, cfg.head_dim)
+        rotary(q, k, torch.arange(3), engine.model.cos_sin)
+        store_kv(k, v, kc, vc, torch.tensor([0, 1, -1]))
     return rec

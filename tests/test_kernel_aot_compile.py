@@ -16,8 +16,8 @@ from tests.kernel_launches import AOT_CASES, record_shape
 pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
 
 ARCHS = [80, 90, 100]
-EVERY_KERNEL = {"_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_extend_kernel",
-                "_decode_split_kernel", "_decode_reduce_kernel", "_apply_bitmask_kernel"}
+EVERY_KERNEL = {"_qk_rope_store_kernel", "_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel",
+                "_extend_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_apply_bitmask_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,6 @@ def test_every_variant_compiles_for_sm80_sm90_sm100_without_spills(reports):
 
 
 def test_fp8_kv_cannot_compile_below_sm89_which_the_config_refuses(recorded):
-    fp8 = next(v for v in recorded[("smollm2-135m", "fp8")].variants if v.fp8 and v.kernel == "_store_kv_kernel")
+    fp8 = next(v for v in recorded[("smollm2-135m", "fp8")].variants if v.fp8 and v.kernel == "_qk_rope_store_kernel")
     (report,) = compile_variants([fp8], [80])
     assert not report.ok and "fp8e4nv" in report.error

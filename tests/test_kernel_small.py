@@ -177,3 +177,38 @@ def test_silu_mul_matches_twin(inter, dtype) -> None:
     assert got.shape == (5, inter) and got.dtype == dtype
     torch.testing.assert_close(got, want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
     assert silu_mul_triton(x[:0]).shape == (0, inter)
+
+
+# ------------------------------------------------------------------------------------ fused q/k norm + rotary + store
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (9, 3, 64), (16, 8, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_qk_rope_store_matches_the_unfused_twins(norm, fp8, heads, kv_heads, head_dim, dtype) -> None:
+    from kernels.qk_rope_store import qk_rope_store_ref, qk_rope_store_triton
+
+    g = torch.Generator().manual_seed(heads * head_dim + norm + 2 * fp8)
+    tokens = 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qw = kw = None
+    if norm:
+        qw, kw = (torch.rand(head_dim, generator=g) + 0.5).to(dtype), (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    table = cos_sin_cache(ROPES["llama3"], head_dim, 4096)
+    positions = torch.tensor([0, 1, 17, 300, 4095, 9])
+    slots = torch.tensor([0, 5, -1, 16, 47, 31])
+    cache_dtype = FP8_DTYPE if fp8 else dtype
+    caches = [torch.zeros(3, 16, kv_heads, head_dim, dtype=cache_dtype) for _ in range(4)]
+    got = qk_rope_store_triton(qkv.clone(), heads, kv_heads, head_dim, qw, kw, 1e-6, positions, table, caches[0],
+                               caches[1], slots, 0.5, 2.0)
+    want = qk_rope_store_ref(qkv.clone(), heads, kv_heads, head_dim, qw, kw, 1e-6, positions, table, caches[2],
+                             caches[3], slots, 0.5, 2.0)
+    tol = TOL[dtype] * 4
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        a, b = a.float(), b.float()
+        if fp8:  # the interpreter's e4m3 rounding (see test_store_kv_fp8_quantizes_with_scale_and_saturates)
+            assert bool(((a - b).abs() <= b.abs() / 2 + 2**-6 + tol * 8).all())
+        else:
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)

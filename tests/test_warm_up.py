@@ -15,7 +15,8 @@ from shared.engine.cuda_graphs import DecodeGraphs
 from shared.sampling_params import SamplingParams, StructuredOutput
 from tests.engine_helpers import make_engine, random_prompts
 
-EVERY_KERNEL = {"_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel", "_extend_kernel",
+# Every kernel the engine launches (store_kv and rotary alone are fused into _qk_rope_store_kernel).
+EVERY_KERNEL = {"_qk_rope_store_kernel", "_rms_norm_kernel", "_silu_mul_kernel", "_extend_kernel",
                 "_decode_split_kernel", "_decode_reduce_kernel", "_apply_bitmask_kernel"}
 
 
