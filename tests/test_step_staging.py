@@ -91,3 +91,48 @@ def test_the_ring_waits_only_for_the_buffer_it_hands_out():
     ring.sent()
     first, second = [op for op in stream.queue if isinstance(op, FakeEvent)]
     assert ring.acquire() == "a" and first.done and not second.done
+
+
+def test_spilled_blocks_reach_the_host_tier_after_their_copy_at_the_end_of_the_step(checkpoints):
+    """The host tier's copies out are asynchronous on CUDA: a step enqueues them (the fake event stands for
+    the copies still running) and hands the blocks to the tier only at its end, after the event."""
+    from tests.engine_helpers import greedy, make_engine, random_prompts
+
+    engine = make_engine(checkpoints["qwen3"], num_kv_blocks=9, host_kv_bytes=1 << 24, max_num_batched_tokens=64)
+    engine._async_spills = True
+    log: list[str] = []
+    real = engine._read_blocks_async
+
+    class Copies:
+        def synchronize(self) -> None:
+            log.append("copies done")
+
+    def read_async(ids):
+        k, v, _ = real(ids)
+        log.append(f"spill {len(ids)}")
+        return k, v, Copies()
+
+    engine._read_blocks_async = read_async
+    put = engine.host_tier.put
+
+    def put_logged(hashes, k, v):
+        log.append(f"tier {len(hashes)}")
+        return put(hashes, k, v)
+
+    engine.host_tier.put = put_logged
+    step = engine._step
+
+    def step_logged(plan):
+        log.append("step")
+        return step(plan)
+
+    engine._step = step_logged
+    first = random_prompts([60], seed=1)[0]
+    engine.generate([first], greedy(2), use_tqdm=False)
+    engine.generate(random_prompts([60, 60], seed=2), greedy(2), use_tqdm=False)  # evicts the first prompt's blocks
+    spills = [i for i, e in enumerate(log) if e.startswith("spill")]
+    assert spills, "the second batch evicted cached blocks"
+    for i in spills:
+        # The spill's step runs after it, and only then do its copies complete and its blocks reach the tier.
+        assert log[i + 1] == "step" and log[i + 2] == "copies done" and log[i + 3].startswith("tier"), log[i:i + 4]
+    assert engine.host_tier.stats.stored_blocks > 0 and not engine._spills

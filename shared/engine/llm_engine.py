@@ -96,6 +96,7 @@ class LLMEngine:
         self.offload_out: list[tuple[bytes, torch.Tensor, torch.Tensor]] | None = None
         # Spilled blocks whose device-to-host copies may still run: hashes, K, V, the copies' event (or None).
         self._spills: list[tuple[list[bytes], torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        self._async_spills = config.device.startswith("cuda")  # on CPU there is nothing to overlap with
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold)
         self.seqs: dict[str, Sequence] = {}
@@ -211,7 +212,7 @@ class LLMEngine:
             evicted, bm.evicted = bm.evicted, []
             k, v, ready = self._read_blocks_async([b for _, b in evicted])
             self._spills.append(([h for h, _ in evicted], k, v, ready))
-        if wait or not self.config.device.startswith("cuda"):
+        if wait or not self._async_spills:
             self.finish_spills()
 
     def finish_spills(self) -> None:
