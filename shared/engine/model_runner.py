@@ -177,11 +177,12 @@ class ModelRunner:
         decode.num_computed_tokens = 1
         chunk.block_table = decode.block_table = [0]
         logits = self.execute([(chunk, 2), (decode, 1)], [1, 2])
-        apply_token_bitmask(logits, torch.full((2, -(-logits.shape[1] // 32)), -1, dtype=torch.int32))
+        # On the float32 rows the sampler masks (shared/engine/sampler.py).
+        apply_token_bitmask(logits.float(), torch.full((2, -(-logits.shape[1] // 32)), -1, dtype=torch.int32))
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; return float32 logits, on the device, for the given rows (plan row numbering)."""
+        """Run one step; return logits (model dtype), on the device, for the given rows (plan row numbering)."""
         if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
             return self.model.compute_logits(self.graphs.run(plan))
         return self.execute_rows(plan, sample_rows, [])[0]
@@ -189,7 +190,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one (eager) step: float32 logits of sample_rows and the hidden states of hidden_rows (whose
+        """Run one (eager) step: logits (model dtype) of sample_rows and the hidden states of hidden_rows (whose
         logits the caller computes in slices: prompt logprobs), both on the device, plan row numbering."""
         ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
         hidden = self.model(ids, positions, meta, self.kv_caches)

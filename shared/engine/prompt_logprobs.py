@@ -32,7 +32,7 @@ def prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], last_row: list[in
 @torch.inference_mode()
 def record_prompt_logprobs(compute_logits, hidden: torch.Tensor, rows: list[tuple[int, Sequence, int]],
                            slice_rows: int = PROMPT_LOGPROB_SLICE) -> None:
-    """hidden[i] is the hidden state of rows[i]; compute_logits maps hidden states to fp32 logits."""
+    """hidden[i] is the hidden state of rows[i]; compute_logits maps hidden states to logits (made float32 here)."""
     for at in range(0, len(rows), slice_rows):
         _record(compute_logits(hidden[at : at + slice_rows]), rows[at : at + slice_rows])
 

@@ -114,4 +114,5 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model dtype: the sampler makes float32 rows only when it needs them (not for greedy)."""
+        return self.lm_head(hidden)
