@@ -18,17 +18,17 @@ def _run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 
 def test_smoke_steps_write_json_and_a_summary_line(tmp_path):
-    proc, summary = _run(tmp_path, "--only", "env,kernels,graphs,decode,offline")
+    # A quick subset (every step runs under -m slow): a plain step, the kernels, a benchmark through the CLI.
+    proc, summary = _run(tmp_path, "--only", "env,kernels,decode")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert [s["name"] for s in summary["steps"]] == ["env", "kernels", "graphs", "decode", "offline"]
-    assert proc.stdout.strip().splitlines()[-1].startswith("gpu-check: 5/5 steps ok")
+    assert [s["name"] for s in summary["steps"]] == ["env", "kernels", "decode"]
+    assert proc.stdout.strip().splitlines()[-1].startswith("gpu-check: 3/3 steps ok")
     kernels = json.loads((tmp_path / "kernels.json").read_text())
-    assert {c["kernel"] for c in kernels["cases"]} >= {"rms_norm", "rotary", "store_kv", "decode_attention",
-                                                       "extend_attention", "token_bitmask"}
+    assert {c["kernel"] for c in kernels["cases"]} >= {"rms_norm", "rotary", "store_kv", "qk_rope_store", "silu_mul",
+                                                       "decode_attention", "extend_attention", "token_bitmask"}
     assert any(c["dtype"] == "fp8" for c in kernels["cases"])
     decode = json.loads((tmp_path / "decode.json").read_text())
     assert decode["command"].startswith("kvmesh bench decode") and decode["result"]
-    assert json.loads((tmp_path / "offline.json").read_text())["result"]
 
 
 @pytest.mark.slow
