@@ -21,8 +21,9 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
-        """One program = one row x BLOCK output columns."""
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+        """One program = one row x BLOCK output columns. N (the intermediate size) is a runtime argument: one
+        compiled variant serves every model (tests/kernel_launches.py drives a small MLP for that reason)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
@@ -42,7 +43,7 @@ def silu_mul_triton(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     out = torch.empty(tokens, n2 // 2, dtype=x.dtype, device=x.device)
     if tokens:
         n = n2 // 2
-        _silu_mul_kernel[(tokens, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), N=n, BLOCK=block)
+        _silu_mul_kernel[(tokens, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
     return out
 
 

@@ -1,5 +1,6 @@
 """Engines at real model shapes (one layer, a tiny MLP and vocabulary: neither changes a Triton kernel's
-variant), driven through serving steps under kernels/aot.py's LaunchRecorder, so the variants recorded
+variant: kernels/silu_mul.py takes the intermediate size at run time, and the token mask is driven at the
+real vocabulary below), driven through serving steps under kernels/aot.py's LaunchRecorder, so the variants recorded
 are the ones the project's own wrappers launch on a GPU at those shapes."""
 from __future__ import annotations
 
