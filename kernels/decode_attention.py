@@ -98,7 +98,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=_PER_STEP)
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ws_ptr, lse_ws_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ws_ptr, lse_ws_ptr, out_ptr,
         scale_log2, k_scale, v_scale, window, num_splits,
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
@@ -106,6 +106,7 @@ if triton is not None:
         stride_btb,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
+        stride_outb, stride_outh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -162,10 +163,14 @@ if triton is not None:
             m_i = m_new
         has = end > start
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        lse = tl.where(has & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(o_ws_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
-                 mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ws_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+        if num_splits == 1:  # the whole context in this program: the result itself, and no reduce launch
+            tl.store(out_ptr + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            lse = tl.where(has & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(o_ws_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+                     mask=g_ok[:, None] & d_ok[None, :])
+            tl.store(lse_ws_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
 
     @triton.jit(do_not_specialize=_PER_STEP)
     def _decode_reduce_kernel(
@@ -223,13 +228,15 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = heads // kv_heads
     splits = num_splits or default_num_splits(batch, kv_heads, block_tables.shape[1])
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    o_ws = torch.empty(batch, heads, splits, d_pad, dtype=torch.float32, device=q.device)
-    lse_ws = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    # One split (a full batch): the split kernel writes the result, there is no workspace and no reduce.
+    ws = 1 if splits == 1 else splits
+    o_ws = torch.empty(batch if splits > 1 else 1, heads, ws, d_pad, dtype=torch.float32, device=q.device)
+    lse_ws = torch.empty(batch if splits > 1 else 1, heads, ws, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out must be like q"
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o_ws, lse_ws,
+        q, k_cache, v_cache, block_tables, context_lens, o_ws, lse_ws, out,
         scale * 1.4426950408889634, k_scale, v_scale, sliding_window or 0, splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -237,11 +244,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables.stride(0),
         o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
         lse_ws.stride(0), lse_ws.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None, IS_FP8=k_cache.dtype == FP8_DTYPE,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=upcast_dot(q.dtype),
     )
+    if splits == 1:
+        return out
     _decode_reduce_kernel[(batch, heads)](
         o_ws, lse_ws, out, splits,
         o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),

@@ -207,10 +207,12 @@ def step_kernels(args) -> dict:
                 q = randn(batch, hq, d, dtype=dtype)
                 scales = (1.25, 0.75) if kv_dtype == FP8_DTYPE else (1.0, 1.0)
                 for window in (None, 64):
-                    got = decode_attention_triton(q, kc, vc, tables, lens, d ** -0.5, window, *scales)
                     want = decode_attention_ref(q, kc, vc, tables, lens, d ** -0.5, window, *scales)
-                    record("decode_attention", name, f"{hq}/{hk}x{d} batch {batch} ctx<={ctx_max} window {window}",
-                           got, want, tol[dtype])
+                    for splits in (None, 7):  # the default for the batch (1 split at 64), and split-KV + reduce
+                        got = decode_attention_triton(q, kc, vc, tables, lens, d ** -0.5, window, *scales,
+                                                      num_splits=splits)
+                        record("decode_attention", name, f"{hq}/{hk}x{d} batch {batch} ctx<={ctx_max} window {window} "
+                               f"splits {splits or 'default'}", got, want, tol[dtype])
                 # Extend attention: a fresh prompt, a chunk after a cached prefix, a one-row chunk.
                 chunks = [min(ctx_max, 40), 9, 1]
                 ctxs = [chunks[0], min(ctx_max, 37), min(ctx_max, 50)]
