@@ -63,10 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------- helpers
 
 
-def _dev(args) -> str:
-    return args.device
-
-
 def _sync(device: str) -> None:
     import torch
 
