@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="", help="comma list of steps to run (default: all)")
     p.add_argument("--skip", default="", help="comma list of steps to leave out")
     p.add_argument("--smollm2", default=os.environ.get("KVMESH_SMOLLM2", ""),
-                   help="a real SmolLM2-135M(-Instruct) checkpoint directory for the greedy step")
+                   help="a real SmolLM2-135M(-Instruct) for the greedy step: an HF checkpoint directory or a .gguf")
     p.add_argument("--total-budget", type=int, default=TOTAL_BUDGET, help="seconds for all steps together")
     p.add_argument("--run-step", help=argparse.SUPPRESS)  # internal: run one step in this process
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one engine of the two-workers step
@@ -274,8 +274,8 @@ def _greedy_smollm2(args, prompts_n: int) -> dict:
     """The real SmolLM2 checkpoint, bf16 on CUDA (float32 on CPU): identical greedy text for real prompts."""
     path = args.smollm2
     if not path or not Path(path).exists():
-        return {"skipped": "no real SmolLM2 model: pass --smollm2 DIR (an HF checkpoint directory) or set "
-                           "KVMESH_SMOLLM2"}
+        return {"skipped": "no real SmolLM2 model: pass --smollm2 PATH (an HF checkpoint directory or a .gguf) "
+                           "or set KVMESH_SMOLLM2"}
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -285,13 +285,19 @@ def _greedy_smollm2(args, prompts_n: int) -> dict:
 
     dev = args.device
     dtype = "bfloat16" if dev.startswith("cuda") else "float32"
+    # An HF checkpoint directory, or a GGUF file (transformers reads it with the gguf package; kvmesh where its
+    # loader does).
+    where, extra = (str(Path(path).parent), {"gguf_file": Path(path).name}) if path.endswith(".gguf") else (path, {})
     try:
-        tok = AutoTokenizer.from_pretrained(path)
-        hf = AutoModelForCausalLM.from_pretrained(path).to(dev, getattr(torch, dtype)).eval()
+        tok = AutoTokenizer.from_pretrained(where, **extra)
+        hf = AutoModelForCausalLM.from_pretrained(where, **extra).to(dev, getattr(torch, dtype)).eval()
     except Exception as e:  # noqa: BLE001 - e.g. a GGUF file this transformers cannot read
         return {"skipped": f"transformers cannot load {path}: {type(e).__name__}: {e}"}
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"][:prompts_n]
-    engine = LLMEngine(EngineConfig(model=path, dtype=dtype, device=dev, num_kv_blocks=512, max_num_seqs=8))
+    try:
+        engine = LLMEngine(EngineConfig(model=path, dtype=dtype, device=dev, num_kv_blocks=512, max_num_seqs=8))
+    except Exception as e:  # noqa: BLE001 - e.g. GGUF before kvmesh's loader reads it
+        return {"skipped": f"kvmesh cannot load {path}: {type(e).__name__}: {e}"}
     prompts = [tok(t)["input_ids"] for t in texts]
     ours = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
     same = []
