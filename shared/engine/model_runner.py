@@ -173,12 +173,13 @@ class ModelRunner:
         tests/test_warm_up.py checks. Its K/V goes to block 0, free at start."""
         params = SamplingParams(max_tokens=1)
         chunk = Sequence("warm-up-chunk", [0, 0, 0], params)
-        # A decode row over 5 blocks (all block 0): more than one split, so the reduce kernel compiles too.
-        ctx = 4 * self.block_size + 2
+        # A decode row over 5 blocks (all block 0): more than one split, so the reduce kernel compiles too. A
+        # model too short for 5 blocks never splits a decode (kernels/decode_attention.default_num_splits).
+        ctx = min(4 * self.block_size + 2, self.model.cos_sin.shape[0])
         decode = Sequence("warm-up-decode", [0] * ctx, params)
         decode.num_computed_tokens = ctx - 1
         chunk.block_table = [0]
-        decode.block_table = [0] * 5
+        decode.block_table = [0] * -(-ctx // self.block_size)
         logits = self.execute([(chunk, 2), (decode, 1)], [1, 2])
         # On the float32 rows the sampler masks (shared/engine/sampler.py).
         apply_token_bitmask(logits.float(), torch.full((2, -(-logits.shape[1] // 32)), -1, dtype=torch.int32))
