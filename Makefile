@@ -8,7 +8,7 @@ PORT ?= 8000
 # instead of the multi-GB CUDA one; GPU users install kvmesh with their own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv run test test-slow bench bench-gpu clean
+.PHONY: venv run test test-slow bench bench-gpu gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,12 @@ bench: $(VENV)/.installed
 bench-gpu: $(VENV)/.installed
 	$(BIN)/kvmesh bench offline --preset nano-vllm --device cuda --json loadtest/results/offline-nano-vllm-cuda.json
 	$(BIN)/kvmesh bench decode --shape qwen3-0.6b --device cuda --json loadtest/results/decode-cuda.json
+
+# On a CUDA machine: every step of loadtest/gpu_check.py (kernels vs twins, greedy vs transformers, graphs,
+# two workers on one GPU, the benchmarks), one JSON per step in GPU_CHECK_OUT and a summary line (README).
+GPU_CHECK_OUT ?= loadtest/results/gpu-check
+gpu-check: $(VENV)/.installed
+	$(BIN)/python -m loadtest.gpu_check --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .models .pytest_cache

@@ -11,10 +11,13 @@ from kernels.extend_attention import extend_attention
 from kernels.store_kv import store_kv
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]. k and v None:
+    the step's K/V are already in the cache (kernels/qk_rope_store.py stored them)."""
+    if k is not None:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     p = meta.num_prefill_tokens
     out = torch.empty_like(q)
     if meta.num_prefills:

@@ -86,22 +86,28 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-from kernels.triton_support import tl, triton, upcast_dot
+from kernels.triton_support import recording, tl, triton, upcast_dot
 
 
 if triton is not None:
 
-    @triton.jit
+    # Arguments that change from step to step (the split count, the block-table width, the workspace strides
+    # that follow the split count) are never specialised: Triton would otherwise compile a new variant for a
+    # value of 1 or a multiple of 16, blocking the engine thread while serving.
+    _PER_STEP = ["num_splits", "stride_btb", "stride_ob", "stride_oh", "stride_lb", "stride_lh"]
+
+    @triton.jit(do_not_specialize=_PER_STEP)
     def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ws_ptr, lse_ws_ptr,
-        scale_log2, k_scale, v_scale, window,
+        q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, o_ws_ptr, lse_ws_ptr, out_ptr,
+        scale_log2, k_scale, v_scale, window, num_splits,
         stride_qb, stride_qh,
         stride_kb, stride_kt, stride_kh,
         stride_vb, stride_vt, stride_vh,
         stride_btb,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
-        NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        stride_outb, stride_outh,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
@@ -116,7 +122,7 @@ if triton is not None:
             lo = tl.maximum(ctx - window, 0)
         first_blk = lo // BLOCK_SIZE
         n_blk = tl.cdiv(ctx, BLOCK_SIZE) - first_blk
-        per_split = tl.cdiv(n_blk, NUM_SPLITS)
+        per_split = tl.cdiv(n_blk, num_splits)
         start = first_blk + split * per_split
         end = tl.minimum(start + per_split, first_blk + n_blk)
 
@@ -157,31 +163,44 @@ if triton is not None:
             m_i = m_new
         has = end > start
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        lse = tl.where(has & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(o_ws_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
-                 mask=g_ok[:, None] & d_ok[None, :])
-        tl.store(lse_ws_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
+        if num_splits == 1:  # the whole context in this program: the result itself, and no reduce launch
+            tl.store(out_ptr + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            lse = tl.where(has & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(o_ws_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+                     mask=g_ok[:, None] & d_ok[None, :])
+            tl.store(lse_ws_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_PER_STEP)
     def _decode_reduce_kernel(
-        o_ws_ptr, lse_ws_ptr, out_ptr,
+        o_ws_ptr, lse_ws_ptr, out_ptr, num_splits,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
         stride_outb, stride_outh,
-        NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     ):
-        """Stage 2: one program = one sequence x one query head; combines the splits by their log-sum-exp."""
+        """Stage 2: one program = one sequence x one query head; combines the splits by their log-sum-exp,
+        online over a runtime count of splits (one compiled variant whatever the split count)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
-        sp = tl.arange(0, S_PAD)
         d = tl.arange(0, D_PAD)
-        s_ok = sp < NUM_SPLITS
-        lse = tl.load(lse_ws_ptr + b * stride_lb + h * stride_lh + sp, mask=s_ok, other=float("-inf"))
-        m = tl.max(lse, axis=0)
-        w = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
-        o = tl.load(o_ws_ptr + b * stride_ob + h * stride_oh + sp[:, None] * stride_os + d[None, :],
-                    mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-        out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+        d_ok = d < HEAD_DIM
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([D_PAD], tl.float32)
+        for sp in range(0, num_splits):
+            lse = tl.load(lse_ws_ptr + b * stride_lb + h * stride_lh + sp)
+            o = tl.load(o_ws_ptr + b * stride_ob + h * stride_oh + sp * stride_os + d, mask=d_ok, other=0.0)
+            m_new = tl.maximum(m, lse)
+            # A split that saw no key has lse -inf and weighs nothing; until one did, m stays -inf.
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m - m_safe)
+            w = tl.exp2(lse - m_safe)
+            acc = acc * alpha + o * w
+            total = total * alpha + w
+            m = m_new
+        out = acc / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + b * stride_outb + h * stride_outh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -203,36 +222,42 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert triton is not None, "triton is not installed"
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    assert block_size >= 8 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 8"
+    # tl.dot needs K >= 16: the probabilities x V product runs over a block's tokens.
+    assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size must be a power of 2 >= 16"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1, "head_dim must be contiguous"
     group = heads // kv_heads
     splits = num_splits or default_num_splits(batch, kv_heads, block_tables.shape[1])
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    o_ws = torch.empty(batch, heads, splits, d_pad, dtype=torch.float32, device=q.device)
-    lse_ws = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    # One split (a full batch): the split kernel writes the result, there is no workspace and no reduce.
+    ws = 1 if splits == 1 else splits
+    o_ws = torch.empty(batch if splits > 1 else 1, heads, ws, d_pad, dtype=torch.float32, device=q.device)
+    lse_ws = torch.empty(batch if splits > 1 else 1, heads, ws, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out must be like q"
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, o_ws, lse_ws,
-        scale * 1.4426950408889634, k_scale, v_scale, sliding_window or 0,
+        q, k_cache, v_cache, block_tables, context_lens, o_ws, lse_ws, out,
+        scale * 1.4426950408889634, k_scale, v_scale, sliding_window or 0, splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
         lse_ws.stride(0), lse_ws.stride(1),
-        NUM_SPLITS=splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         HAS_WINDOW=sliding_window is not None, IS_FP8=k_cache.dtype == FP8_DTYPE,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=upcast_dot(q.dtype),
     )
+    if splits == 1:
+        return out
     _decode_reduce_kernel[(batch, heads)](
-        o_ws, lse_ws, out,
+        o_ws, lse_ws, out, splits,
         o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
         lse_ws.stride(0), lse_ws.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, S_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, D_PAD=d_pad,
+        HEAD_DIM=head_dim, D_PAD=d_pad,
     )
     return out
 
@@ -255,6 +280,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.is_cuda:
         return decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
                                        k_scale, v_scale, out=out)
+    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
+        decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
+                                v_scale, out=torch.empty_like(q))
     check_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
     return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
                                 v_scale, groups, out)

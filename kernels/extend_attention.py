@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels.decode_attention import dequant, gather_blocks
 from kernels.store_kv import FP8_DTYPE
-from kernels.triton_support import tl, triton, upcast_dot
+from kernels.triton_support import recording, tl, triton, upcast_dot
 
 
 def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
@@ -54,45 +54,50 @@ def extend_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 if triton is not None:
 
-    @triton.jit
+    # The block-table width changes from step to step: never specialised (see decode_attention._PER_STEP).
+    @triton.jit(do_not_specialize=["stride_btb"])
     def _extend_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, qs_ptr, ctx_ptr, bt_ptr,
         scale_log2, k_scale, v_scale, window,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        """One program = one sequence x one tile of BLOCK_M of its query rows x one query head. It walks the
-        sequence's pages from the first one its rows may see (sliding window) to the last one its last row
-        may see (causality), with an online softmax; no mask is ever materialised."""
+        """One program = one sequence x one tile of BLOCK_M of its query tokens x one KV head, with all GROUP
+        query heads of that KV head (GQA-aware: each K/V page is read once for the whole group, not once per
+        query head). Its BLOCK_M * GROUP_PAD rows are (token, head) pairs, token-major. It walks the sequence's
+        pages from the first one its tokens may see (sliding window) to the last one its last token may see
+        (causality), with an online softmax; no mask is ever materialised."""
+        ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
         s = tl.program_id(0)
         tile = tl.program_id(1)
-        h = tl.program_id(2)
+        kvh = tl.program_id(2)
         q0 = tl.load(qs_ptr + s)
         q_len = tl.load(qs_ptr + s + 1) - q0
         if tile * BLOCK_M >= q_len:
             return
         ctx = tl.load(ctx_ptr + s)
-        kvh = h // GROUP
-        r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = tl.arange(0, ROWS)
+        tok = tile * BLOCK_M + r // GROUP_PAD  # the row's query token within the chunk
+        head = kvh * GROUP + r % GROUP_PAD
         d = tl.arange(0, D_PAD)
         t = tl.arange(0, BLOCK_SIZE)
-        r_ok = r < q_len
+        r_ok = (tok < q_len) & (r % GROUP_PAD < GROUP)
         d_ok = d < HEAD_DIM
-        pos = ctx - q_len + r  # absolute position of each query row
-        q = tl.load(q_ptr + (q0 + r)[:, None].to(tl.int64) * stride_qt + h * stride_qh + d[None, :],
-                    mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+        pos = ctx - q_len + tok  # absolute position of each row's token
+        q_rows = (q0 + tok).to(tl.int64) * stride_qt + head * stride_qh
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         last_pos = ctx - q_len + tl.minimum((tile + 1) * BLOCK_M, q_len) - 1
         first_pos = 0
         if HAS_WINDOW:
             first_pos = tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D_PAD], tl.float32)
         for blk in range(first_pos // BLOCK_SIZE, last_pos // BLOCK_SIZE + 1):
             block_id = tl.load(bt_ptr + s * stride_btb + blk).to(tl.int64)
             kpos = blk * BLOCK_SIZE + t
@@ -120,15 +125,17 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (q0 + r)[:, None].to(tl.int64) * stride_ot + h * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        o_rows = (q0 + tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & d_ok[None, :])
 
 
 def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
                             context_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                             sliding_window: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                            out: torch.Tensor | None = None, block_m: int = 32) -> torch.Tensor:
-    """Flash attention over the paged cache for packed prefill chunks."""
+                            out: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
+    """Flash attention over the paged cache for packed prefill chunks. block_m: query tokens per program
+    (default: 64 rows of (token, head) pairs, so 32 tokens for a group of 2, 16 for 3 or 4, 8 for 8)."""
     check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block_tables)
     assert triton is not None, "triton is not installed"
     tokens, heads, head_dim = q.shape
@@ -141,16 +148,24 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     seqs = context_lens.shape[0]
     if seqs == 0 or tokens == 0:
         return out
-    grid = (seqs, triton.cdiv(max(1, max_query_len), block_m), heads)
+    group = heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if block_m is None:
+        block_m = max(1, 64 // group_pad)
+    assert block_m & (block_m - 1) == 0 and block_m * group_pad >= 16, "block_m: a power of 2, >= 16 rows a program"
+    grid = (seqs, triton.cdiv(max(1, max_query_len), block_m), kv_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, query_start, context_lens, block_tables,
         scale * 1.4426950408889634, k_scale, v_scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=heads // kv_heads, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
         BLOCK_SIZE=block_size, HAS_WINDOW=sliding_window is not None, IS_FP8=k_cache.dtype == FP8_DTYPE,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=upcast_dot(q.dtype),
+        # head_dim 128 on 4 warps spills on sm_90 (tests/test_kernel_aot_compile.py); 8 warps do not.
+        num_warps=8 if head_dim > 64 else 4,
     )
     return out
 
@@ -175,6 +190,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.is_cuda:
         return extend_attention_triton(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len,
                                        scale, sliding_window, k_scale, v_scale, out=out)
+    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
+        extend_attention_triton(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len, scale,
+                                sliding_window, k_scale, v_scale, out=torch.empty_like(q))
     check_extend_attention(q, k_cache, v_cache, query_start, context_lens, block_tables)
     return extend_attention_ref(q, k_cache, v_cache, query_start, context_lens, block_tables, max_query_len, scale,
                                 sliding_window, k_scale, v_scale, out)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_support import tl, triton
+from kernels.triton_support import recording, tl, triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,6 +89,8 @@ def check_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda:
         return rms_norm_triton(x, weight, eps)
+    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
+        rms_norm_triton(x, weight, eps)
     check_rms_norm(x, weight)
     return rms_norm_ref(x, weight, eps)
 
@@ -99,6 +101,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     does, to avoid allocations): callers must not reuse either afterwards."""
     if x.is_cuda:
         return add_rms_norm_triton(x, residual, weight, eps)
+    if recording():  # kernels/aot.py: the launch is recorded (it would work in place), the twin computes
+        add_rms_norm_triton(x, residual, weight, eps)
     check_rms_norm(x, weight)
     assert x.shape == residual.shape and x.dtype == residual.dtype, "x and residual must match"
     return add_rms_norm_ref(x, residual, weight, eps)

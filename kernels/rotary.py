@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_support import tl, triton
+from kernels.triton_support import recording, tl, triton
 
 
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
@@ -77,5 +77,7 @@ def check_rotary(q, k, positions, cos_sin_cache) -> None:
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     if q.is_cuda:
         return rotary_triton(q, k, positions, cos_sin_cache)
+    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
+        rotary_triton(q, k, positions, cos_sin_cache)
     check_rotary(q, k, positions, cos_sin_cache)
     rotary_ref(q, k, positions, cos_sin_cache)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_support import tl, triton
+from kernels.triton_support import recording, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -92,5 +92,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     if k.is_cuda:
         return store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_store_kv(k, v, k_cache, v_cache, slot_mapping)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

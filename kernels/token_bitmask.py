@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_support import tl, triton
+from kernels.triton_support import recording, tl, triton
 
 
 def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -54,5 +54,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if logits.is_cuda:
         return apply_token_bitmask_triton(logits, bitmask)
+    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
+        apply_token_bitmask_triton(logits, bitmask)
     check_token_bitmask(logits, bitmask)
     apply_token_bitmask_ref(logits, bitmask)

@@ -45,6 +45,19 @@ SHAPES: dict[str, RealShape] = {
         intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
         rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE | {"factor": 8.0}, dtype="bfloat16",
         bos_token_id=128000, eos_token_id=128001), write_weights=False),
+    # Mistral-7B-v0.1: the sliding-window shape (4096) of the family.
+    "mistral-7b": RealShape("mistral-7b", "MistralForCausalLM", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=32768,
+        sliding_window=4096, rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        dtype="bfloat16", bos_token_id=1, eos_token_id=2), write_weights=False),
+    # SmolLM2-135M(-Instruct), the demo model: 9 query heads over 3 KV heads (a group of 3, not a power of 2),
+    # head_dim 64.
+    "smollm2-135m": RealShape("smollm2-135m", "LlamaForCausalLM", dict(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, dtype="bfloat16",
+        bos_token_id=1, eos_token_id=2)),
 }
 
 

@@ -5,8 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.errors import ConfigError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "fp8")
+# The attention kernels multiply by a block's tokens with tl.dot, which needs K >= 16.
+MIN_BLOCK_SIZE = 16
+# float8_e4m3 (Triton's fp8e4nv) exists from Ada / Hopper on: sm_89.
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 @dataclass
@@ -37,9 +43,13 @@ class EngineConfig:
     offload_policy: str = "eviction"
     cache_salt: str = ""
     model_id: str | None = None  # name folded into block hashes; default: the directory name
+    # (major, minor) compute capability of the CUDA device; default: asked of the device (tests pass one).
+    gpu_capability: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        assert self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of 2"
+        if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block size {self.block_size}: the KV block size must be a power of 2 >= {MIN_BLOCK_SIZE} "
+                              f"(the attention kernels compute over a block's tokens with tl.dot, which needs 16)")
         assert self.max_num_seqs > 0
         assert self.max_num_batched_tokens > 0
         assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"
@@ -51,5 +61,12 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "fp8" and self.device.startswith("cuda"):
+            cap = tuple(self.gpu_capability or torch.cuda.get_device_capability(torch.device(self.device)))
+            if cap < FP8_MIN_CAPABILITY:
+                raise ConfigError(
+                    f"--kv-cache-dtype fp8 needs a GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}."
+                    f"{FP8_MIN_CAPABILITY[1]} (Ada, Hopper or newer); {self.device} is sm_{cap[0]}{cap[1]}: use "
+                    f"--kv-cache-dtype auto")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")

@@ -17,7 +17,7 @@ import sys
 from nats.aio.client import Client
 
 from shared import bus
-from shared.engine.errors import EXIT_CONFIG, MemoryBudgetError
+from shared.engine.errors import EXIT_CONFIG, ConfigError, MemoryBudgetError
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def main_for(name: str, add_arguments, build, argv: list[str] | None = None) -> 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(run_service(build(args), args.nats_url, args.grace))
-    except MemoryBudgetError as e:
+    except (MemoryBudgetError, ConfigError) as e:
         # A configuration that cannot fit fails the same way on every restart: say so, and exit with
         # EX_CONFIG so the launcher does not retry it.
         print(f"kvmesh {name}: cannot start: {e}", file=sys.stderr, flush=True)

@@ -99,3 +99,13 @@ def test_bad_inputs_are_refused() -> None:
         decode_attention(q, k, v, tables.long(), ctx, 1.0)
     with pytest.raises(AssertionError, match="head_dim"):
         decode_attention(q[..., :32], k, v, tables, ctx, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_smollm2_heads_a_group_of_three(dtype, fp8) -> None:
+    # SmolLM2-135M: 9 query heads over 3 KV heads (a group that is not a power of 2, padded to 16 rows), head_dim 64.
+    lens = [1, 15, 16, 33, 70, 96]
+    data = make(len(lens), 3, 3, 64, 16, dtype, lens=lens, fp8=fp8, seed=9)
+    check(*data, scales=(1.5, 0.75) if fp8 else (1.0, 1.0))
+    check(*data, window=20, splits=3)

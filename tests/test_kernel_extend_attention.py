@@ -88,3 +88,20 @@ def test_bad_inputs_are_refused() -> None:
         extend_attention(q, k, v, starts[:-1], ctx, tables, max_q, 1.0)
     with pytest.raises(AssertionError, match="int32"):
         extend_attention(q, k, v, starts, ctx.long(), tables, max_q, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smollm2_heads_a_group_of_three(dtype) -> None:
+    # SmolLM2-135M: 9 query heads over 3 KV heads, head_dim 64; a fresh prompt and a chunk after a prefix.
+    data = make([20, 9, 1], [20, 37, 50], 3, 3, 64, 16, dtype, seed=93)
+    check(*data)
+    check(*data, window=12)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+def test_default_gqa_tiles_cover_every_head_of_a_group(group) -> None:
+    # The default tile: 64 (token, head) rows of one KV head's group, so 64 / 32 / 16 / 16 / 8 tokens a program;
+    # chunks longer and shorter than a tile, after a prefix, with a window.
+    data = make([70, 9, 1], [70, 37, 90], 2, group, 64, 16, torch.float32, seed=7 * group)
+    check(*data, block_m=None)
+    check(*data, window=20, block_m=None)

@@ -134,3 +134,81 @@ def test_rotary_refuses_bad_positions() -> None:
     table = cos_sin_cache(ROPES["default"], 64, 16)
     with pytest.raises(AssertionError, match="positions"):
         rotary(torch.zeros(3, 2, 64), torch.zeros(3, 1, 64), torch.zeros(2, dtype=torch.long), table)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_smollm2_heads_nine_over_three(dtype) -> None:
+    # SmolLM2-135M's 9 query / 3 KV heads of 64 (head counts padded to 16 and 4 in the kernels) and hidden 576.
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 5
+    g = torch.Generator().manual_seed(576)
+    table = cos_sin_cache(ROPES["default"], head_dim, 64)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    results = []
+    for rot in (rotary_triton, rotary_ref):
+        x = qkv.clone()
+        q = x[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = x[:, heads * head_dim:][:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+        rot(q, k, positions, table)
+        results.append(x)
+    torch.testing.assert_close(results[0], results[1], atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.tensor([0, 17, -1, 31, 5])
+    caches = [torch.zeros(3, 16, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    store_kv_triton(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    x, w = torch.randn(tokens, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ------------------------------------------------------------------------------------------------ silu * mul
+
+
+@pytest.mark.parametrize("inter", [64, 1536, 3000])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_twin(inter, dtype) -> None:
+    from kernels.silu_mul import silu_mul_ref, silu_mul_triton
+
+    g = torch.Generator().manual_seed(inter)
+    x = (torch.randn(5, 2 * inter, generator=g) * 3).to(dtype)
+    got, want = silu_mul_triton(x), silu_mul_ref(x)
+    assert got.shape == (5, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    assert silu_mul_triton(x[:0]).shape == (0, inter)
+
+
+# ------------------------------------------------------------------------------------ fused q/k norm + rotary + store
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (9, 3, 64), (16, 8, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_qk_rope_store_matches_the_unfused_twins(norm, fp8, heads, kv_heads, head_dim, dtype) -> None:
+    from kernels.qk_rope_store import qk_rope_store_ref, qk_rope_store_triton
+
+    g = torch.Generator().manual_seed(heads * head_dim + norm + 2 * fp8)
+    tokens = 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qw = kw = None
+    if norm:
+        qw, kw = (torch.rand(head_dim, generator=g) + 0.5).to(dtype), (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    table = cos_sin_cache(ROPES["llama3"], head_dim, 4096)
+    positions = torch.tensor([0, 1, 17, 300, 4095, 9])
+    slots = torch.tensor([0, 5, -1, 16, 47, 31])
+    cache_dtype = FP8_DTYPE if fp8 else dtype
+    caches = [torch.zeros(3, 16, kv_heads, head_dim, dtype=cache_dtype) for _ in range(4)]
+    got = qk_rope_store_triton(qkv.clone(), heads, kv_heads, head_dim, qw, kw, 1e-6, positions, table, caches[0],
+                               caches[1], slots, 0.5, 2.0)
+    want = qk_rope_store_ref(qkv.clone(), heads, kv_heads, head_dim, qw, kw, 1e-6, positions, table, caches[2],
+                             caches[3], slots, 0.5, 2.0)
+    tol = TOL[dtype] * 4
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        a, b = a.float(), b.float()
+        if fp8:  # the interpreter's e4m3 rounding (see test_store_kv_fp8_quantizes_with_scale_and_saturates)
+            assert bool(((a - b).abs() <= b.abs() / 2 + 2**-6 + tol * 8).all())
+        else:
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)

@@ -80,3 +80,92 @@ def test_fp8_blocks_round_trip_and_refuse_other_dtypes(checkpoints):
     assert torch.equal(back_v.view(torch.uint8), v.view(torch.uint8))
     with pytest.raises(ValueError, match="cannot be written into a torch.float8_e4m3fn cache"):
         engine.write_blocks("r", 0, k.float(), v.float())
+
+
+class FakeMemory:
+    """A device allocator in numbers: each tensor handed to track() counts while it is alive."""
+
+    def __init__(self, start: int) -> None:
+        self.now = self.high = start
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        n = t.numel() * t.element_size()
+        self.now += n
+        self.high = max(self.high, self.now)
+        weakref.finalize(t, self._free, n)
+        return t
+
+    def _free(self, n: int) -> None:
+        self.now -= n
+
+    def sync(self) -> None:
+        pass
+
+    def allocated(self) -> int:
+        return self.now
+
+    def reset_peak(self) -> None:
+        self.high = self.now
+
+    def peak(self) -> int:
+        return self.high
+
+
+def _profile_with_fake_memory(monkeypatch, engine, activation_bytes: int, tokens: int, seqs: int) -> tuple[int, dict]:
+    import shared.engine.profile_run as pr
+
+    mem = FakeMemory(start=123_456)
+    seen = {"logit_rows": [], "temp": 0}
+    real_alloc = pr.allocate_kv_cache
+
+    def alloc(*a, **kw):
+        caches = real_alloc(*a, **kw)
+        for layer in caches:
+            for t in layer:
+                seen["temp"] += t.numel() * t.element_size()
+                mem.track(t)
+        return caches
+
+    runner, model = engine.runner, engine.model
+    real_execute, real_logits = runner.execute_rows, model.compute_logits
+
+    def execute_rows(*a):
+        act = mem.track(torch.empty(activation_bytes, dtype=torch.uint8))  # the forward's activations
+        out = real_execute(*a)
+        del act
+        return out
+
+    def compute_logits(hidden):
+        seen["logit_rows"].append(hidden.shape[0])
+        return mem.track(real_logits(hidden))
+
+    monkeypatch.setattr(pr, "allocate_kv_cache", alloc)
+    monkeypatch.setattr(runner, "execute_rows", execute_rows)
+    monkeypatch.setattr(model, "compute_logits", compute_logits)
+    peak = profile_run(runner, engine.sampler, engine.kv_dtype, tokens, seqs, 40, memory=mem)
+    return peak, seen
+
+
+def test_profile_counts_the_temporary_cache_once_and_the_forward_in_full(monkeypatch, checkpoints):
+    engine = make_engine(checkpoints["qwen3"])
+    vocab = engine.model_config.vocab_size
+    act = 50 << 20  # far above any logits here, so the forward is the peak
+    peak, seen = _profile_with_fake_memory(monkeypatch, engine, act, tokens=96, seqs=8)
+    assert seen["temp"] > 0
+    # Above "before" (taken before the temporary cache): the cache itself, then the activations and the sampled
+    # rows' logits. Subtracting the cache twice (the "before" read after it was allocated) would lose seen["temp"].
+    assert peak == act + 8 * vocab * 4
+
+
+def test_prompt_logprobs_of_a_full_chunk_are_in_the_profile_in_slices(monkeypatch, checkpoints):
+    from shared.engine.prompt_logprobs import PROMPT_LOGPROB_SLICE
+
+    engine = make_engine(checkpoints["qwen3"], max_num_batched_tokens=PROMPT_LOGPROB_SLICE + 40)
+    vocab = engine.model_config.vocab_size
+    tokens = PROMPT_LOGPROB_SLICE + 40
+    peak, seen = _profile_with_fake_memory(monkeypatch, engine, 0, tokens=tokens, seqs=8)
+    sample_rows, *slices = seen["logit_rows"]
+    assert sample_rows == 8 and slices == [PROMPT_LOGPROB_SLICE, 40], "every prompt row, in bounded slices"
+    assert peak == (8 + PROMPT_LOGPROB_SLICE) * vocab * 4  # sampled rows' logits live beside the largest slice

@@ -9,7 +9,8 @@ ignored. The decode kernel's launch grid depends on shapes only, and the block-t
 the blocks of max_model_len, so a graph stays valid as contexts grow.
 
 All inputs of a step travel in one host-to-device copy of a [4, max_bs] int32 block (ids, positions,
-slots, context lengths) plus one copy of the used part of the block tables. With capture off (CPU, or
+slots, context lengths) plus one copy of the used part of the block tables (gathered from rows kept across
+steps: shared/engine/block_tables.py). With capture off (CPU, or
 tests) the same static path runs eagerly, so it is testable without a GPU.
 """
 from __future__ import annotations
@@ -19,7 +20,9 @@ import logging
 import torch
 
 from kernels import AttentionMetadata
+from shared.engine.block_tables import BlockTables
 from shared.engine.sequence import Sequence
+from shared.engine.staging import StagingRing, copy_stream_for
 from shared.models.llama import LlamaFamilyForCausalLM
 
 log = logging.getLogger(__name__)
@@ -34,7 +37,8 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaFamilyForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, max_model_len: int, max_num_seqs: int, device: str, capture: bool) -> None:
+                 block_size: int, max_model_len: int, max_num_seqs: int, device: str, capture: bool,
+                 block_tables: BlockTables | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -42,10 +46,15 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_num_seqs)
         self.max_bs = self.buckets[-1]
         self.width = -(-max_model_len // block_size)
+        # The runner's tables (shared/engine/block_tables.py): rows updated incrementally, one gather per step.
+        self.block_tables = block_tables if block_tables is not None else BlockTables(self.width)
         pinned = device.startswith("cuda")
-        # Rows: ids, positions, slots, context lengths; one copy per step.
-        self.host_vec = torch.zeros(4, self.max_bs, dtype=torch.int32, pin_memory=pinned)
-        self.host_tables = torch.zeros(self.max_bs * self.width, dtype=torch.int32, pin_memory=pinned)
+        # Rows: ids, positions, slots, context lengths; one copy per step. Two host sets used in turn, each
+        # rewritten only after its last copy ran (shared/engine/staging.py).
+        self.stream = copy_stream_for(device)
+        self.staging = StagingRing([(torch.zeros(4, self.max_bs, dtype=torch.int32, pin_memory=pinned),
+                                     torch.zeros(self.max_bs * self.width, dtype=torch.int32, pin_memory=pinned))
+                                    for _ in range(2 if self.stream is not None else 1)], self.stream)
         self.vec = torch.zeros(4, self.max_bs, dtype=torch.int32, device=device)
         self.tables = torch.zeros(self.max_bs, self.width, dtype=torch.int32, device=device)
         empty = torch.zeros(1, dtype=torch.int32, device=device)
@@ -105,15 +114,21 @@ class DecodeGraphs:
             ctx.append(pos + 1)
         width = -(-max(ctx) // bsz)
         pad = bs - n
-        vec = self.host_vec
+        vec, host_tables = self.staging.acquire()
         vec[:, :bs] = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, ctx + [1] * pad],
                                    dtype=torch.int32)
-        rows = [seq.block_table[: -(-c // bsz)] for (seq, _), c in zip(plan, ctx)]
-        host_t = self.host_tables[: bs * width]
-        host_t.copy_(torch.tensor([b for r in rows for b in r + [0] * (width - len(r))] + [0] * (pad * width),
-                                  dtype=torch.int32))
-        self.vec.copy_(vec, non_blocking=True)
-        self.tables[:bs, :width].copy_(host_t.view(bs, width), non_blocking=True)
+        rows = [self.block_tables.sync(seq, -(-c // bsz)) for (seq, _), c in zip(plan, ctx)]
+        host_t = host_tables[: bs * width]
+        table = host_t.view(bs, width)
+        self.block_tables.gather(rows, width, out=table[:n])
+        table[n:, 0] = 0  # padding rows read one token of block 0
+        if self.stream is None:
+            self.vec.copy_(vec)
+            self.tables[:bs, :width].copy_(host_t.view(bs, width))
+        else:
+            self.stream.copy(self.vec, vec)
+            self.stream.copy(self.tables[:bs, :width], host_t.view(bs, width))
+            self.staging.sent()
         graph = self.graphs.get(bs)
         if graph is None:
             return self._forward(bs)[:n]

@@ -7,3 +7,7 @@ EXIT_CONFIG = 78
 
 class MemoryBudgetError(RuntimeError):
     """The worker's memory budget cannot hold the weights, the profiled activations and a minimal KV pool."""
+
+
+class ConfigError(ValueError):
+    """An engine configuration this machine can never run (checked at start, before anything loads)."""

@@ -22,6 +22,7 @@ from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype,
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
 from shared.engine.profile_run import profile_run
+from shared.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.engine.sampler import Sampler
 from shared.sampling_params import SamplingParams
@@ -78,9 +79,11 @@ class LLMEngine:
         self.num_blocks = self._plan_num_blocks(start)
         self.runner.kv_caches = allocate_kv_cache(mc, self.num_blocks, config.block_size, self.kv_dtype,
                                                   config.device)
+        self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if config.device.startswith("cuda") and not config.enforce_eager:
             self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, config.block_size,
-                                              self.max_model_len, config.max_num_seqs, config.device, capture=True)
+                                              self.max_model_len, config.max_num_seqs, config.device, capture=True,
+                                              block_tables=self.runner.tables)
         model_id = config.model_id or Path(config.model).resolve().name
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
         root = root_hash(model_id, config.block_size, str(self.kv_dtype).removeprefix("torch."), config.cache_salt)
@@ -91,6 +94,9 @@ class LLMEngine:
         # Blocks on their way to the kvstore under the eviction policy (track_for_offload): hash, K, V
         # [layers, block_size, heads, dim] host copies. None: not tracked.
         self.offload_out: list[tuple[bytes, torch.Tensor, torch.Tensor]] | None = None
+        # Spilled blocks whose device-to-host copies may still run: hashes, K, V, the copies' event (or None).
+        self._spills: list[tuple[list[bytes], torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        self._async_spills = config.device.startswith("cuda")  # on CPU there is nothing to overlap with
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold)
         self.seqs: dict[str, Sequence] = {}
@@ -194,30 +200,62 @@ class LLMEngine:
         self.block_manager.reused = []
         self.offload_out = []
 
-    def spill_evicted(self) -> None:
+    def spill_evicted(self, wait: bool = True) -> None:
         """Copy the cached blocks the block manager gave up since the last call down a tier (the host
-        tier, else the offload queue), while their KV is still intact (nothing has written into them)."""
+        tier, else the offload queue), while their KV is still intact (nothing has written into them).
+
+        On CUDA the blocks are gathered on the device and copied into pinned host memory without blocking,
+        ordered before the forward that will overwrite them; with wait=False (a step) they reach the tier at
+        the end of the step (finish_spills), by when the copy has long run, while the forward still does."""
         bm = self.block_manager
-        if not bm.evicted or (self.host_tier is None and self.offload_out is None):
-            return
-        evicted, bm.evicted = bm.evicted, []
-        hashes = [h for h, _ in evicted]
-        k, v = self.read_blocks([b for _, b in evicted])
-        if self.host_tier is None:
-            assert self.offload_out is not None
-            self.offload_out.extend((h, k[:, i], v[:, i]) for i, h in enumerate(hashes))
-            return
-        stored, dropped = self.host_tier.put(hashes, k, v)
-        if self.offload_out is not None:
-            self.offload_out.extend(dropped)  # out of the host tier: on down to the kvstore
-        # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
-        if dropped:
-            bm.events.append(BlockRemoved(hashes=[h for h, _, _ in dropped], tier="host"))
-        if stored:
-            bm.events.append(BlockStored(hashes=stored, tier="host"))
+        if bm.evicted and (self.host_tier is not None or self.offload_out is not None):
+            evicted, bm.evicted = bm.evicted, []
+            k, v, ready = self._read_blocks_async([b for _, b in evicted])
+            self._spills.append(([h for h, _ in evicted], k, v, ready))
+        if wait or not self._async_spills:
+            self.finish_spills()
+
+    def finish_spills(self) -> None:
+        """Hand the spilled blocks to the host tier (or the offload queue) once their copies have run."""
+        spills, self._spills = self._spills, []
+        bm = self.block_manager
+        for hashes, k, v, ready in spills:
+            if ready is not None:
+                ready.synchronize()
+                k, v = k.clone(), v.clone()  # pinned staging -> ordinary memory: the tier can be large
+            if self.host_tier is None:
+                assert self.offload_out is not None
+                self.offload_out.extend((h, k[:, i], v[:, i]) for i, h in enumerate(hashes))
+                continue
+            stored, dropped = self.host_tier.put(hashes, k, v)
+            if self.offload_out is not None:
+                self.offload_out.extend(dropped)  # out of the host tier: on down to the kvstore
+            # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
+            if dropped:
+                bm.events.append(BlockRemoved(hashes=[h for h, _, _ in dropped], tier="host"))
+            if stored:
+                bm.events.append(BlockStored(hashes=stored, tier="host"))
+
+    def _read_blocks_async(self, block_ids: Seq[int]):
+        """(K, V, event): host copies of physical blocks as read_blocks, on CUDA pinned and still in flight
+        until the event completes; on CPU done (event None)."""
+        k, v = self._gather_blocks(block_ids)
+        if not k.is_cuda:
+            return k, v, None
+        k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+        v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        k_host.copy_(k, non_blocking=True)
+        v_host.copy_(v, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return k_host, v_host, ready
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
+        k, v = self._gather_blocks(block_ids)
+        return k.cpu(), v.cpu()
+
+    def _gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.config.device)
         caches = self.runner.kv_caches
         # Gathered straight into one tensor per K and V (not gathered per layer, then stacked: a second
@@ -227,7 +265,7 @@ class LLMEngine:
         for i, (kc, vc) in enumerate(caches):
             torch.index_select(kc, 0, ids, out=k[i])
             torch.index_select(vc, 0, ids, out=v[i])
-        return k.cpu(), v.cpu()
+        return k, v
 
     def read_request_blocks(self, request_id: str, first_block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of a live request's logical blocks from first_block to its last (partial) prompt block."""
@@ -307,7 +345,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        self.spill_evicted()  # before the forward overwrites blocks this schedule took from the cache
+        # Before the forward overwrites blocks this schedule took from the cache; they reach the tier at the end.
+        self.spill_evicted(wait=False)
+        try:
+            return self._step(plan)
+        finally:
+            self.finish_spills()
+
+    def _step(self, plan) -> list[RequestOutput]:
         if plan.is_empty:
             return []
         step_start = time.time()
@@ -322,11 +367,12 @@ class LLMEngine:
             end += n
             last_row.append(end - 1)
         rows = [last_row[i] for i, _ in sampling]
-        prompt_rows = self._prompt_logprob_rows(plan.scheduled, last_row)
-        logits = self.runner.execute(plan.scheduled, rows + [r for r, _, _ in prompt_rows])
+        prompt_rows = prompt_logprob_rows(plan.scheduled, last_row)
         if prompt_rows:
-            self._record_prompt_logprobs(logits[len(rows):], prompt_rows)
-            logits = logits[: len(rows)]
+            logits, hidden = self.runner.execute_rows(plan.scheduled, rows, [r for r, _, _ in prompt_rows])
+            record_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
+        else:
+            logits = self.runner.execute(plan.scheduled, rows)
         # On CUDA the forward is still running here: the grammar masks are filled on the host meanwhile.
         bitmask = self._token_bitmask([s for _, s in sampling])
         for seq, n in plan.scheduled:
@@ -357,38 +403,6 @@ class LLMEngine:
             self.capture_kv[seq.request_id] = done
             pieces.append(out)
         return pieces
-
-    @staticmethod
-    def _prompt_logprob_rows(scheduled: list[tuple[Sequence, int]], last_row: list[int]
-                             ) -> list[tuple[int, Sequence, int]]:
-        """(row, sequence, prompt token it predicts) for the prompt positions computed this step by
-        requests that want prompt logprobs: the row at position p gives the logprob of prompt token p + 1."""
-        out = []
-        for (seq, n), last in zip(scheduled, last_row):
-            if seq.params.prompt_logprobs is None or seq.num_computed_tokens >= seq.num_prompt_tokens:
-                continue
-            start = seq.num_computed_tokens
-            first_row = last - n + 1
-            for p in range(start, min(start + n, seq.num_prompt_tokens - 1)):
-                out.append((first_row + p - start, seq, p + 1))
-        return out
-
-    @staticmethod
-    def _record_prompt_logprobs(logits: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> None:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.tensor([seq.token_ids[t] for _, seq, t in rows], device=logprobs.device)
-        picked = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        top_n = max(seq.params.prompt_logprobs or 0 for _, seq, _ in rows)
-        vals, ids = (logprobs.topk(top_n, dim=-1) if top_n else (None, None))
-        vals, ids = (vals.tolist(), ids.tolist()) if top_n else ([], [])
-        for i, (_, seq, t) in enumerate(rows):
-            if not seq.prompt_logprobs:
-                seq.prompt_logprobs.append(None)  # the first prompt token has no context to be predicted from
-            if t != len(seq.prompt_logprobs):
-                continue  # recomputed after a preemption: already recorded
-            n = seq.params.prompt_logprobs or 0
-            top = list(zip(ids[i][:n], vals[i][:n])) if n else []
-            seq.prompt_logprobs.append(TokenLogprobs(seq.token_ids[t], picked[i], top))
 
     def _token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         rows = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
@@ -434,15 +448,26 @@ class LLMEngine:
         return None
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        """A finished output carries everything; a streamed one only what a stream sends (its new tokens and
+        their logprobs, the prompt logprobs with the first token): copying each sequence's prompt and output
+        on every token was most of a decode step's host time at batch 128 and 4k-token prompts."""
+        done = seq.is_finished
+        first = bool(new) and seq.num_output_tokens == len(new)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = list(seq.logprobs) if done else (seq.logprobs[-len(new):] if new else [])
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and (done or first):
+            prompt_logprobs = list(seq.prompt_logprobs) or [None]
         return RequestOutput(
             request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            prompt_token_ids=seq.prompt_token_ids if done else [],
+            output_token_ids=seq.output_token_ids if done else [],
             new_token_ids=new,
-            finished=seq.is_finished,
+            finished=done,
             finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            prompt_logprobs=(list(seq.prompt_logprobs) or [None]) if seq.params.prompt_logprobs is not None else None,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,

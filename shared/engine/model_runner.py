@@ -2,7 +2,7 @@
 
 It decides no policy: which tokens to compute comes from the plan, what to sample from the sampler.
 Every integer a step needs (token ids, positions, slots, chunk offsets, context lengths, block tables, the
-rows to sample) is written into one host buffer (pinned on CUDA) and sent to the device in one
+rows to sample) is written into one host buffer (pinned on CUDA, two used in turn) and sent to the device in one
 non-blocking copy; the metadata are views into that one device buffer. Nothing in the step waits for the
 device: the logits come back on it, and the sampler's single copy of sampled ids is the step's only sync.
 """
@@ -11,39 +11,78 @@ from __future__ import annotations
 import torch
 
 from kernels import AttentionMetadata
+from kernels.token_bitmask import apply_token_bitmask
+from shared.engine.block_tables import BlockTables
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.sequence import Sequence
+from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
 from shared.models.llama import LlamaFamilyForCausalLM
+from shared.sampling_params import SamplingParams
+
+
+ALIGN = 4  # int32 elements: 16 bytes
 
 
 class StepBuffers:
-    """One int32 staging buffer on the host (pinned on CUDA) and its twin on the device, grown on demand."""
+    """The step's int32 staging buffers on the host (two, pinned, on CUDA: shared/engine/staging.py) and one
+    buffer on the device, grown on demand. On CPU one buffer is both."""
 
-    def __init__(self, device: str, capacity: int = 1 << 16) -> None:
+    def __init__(self, device: str, capacity: int = 1 << 16, stream: CopyStream | None | str = "auto") -> None:
         self.device = device
-        self.pinned = device.startswith("cuda")
+        self.stream = copy_stream_for(device) if stream == "auto" else stream
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
         self.capacity = capacity
-        self.host = torch.empty(capacity, dtype=torch.int32, pin_memory=self.pinned)
-        self.dev = self.host if self.device == "cpu" else torch.empty(capacity, dtype=torch.int32, device=self.device)
+        if self.stream is None:
+            self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
+            self.ring = StagingRing([self.dev], None)
+            return
+        pinned = self.device.startswith("cuda")
+        # Host buffers given up by a growth may still be read by an enqueued copy: torch's pinned-memory
+        # allocator keeps them until that copy has run.
+        self.ring = StagingRing([torch.empty(capacity, dtype=torch.int32, pin_memory=pinned) for _ in range(2)],
+                                self.stream)
+        self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
 
-    def upload(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """Copy the concatenated chunks in one transfer; return one device view per chunk."""
-        total = sum(len(c) for c in chunks)
+    def upload(self, chunks: list[list[int] | torch.Tensor]) -> list[torch.Tensor]:
+        """Copy the chunks (lists of ints, or int32 tensors such as block tables) in one transfer; return one
+        device view per chunk, shaped like it.
+
+        Each chunk starts on a 16-byte boundary: Triton specialises a pointer argument on its alignment, so
+        views at arbitrary offsets would compile a new kernel variant whenever a step's sizes moved them.
+        The lists go into the buffer as one flat list (torch.tensor of one list is the fastest fill for
+        Python ints), the tensors after them."""
+        flat: list[int] = []
+        starts: list[int] = [0] * len(chunks)
+        tensors = []
+        for i, c in enumerate(chunks):
+            if isinstance(c, torch.Tensor):
+                tensors.append(i)
+                continue
+            starts[i] = len(flat)
+            flat.extend(c)
+            flat.extend([0] * (-len(flat) % ALIGN))
+        total = len(flat)
+        for i in tensors:
+            starts[i] = total
+            total += chunks[i].numel() + (-chunks[i].numel() % ALIGN)
         if total > self.capacity:
             self._alloc(max(total, 2 * self.capacity))
-        # torch.tensor from one flat list is the fastest host-side fill for Python ints.
-        flat = [x for c in chunks for x in c]
+        host = self.ring.acquire()  # waits, if ever, for the copy that last read this buffer
         if flat:
-            self.host[:total] = torch.tensor(flat, dtype=torch.int32)
-        if self.dev is not self.host:
-            self.dev[:total].copy_(self.host[:total], non_blocking=True)
-        views, at = [], 0
-        for c in chunks:
-            views.append(self.dev[at : at + len(c)])
-            at += len(c)
+            host[: len(flat)] = torch.tensor(flat, dtype=torch.int32)
+        for i in tensors:
+            host[starts[i] : starts[i] + chunks[i].numel()].view(chunks[i].shape).copy_(chunks[i])
+        if self.stream is not None:
+            self.stream.copy(self.dev[:total], host[:total])
+            self.ring.sent()
+        views = []
+        for at, c in zip(starts, chunks):
+            if isinstance(c, torch.Tensor):
+                views.append(self.dev[at : at + c.numel()].view(c.shape))
+            else:
+                views.append(self.dev[at : at + len(c)])
         return views
 
 
@@ -56,6 +95,7 @@ class ModelRunner:
         self.device = device
         self.sliding_window = model.cfg.sliding_window
         self.buffers = StepBuffers(device)
+        self.tables = BlockTables()  # every running sequence's block table, kept across steps
         self.graphs: DecodeGraphs | None = None  # set by the engine once the KV pool exists (CUDA only)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
@@ -82,48 +122,82 @@ class ModelRunner:
             at += n
         qstart = [0]
         pctx: list[int] = []
-        ptables: list[list[int]] = []
+        prows: list[int] = []
         dctx: list[int] = []
-        dtables: list[list[int]] = []
+        drows: list[int] = []
+        pw = dw = 0
         bs = self.block_size
+        tables = self.tables
         for i in order:
             seq, n = plan[i]
             start = seq.num_computed_tokens
             ctx = start + n
+            at = len(ids)
             for j in range(n):
-                new_row[old_start[i] + j] = len(ids) + j
-            ids.extend(seq.token_ids[start:ctx])
-            positions.extend(range(start, ctx))
-            slots.extend(self._slots(seq.block_table, start, ctx))
-            table = seq.block_table[: -(-ctx // bs)]
+                new_row[old_start[i] + j] = at + j
+            nblk = -(-ctx // bs)
+            row = tables.sync(seq, nblk)
             if n > 1:
+                ids.extend(seq.token_ids[start:ctx])
+                positions.extend(range(start, ctx))
+                slots.extend(self._slots(seq.block_table, start, ctx))
                 qstart.append(qstart[-1] + n)
                 pctx.append(ctx)
-                ptables.append(table)
+                prows.append(row)
+                pw = max(pw, nblk)
             else:
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
                 dctx.append(ctx)
-                dtables.append(table)
-        pw = max((len(t) for t in ptables), default=0)
-        dw = max((len(t) for t in dtables), default=0)
-        # Padding entries of a block table are never read (each kernel stops at its context length).
-        pflat = [b for t in ptables for b in t + [0] * (pw - len(t))]
-        dflat = [b for t in dtables for b in t + [0] * (dw - len(t))]
+                drows.append(row)
+                dw = max(dw, nblk)
+        # Entries of a row past its sequence's blocks are never read (each kernel stops at its context length).
         rows = [new_row[r] for r in sample_rows]
-        (ids_t, pos_t, slot_t, qs_t, pctx_t, ptab_t, dctx_t, dtab_t, rows_t) = self.buffers.upload(
-            [ids, positions, slots, qstart if pctx else [0], pctx, pflat, dctx, dflat, rows])
+        (ids_t, pos_t, slot_t, qs_t, pctx_t, dctx_t, rows_t, ptab_t, dtab_t) = self.buffers.upload(
+            [ids, positions, slots, qstart if pctx else [0], pctx, dctx, rows, tables.gather(prows, pw),
+             tables.gather(drows, dw)])
         meta = AttentionMetadata(
             slot_mapping=slot_t, num_prefill_tokens=qstart[-1], prefill_query_start=qs_t,
-            prefill_context_lens=pctx_t, prefill_block_tables=ptab_t.view(len(pctx), pw),
+            prefill_context_lens=pctx_t, prefill_block_tables=ptab_t,
             max_prefill_query_len=max((b - a for a, b in zip(qstart, qstart[1:])), default=0),
-            decode_context_lens=dctx_t, decode_block_tables=dtab_t.view(len(dctx), dw),
+            decode_context_lens=dctx_t, decode_block_tables=dtab_t,
             sliding_window=self.sliding_window)
         return ids_t, pos_t, meta, rows_t, order
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One eager step with a prompt chunk and a decode row, then a structured-output mask on its logits:
+        every Triton variant the engine can launch compiles here, at start, and never in a serving step
+        (per-step sizes are never specialised: kernels/decode_attention.py, StepBuffers.upload), which
+        tests/test_warm_up.py checks. Its K/V goes to block 0, free at start."""
+        params = SamplingParams(max_tokens=1)
+        chunk = Sequence("warm-up-chunk", [0, 0, 0], params)
+        # A decode row over 5 blocks (all block 0): more than one split, so the reduce kernel compiles too. A
+        # model too short for 5 blocks never splits a decode (kernels/decode_attention.default_num_splits).
+        ctx = min(4 * self.block_size + 2, self.model.cos_sin.shape[0])
+        decode = Sequence("warm-up-decode", [0] * ctx, params)
+        decode.num_computed_tokens = ctx - 1
+        chunk.block_table = [0]
+        decode.block_table = [0] * -(-ctx // self.block_size)
+        logits = self.execute([(chunk, 2), (decode, 1)], [1, 2])
+        # On the float32 rows the sampler masks (shared/engine/sampler.py).
+        apply_token_bitmask(logits.float(), torch.full((2, -(-logits.shape[1] // 32)), -1, dtype=torch.int32))
+
+    @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; return float32 logits, on the device, for the given rows (plan row numbering)."""
+        """Run one step; return logits (model dtype), on the device, for the given rows (plan row numbering)."""
         if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
             return self.model.compute_logits(self.graphs.run(plan))
-        ids, positions, meta, rows, _ = self.build(plan, sample_rows)
+        return self.execute_rows(plan, sample_rows, [])[0]
+
+    @torch.inference_mode()
+    def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one (eager) step: logits (model dtype) of sample_rows and the hidden states of hidden_rows (whose
+        logits the caller computes in slices: prompt logprobs), both on the device, plan row numbering."""
+        ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
         hidden = self.model(ids, positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden[rows.long()])
+        rows = rows.long()
+        n = len(sample_rows)
+        return self.model.compute_logits(hidden[rows[:n]]), hidden[rows[n:]]

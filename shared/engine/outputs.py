@@ -12,6 +12,8 @@ __all__ = ["RequestOutput", "TokenLogprobs"]
 
 @dataclass
 class RequestOutput:
+    """A finished output holds the whole request; an unfinished (streamed) one only what the stream sends:
+    new_token_ids and their logprobs, prompt_logprobs with the first token, empty prompt/output lists."""
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]

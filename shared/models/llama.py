@@ -8,12 +8,12 @@ add+RMSNorm (vLLM's layout: each layer returns (hidden, residual)), store-KV and
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionMetadata, paged_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
-from kernels.rotary import rotary
+from kernels.qk_rope_store import qk_rope_store
+from kernels.silu_mul import silu_mul
 from shared.models.model_config import ModelConfig
 from shared.models.rope import cos_sin_cache
 
@@ -50,13 +50,11 @@ class Attention(nn.Module):
         cfg = self.cfg
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q = qkv[:, : cfg.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rotary(q, k, positions, cos_sin_cache)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale)
+        # q/k norm, rotary and storing K/V in one kernel (kernels/qk_rope_store.py); q comes back contiguous.
+        qw, kw = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
+        q = qk_rope_store(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qw, kw, cfg.rms_norm_eps, positions,
+                          cos_sin_cache, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
+        out = paged_attention(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.view(tokens, cfg.q_size))
 
 
@@ -68,8 +66,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -117,4 +114,5 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model dtype: the sampler makes float32 rows only when it needs them (not for greedy)."""
+        return self.lm_head(hidden)

@@ -1,0 +1,54 @@
+"""`make gpu-check`'s script (loadtest/gpu_check.py) in its CPU smoke mode: each step in its own process under
+a budget, a JSON file per step, a summary line; a failing or overrunning step does not stop the next."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import loadtest.gpu_check as gc
+
+
+def _run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--device", "cpu", "--smoke", "--out",
+                           str(tmp_path), *extra], capture_output=True, text=True, timeout=600)
+    return proc, json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_smoke_steps_write_json_and_a_summary_line(tmp_path):
+    # A quick subset (every step runs under -m slow): a plain step, the kernels, a benchmark through the CLI.
+    proc, summary = _run(tmp_path, "--only", "env,kernels,decode")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [s["name"] for s in summary["steps"]] == ["env", "kernels", "decode"]
+    assert proc.stdout.strip().splitlines()[-1].startswith("gpu-check: 3/3 steps ok")
+    kernels = json.loads((tmp_path / "kernels.json").read_text())
+    assert {c["kernel"] for c in kernels["cases"]} >= {"rms_norm", "rotary", "store_kv", "qk_rope_store", "silu_mul",
+                                                       "decode_attention", "extend_attention", "token_bitmask"}
+    assert any(c["dtype"] == "fp8" for c in kernels["cases"])
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    assert decode["command"].startswith("kvmesh bench decode") and decode["result"]
+
+
+@pytest.mark.slow
+def test_every_step_in_smoke_mode(tmp_path):
+    proc, summary = _run(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert summary["passed"] == len(gc.STEPS)
+    greedy = json.loads((tmp_path / "greedy.json").read_text())
+    assert set(greedy["archs"]) == {"llama", "mistral", "qwen2", "qwen3", "smollm2"}
+    assert "skipped" in greedy["archs"]["smollm2"], "no real SmolLM2 here: skipped with a message"
+
+
+def test_a_failing_or_overrunning_step_does_not_stop_the_others(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gc, "STEPS", [("no-such-step", 60, 60), ("env", 1, 1), ("env", 60, 60)])
+    p = gc.argparse.ArgumentParser()
+    gc.add_arguments(p)
+    rc = gc.run(p.parse_args(["--device", "cpu", "--smoke", "--out", str(tmp_path)]))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 1
+    assert [s["status"] for s in summary["steps"]] == ["failed", "timeout", "ok"]
+    assert "KeyError" in json.loads((tmp_path / "no-such-step.json").read_text())["error"]
+    assert capsys.readouterr().out.strip().endswith(f"gpu-check: 1/3 steps ok in {summary['seconds']:.0f} s; not ok: "
+                                                    f"no-such-step=failed, env=timeout; JSON in {tmp_path}")
