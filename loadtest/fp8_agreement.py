@@ -83,12 +83,16 @@ def smollm2_report() -> dict:
     prompts += [tok.encode(" ".join(words[i * 37: i * 37 + 8 + i % 40])) for i in range(32)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     runs = {}
-    for kv in ("auto", "fp8"):
-        engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", kv_cache_dtype=kv, num_kv_blocks=512,
+    for key, dtype, kv in (("auto", "bfloat16", "auto"), ("fp8", "bfloat16", "fp8"), ("float32", "float32", "auto")):
+        engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv, num_kv_blocks=512,
                                         max_num_batched_tokens=1024, max_num_seqs=64))
-        runs[kv] = [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        runs[key] = [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     before = [_first_diff(a, b) for a, b in zip(runs["auto"], runs["fp8"])]
-    return {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, served bf16 on CPU)", "requests": len(prompts),
+    ref_before = [_first_diff(a, b) for a, b in zip(runs["float32"], runs["auto"])]
+    # For scale: how far bf16 (weights and KV) itself stays with float32 on the same prompts.
+    reference = {"bf16_vs_float32_identical_sequences": sum(a == b for a, b in zip(runs["float32"], runs["auto"])),
+                 "bf16_vs_float32_mean_tokens_before_divergence": sum(ref_before) / len(ref_before)}
+    return {**reference, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, served bf16 on CPU)", "requests": len(prompts),
             "tokens_per_request": MAX_TOKENS, "ignore_eos": True,
             "identical_sequences": sum(a == b for a, b in zip(runs["auto"], runs["fp8"])),
             "first_token_equal": sum(a[0] == b[0] for a, b in zip(runs["auto"], runs["fp8"])),
