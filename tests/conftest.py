@@ -38,3 +38,19 @@ def hf_reference():
         return run(key, tuple(prompt), max_new)
 
     return reference
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_file():
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file (tests/real_model.py)."""
+    from tests.real_model import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf_file):
+    """SmolLM2-135M-Instruct as a checkpoint directory, through the same GGUF cache users go through."""
+    from tests.real_model import smollm2_checkpoint_dir
+
+    return smollm2_checkpoint_dir()

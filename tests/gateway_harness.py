@@ -34,6 +34,7 @@ class Mesh:
     """Owns a background event loop; `call(coro)` runs a coroutine there and returns its result."""
 
     def __init__(self, workdir: Path, model_dir: Path, api_key: str | None = None, nats_servers: int = 1,
+                 served_model_name: str = "tiny",
                  **gateway: Any) -> None:
         """nats_servers > 1: a NATS cluster; each connection (gateway, then services in start order)
         gets the next server as its home and the others for failover."""
@@ -45,7 +46,7 @@ class Mesh:
         self._thread = threading.Thread(target=self._loop.run_forever, name="mesh", daemon=True)
         self._thread.start()
         settings = {"health_timeout_s": 0.5, "worker_expiry_s": 1.0, **gateway}
-        self.gateway = GatewayService(GatewayConfig(model_dir=str(model_dir), served_model_name="tiny", port=0,
+        self.gateway = GatewayService(GatewayConfig(model_dir=str(model_dir), served_model_name=served_model_name, port=0,
                                                     api_key=api_key, **settings))
         self.tokenizer: TokenizerService | None = None
         self.decoders: dict[str, DecodeService] = {}

@@ -31,7 +31,7 @@ MESSAGES = [
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "model"
-    assert main(["demo-model", str(out)]) == 0
+    assert main(["demo-model", "--random", str(out)]) == 0
     return out
 
 

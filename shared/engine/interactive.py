@@ -11,7 +11,7 @@ from shared.models.tokenizer import encode_chat, load_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory, or a .gguf file")
     parser.add_argument("--prompt", help="one prompt, then exit (default: read prompts from stdin)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)

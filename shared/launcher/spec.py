@@ -14,7 +14,7 @@ from pathlib import Path
 SERVICES: tuple[str, ...] = ("kvstore", "tokenizer", "prefill", "decode", "gateway")
 MODEL_SERVICES = frozenset({"tokenizer", "prefill", "decode", "gateway"})
 ENGINE_SERVICES = frozenset({"prefill", "decode"})
-DEFAULT_MODEL = Path(".models/demo")
+DEFAULT_MODEL = Path(".models/SmolLM2-135M-Instruct")
 DEFAULT_PORT = 8000
 # Environment every service process gets, locally and in compose. Unbuffered output so the
 # launcher's `[name]` prefixing and `docker logs` show lines as they are written.

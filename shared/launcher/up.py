@@ -34,7 +34,7 @@ DRAIN_MARGIN_S = 10.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = MeshOptions()
-    parser.add_argument("--model", default=None, help=f"HF model directory (default {DEFAULT_MODEL}, built as the demo model if missing)")
+    parser.add_argument("--model", default=None, help=f"HF model directory or .gguf file (default {DEFAULT_MODEL}, written as the demo model if missing)")
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the gateway's choice)")
     parser.add_argument("--host", default=d.host, help=f"gateway bind address (default {d.host})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port (default {DEFAULT_PORT})")
@@ -99,10 +99,15 @@ def run(args: argparse.Namespace) -> int:
         if args.model is not None:
             print(f"kvmesh up: {model} is not a model directory (no config.json)", file=sys.stderr)
             return 2
-        from shared.models.demo import build_demo_model  # torch/transformers: only when needed
+        from shared.models.demo import build_real_demo_model
+        from shared.models.smollm2 import SmolLM2Unavailable
 
-        print(f"[kvmesh] building the demo model in {model}", flush=True)
-        build_demo_model(model)
+        print(f"[kvmesh] writing the demo model (SmolLM2-135M-Instruct) in {model}", flush=True)
+        try:
+            build_real_demo_model(model)
+        except SmolLM2Unavailable as e:
+            print(f"kvmesh up: {e}; then `kvmesh up --model DIR`", file=sys.stderr)
+            return 2
     disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers))

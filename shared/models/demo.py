@@ -1,6 +1,7 @@
-"""`kvmesh demo-model DIR`: a small, deterministic Llama checkpoint with a real tokenizer.
+"""`kvmesh demo-model DIR`: SmolLM2-135M-Instruct (shared/models/smollm2.py), or with --random the
+small, deterministic Llama checkpoint below, which the fast tests use.
 
-Random weights (so its text is gibberish), but every file is what a real checkpoint has:
+The random one has random weights (so its text is gibberish), but every file is what a real checkpoint has:
 config.json, sharded safetensors with an index, generation_config.json, tokenizer.json,
 tokenizer_config.json and chat_template.jinja. Same seed -> byte-identical files, on any machine
 with the same transformers version (config.json records that version).
@@ -8,6 +9,8 @@ with the same transformers version (config.json records that version).
 from __future__ import annotations
 
 import argparse
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -65,13 +68,36 @@ def build_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def build_real_demo_model(out_dir: str | Path) -> Path:
+    """Copy the converted SmolLM2 checkpoint into `out_dir` (SmolLM2Unavailable when it cannot be had)."""
+    from shared.models.smollm2 import smollm2_checkpoint
+
+    src = smollm2_checkpoint()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        shutil.copyfile(f, out / f.name)
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="output directory (created; existing files overwritten)")
-    parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    parser.add_argument("--random", action="store_true",
+                        help="the small random-weights demo (gibberish, seconds to build, no download) instead of SmolLM2")
+    parser.add_argument("--seed", type=int, default=0, help="--random: weight initialisation seed (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
-    print(build_demo_model(args.dir, seed=args.seed))
+    if args.random:
+        print(build_demo_model(args.dir, seed=args.seed))
+        return 0
+    from shared.models.smollm2 import SmolLM2Unavailable
+
+    try:
+        print(build_real_demo_model(args.dir))
+    except SmolLM2Unavailable as e:
+        print(f"kvmesh demo-model: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
