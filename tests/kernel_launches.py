@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kernels.aot import LaunchRecorder
+from kernels.extend_attention import candidate_tiles, extend_attention_triton
 from kernels.rotary import rotary
 from kernels.store_kv import store_kv
 from kernels.token_bitmask import apply_token_bitmask
@@ -77,4 +78,9 @@ def record_shape(root: Path, name: str, kv_cache_dtype: str, batch: int = 64) ->
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(3, cfg.num_kv_heads, cfg.head_dim)
         rotary(q, k, torch.arange(3), engine.model.cos_sin)
         store_kv(k, v, kc, vc, torch.tensor([0, 1, -1]))
+        # Every tiling tune_extend_tiles may choose on a GPU at this shape (the engine launched the default).
+        one = torch.tensor([0, 3], dtype=torch.int32)
+        for tiles in candidate_tiles(cfg.head_dim):
+            extend_attention_triton(q.contiguous(), kc, vc, one, torch.tensor([3], dtype=torch.int32),
+                                    torch.zeros(1, 4, dtype=torch.int32), 3, 1.0, cfg.sliding_window, tiles=tiles)
     return rec

@@ -105,3 +105,55 @@ def test_default_gqa_tiles_cover_every_head_of_a_group(group) -> None:
     data = make([70, 9, 1], [70, 37, 90], 2, group, 64, 16, torch.float32, seed=7 * group)
     check(*data, block_m=None)
     check(*data, window=20, block_m=None)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_candidate_tiling_equals_the_twin(head_dim) -> None:
+    # What tune_extend_tiles may pick on a GPU: more pages an iteration walk keys across page boundaries (each
+    # key finds its own page), also from a sliding window's first page and with a group of 3.
+    from kernels.extend_attention import candidate_tiles
+
+    data = make([40, 9, 1], [40, 70, 33], 3, 3, head_dim, 16, torch.float32, seed=head_dim)
+    for tiles in candidate_tiles(head_dim):
+        scale = head_dim ** -0.5
+        for window in (None, 21):
+            out = extend_attention_triton(*data[:-1], data[-1], scale, window, tiles=tiles)
+            ref = extend_attention_ref(*data[:-1], data[-1], scale, window)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{tiles} window {window}: {m}")
+
+
+def test_tuned_tiles_are_used_for_their_problem_only(monkeypatch) -> None:
+    import importlib
+
+    ea = importlib.import_module("kernels.extend_attention")  # the package re-exports a function by that name
+    data = make([20, 3], [20, 40], 2, 2, 64, 16, torch.float32, seed=11)
+    tiles = ea.ExtendTiles(rows=64, pages=4, num_warps=8)
+    monkeypatch.setitem(ea._tuned, ea._tiles_key(data[0], data[1], None), tiles)
+    seen = []
+    real = ea._extend_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["PAGES"], kw["num_warps"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(ea, "_extend_kernel", Spy())
+    extend_attention_triton(*data[:-1], data[-1], 0.125)
+    extend_attention_triton(*data[:-1], data[-1], 0.125, 9)  # a window: another problem, default tiles
+    assert seen == [(4, 8), (1, 4)]
+
+
+def test_tuning_times_every_candidate_and_keeps_the_fastest_for_its_problem(monkeypatch) -> None:
+    import importlib
+
+    ea = importlib.import_module("kernels.extend_attention")
+    monkeypatch.setattr(ea, "_tuned", {})
+    q = torch.empty(1, 6, 64)
+    kc = torch.empty(1, 16, 2, 64)
+    res = ea.tune_extend_tiles(q, kc, None, tokens_per_seq=20, seqs=2, reps=1)
+    assert len(res["ms"]) == len(ea.candidate_tiles(64)) and all(ms > 0 for ms in res["ms"].values())
+    chosen = ea.ExtendTiles(**res["chosen"])
+    assert res["ms"][str(chosen.__dict__)] == min(res["ms"].values())
+    assert ea._tuned == {ea._tiles_key(q, kc, None): chosen}

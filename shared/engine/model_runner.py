@@ -8,9 +8,12 @@ device: the logits come back on it, and the sampler's single copy of sampled ids
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels import AttentionMetadata
+from kernels.extend_attention import tune_extend_tiles
 from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.block_tables import BlockTables
 from shared.engine.cuda_graphs import DecodeGraphs
@@ -21,6 +24,7 @@ from shared.sampling_params import SamplingParams
 
 
 ALIGN = 4  # int32 elements: 16 bytes
+log = logging.getLogger(__name__)
 
 
 class StepBuffers:
@@ -183,6 +187,14 @@ class ModelRunner:
         logits = self.execute([(chunk, 2), (decode, 1)], [1, 2])
         # On the float32 rows the sampler masks (shared/engine/sampler.py).
         apply_token_bitmask(logits.float(), torch.full((2, -(-logits.shape[1] // 32)), -1, dtype=torch.int32))
+        if self.device.startswith("cuda"):
+            # The prefill attention's tiles, timed on this GPU for this model (kernels/extend_attention.py): the
+            # candidates compile here too, so no serving step compiles or tunes.
+            cfg = self.model.cfg
+            q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=next(self.model.parameters()).dtype,
+                            device=self.device)
+            tuned = tune_extend_tiles(q, self.kv_caches[0][0], self.sliding_window)
+            log.info("prefill attention tiles: %s (ms per candidate: %s)", tuned["chosen"], tuned["ms"])
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
