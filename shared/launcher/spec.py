@@ -44,6 +44,7 @@ class MeshOptions:
     kv_cache_dtype: str | None = None  # None: the workers' default (auto)
     host_kv_bytes: int = 0  # each engine worker's host tier (0: none)
     enforce_eager: bool = False
+    max_model_len: int | None = None  # None: the workers' default (the checkpoint's); set by the GPU plan
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -52,6 +53,7 @@ class MeshOptions:
         assert self.remote_prefill_threshold is None or self.remote_prefill_threshold >= 0
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
+        assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
 
     def replicas(self, service: str) -> int:
         return 1 if service == "gateway" else int(getattr(self, service))
@@ -177,6 +179,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--host-kv-bytes", str(opts.host_kv_bytes)]
         if opts.enforce_eager:
             args += ["--enforce-eager"]
+        if opts.max_model_len:
+            args += ["--max-model-len", str(opts.max_model_len)]
     if opts.log_level:
         args += ["--log-level", opts.log_level]
     return tuple(args)

@@ -19,11 +19,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG
+from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
+                                     plan_mesh, worker_needs)
 from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import LocalNats, role_passwords
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, SERVICES, MeshOptions, mesh_services
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
+from shared.models.model_config import load_model_config
 from shared.service_runner import DEFAULT_GRACE_S
 
 READY = "kvmesh is up at"  # tests wait for this line
@@ -38,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the gateway's choice)")
     parser.add_argument("--host", default=d.host, help=f"gateway bind address (default {d.host})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port (default {DEFAULT_PORT})")
-    parser.add_argument("--prefill", type=int, default=d.prefill, help=f"prefill workers (default {d.prefill}; 0: all prefill local)")
-    parser.add_argument("--decode", type=int, default=d.decode, help=f"decode workers (default {d.decode})")
+    parser.add_argument("--prefill", type=int, default=None,
+                        help=f"prefill workers (default {d.prefill}, or 0 when the GPU plan needs it; 0: all prefill local)")
+    parser.add_argument("--decode", type=int, default=None, help=f"decode workers (default {d.decode})")
     parser.add_argument("--tokenizer", type=int, default=d.tokenizer, help=f"tokenizer workers (default {d.tokenizer})")
     parser.add_argument("--kvstore", type=int, default=d.kvstore, help=f"kvstore replicas (default {d.kvstore}; 0: none)")
     parser.add_argument("--remote-prefill-threshold", type=int, default=None, metavar="TOKENS",
@@ -56,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each engine worker keeps KV blocks evicted from its device pool in this much host "
                              "memory (default 0: none; on GPUs a few GiB saves recomputing evicted prefixes)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine workers run without CUDA graphs")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="engine workers' context length (default: the model's, lowered by the GPU plan if it "
+                             "cannot fit)")
+    parser.add_argument("--gpu-memory", action="append", default=[], metavar="[DEVICE=]SIZE",
+                        help="plan for GPUs of this size instead of asking nvidia-smi, e.g. 80GiB or 1=24GB "
+                             "(repeatable)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the GPU plan and the processes that would start, then exit")
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--nats-tls", action="store_true",
@@ -75,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = MeshOptions(
             model=str(model), host=args.host, port=args.port, served_model_name=args.served_model_name,
-            prefill=args.prefill, decode=args.decode, tokenizer=args.tokenizer, kvstore=args.kvstore,
+            prefill=MeshOptions.prefill if args.prefill is None else args.prefill,
+            decode=MeshOptions.decode if args.decode is None else args.decode,
+            tokenizer=args.tokenizer, kvstore=args.kvstore, max_model_len=args.max_model_len,
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
@@ -88,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvmesh up: cannot start the mesh, service module(s) missing: "
               + ", ".join(f"services.{m} (services/{m}/__main__.py)" for m in missing), file=sys.stderr)
         return 2
-    if not _port_free(opts.host, opts.port):
+    if not args.dry_run and not _port_free(opts.host, opts.port):
         # Else the gateway would crash-loop, and whatever holds the port might even answer /health.
         print(f"kvmesh up: {opts.host}:{opts.port} is in use; pick another port with --port", file=sys.stderr)
         return 2
@@ -108,9 +122,36 @@ def run(args: argparse.Namespace) -> int:
         except SmolLM2Unavailable as e:
             print(f"kvmesh up: {e}; then `kvmesh up --model DIR`", file=sys.stderr)
             return 2
+    try:
+        opts = plan_gpus(opts, args.gpu_memory, layout_given=args.prefill is not None or args.decode is not None)
+    except PlanError as e:
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.dry_run:
+        for spec in mesh_services(opts):
+            for proc in spec.processes(sys.executable, {}):
+                print(f"{proc.name}: {' '.join(proc.argv[1:])}" + "".join(f" {k}={v}" for k, v in proc.env.items()
+                                                                        if k == "CUDA_VISIBLE_DEVICES"))
+        return 0
     disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers))
+
+
+def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> MeshOptions:
+    """The GPU plan (shared/launcher/gpu_plan.py), printed; the options to start with. PlanError if nothing fits."""
+    if not opts.devices:
+        print("[kvmesh] engine workers on CPU: no GPU plan", flush=True)
+        return opts
+    sizes = parse_gpu_memory(gpu_memory, opts.devices) or gpu_memory_from_nvidia_smi(opts.devices)
+    cfg = load_model_config(opts.model)
+    d = WORKER_DEFAULTS
+    needs = worker_needs(cfg, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens, d.max_num_seqs)
+    plan = plan_mesh(opts, sizes, needs, cfg.max_position_embeddings, d.block_size, layout_given)
+    print(plan.table(), flush=True)
+    keep_len = plan.max_model_len == (opts.max_model_len or cfg.max_position_embeddings)
+    return replace(opts, prefill=plan.prefill, decode=plan.decode,
+                   max_model_len=opts.max_model_len if keep_len else plan.max_model_len)
 
 
 def missing_services() -> list[str]:
