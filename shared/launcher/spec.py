@@ -44,6 +44,7 @@ class MeshOptions:
     kv_cache_dtype: str | None = None  # None: the workers' default (auto)
     host_kv_bytes: int = 0  # each engine worker's host tier (0: none)
     enforce_eager: bool = False
+    quantization: str | None = None  # engine workers' weight-only quantization on CPU (int8, int4)
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -177,6 +178,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--host-kv-bytes", str(opts.host_kv_bytes)]
         if opts.enforce_eager:
             args += ["--enforce-eager"]
+        if opts.quantization:
+            args += ["--quantization", opts.quantization]
     if opts.log_level:
         args += ["--log-level", opts.log_level]
     return tuple(args)

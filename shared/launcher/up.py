@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each engine worker keeps KV blocks evicted from its device pool in this much host "
                              "memory (default 0: none; on GPUs a few GiB saves recomputing evicted prefixes)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine workers run without CUDA graphs")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
+                             "(groups of 32): 2-4x fewer bytes a decode step than bf16")
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--nats-tls", action="store_true",
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
+            quantization=args.quantization,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)

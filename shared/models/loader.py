@@ -138,6 +138,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
@@ -166,6 +167,11 @@ def load_model(
                         t = plan[name]
                         dst = params[t.param]
                         dst[t.row_offset : t.row_offset + t.shape[0]].copy_(f.get_tensor(name))
+    if quantization:
+        from shared.models.quant_linear import quantize_model
+
+        n = quantize_model(model, quantization)
+        log.info("%s weight-only quantization: %.1f M weights quantized", quantization, n / 1e6)
     model.eval()
     return model, cfg
 
