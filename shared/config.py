@@ -18,7 +18,7 @@ FP8_MIN_CAPABILITY = (8, 9)
 @dataclass
 class EngineConfig:
     model: str  # a Hugging Face checkpoint directory (config.json alone with load_format="dummy")
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA; on CPU shared/models/cpu_dtype.py decides
     device: str = "auto"
     load_format: str = "auto"  # "auto": safetensors from the directory; "dummy": random weights
     seed: int = 0  # for dummy weights

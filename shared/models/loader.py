@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from shared.models.errors import CheckpointError
 from shared.models.llama import LlamaFamilyForCausalLM
+from shared.models.cpu_dtype import default_cpu_dtype
 from shared.models.model_config import ModelConfig, load_model_config
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,11 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: str) -> torch.dtype:
     from shared.config import DTYPES
 
     if requested == "auto":
-        return torch.float32 if device == "cpu" else DTYPES[cfg.dtype]
+        if device == "cpu":
+            name, why = default_cpu_dtype()
+            log.info("dtype %s on CPU (--dtype auto: %s)", name, why)
+            return DTYPES[name]
+        return DTYPES[cfg.dtype]
     return DTYPES[requested]
 
 
