@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len-min", type=int, default=None, help="default 32")
     p.add_argument("--output-len-max", type=int, default=None, help="default 256")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: the checkpoint's dtype on CUDA, float32 on CPU (both systems)")
+                   help="auto: the checkpoint's dtype on CUDA; on CPU bfloat16 where it is native, else float32 (both systems)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="kvmesh's KV cache dtype")
     p.add_argument("--enforce-eager", action="store_true", help="kvmesh without CUDA graphs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="kvmesh's share of the GPU")
@@ -114,7 +114,11 @@ def model_dir(args: argparse.Namespace) -> Iterator[str]:
 def resolved_dtype(model: str, args: argparse.Namespace) -> str:
     if args.dtype != "auto":
         return args.dtype
-    return checkpoint_dtype(model) if args.device.startswith("cuda") else "float32"
+    if args.device.startswith("cuda"):
+        return checkpoint_dtype(model)
+    from shared.models.cpu_dtype import default_cpu_dtype
+
+    return default_cpu_dtype()[0]  # what a kvmesh worker picks on this CPU
 
 
 def engine_config(model: str, args: argparse.Namespace, wl: Workload):

@@ -18,7 +18,7 @@ FP8_MIN_CAPABILITY = (8, 9)
 @dataclass
 class EngineConfig:
     model: str  # a Hugging Face checkpoint directory (config.json alone with load_format="dummy")
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA; on CPU shared/models/cpu_dtype.py decides
     device: str = "auto"
     load_format: str = "auto"  # "auto": safetensors from the directory; "dummy": random weights
     seed: int = 0  # for dummy weights
@@ -45,6 +45,8 @@ class EngineConfig:
     model_id: str | None = None  # name folded into block hashes; default: the directory name
     # (major, minor) compute capability of the CUDA device; default: asked of the device (tests pass one).
     gpu_capability: tuple[int, int] | None = None
+    # Weight-only quantization of the linear layers at load (shared/models/quant_linear.py): None, int8, int4.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):
@@ -68,5 +70,14 @@ class EngineConfig:
                     f"--kv-cache-dtype fp8 needs a GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}."
                     f"{FP8_MIN_CAPABILITY[1]} (Ada, Hopper or newer); {self.device} is sm_{cap[0]}{cap[1]}: use "
                     f"--kv-cache-dtype auto")
+        if self.quantization is not None:
+            from shared.models.quant_linear import QUANTIZATIONS
+
+            if self.quantization not in QUANTIZATIONS:
+                raise ConfigError(f"--quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+            if self.device != "cpu":
+                raise ConfigError(f"--quantization {self.quantization} is weight-only quantization for CPU serving "
+                                  f"(torch's CPU int8/int4 kernels); {self.device} serves the model's own dtype: "
+                                  "leave --quantization out")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")

@@ -8,6 +8,11 @@ import os
 if os.environ.get("KVMESH_TEST_CUDA") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The exactness checks against transformers run in float32; CPUs with native bf16 would otherwise default to
+# bfloat16 (shared/models/cpu_dtype.py). Services the tests start inherit it. tests/test_cpu_dtype.py checks
+# the default itself.
+os.environ.setdefault("KVMESH_CPU_DTYPE", "float32")
+
 import pytest
 import torch
 

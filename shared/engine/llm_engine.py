@@ -68,7 +68,7 @@ class LLMEngine:
         start = snapshot(config.device) if config.device.startswith("cuda") else None
         self.model, self.model_config = load_model(
             config.model, dtype=config.dtype, device=config.device, load_format=config.load_format,
-            seed=config.seed, max_positions=config.max_model_len,
+            seed=config.seed, max_positions=config.max_model_len, quantization=config.quantization,
         )
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -86,7 +86,9 @@ class LLMEngine:
                                               block_tables=self.runner.tables)
         model_id = config.model_id or Path(config.model).resolve().name
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
-        root = root_hash(model_id, config.block_size, str(self.kv_dtype).removeprefix("torch."), config.cache_salt)
+        # Quantized weights compute different KV from the same dtype: their blocks hash apart too.
+        kv_kind = str(self.kv_dtype).removeprefix("torch.") + (f"/weights-{config.quantization}" if config.quantization else "")
+        root = root_hash(model_id, config.block_size, kv_kind, config.cache_salt)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, root, config.enable_prefix_caching)
         self.host_tier = HostTier(config.host_kv_bytes) if config.host_kv_bytes > 0 else None
         if self.host_tier is not None:

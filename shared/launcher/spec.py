@@ -45,6 +45,7 @@ class MeshOptions:
     host_kv_bytes: int = 0  # each engine worker's host tier (0: none)
     enforce_eager: bool = False
     max_model_len: int | None = None  # None: the workers' default (the checkpoint's); set by the GPU plan
+    quantization: str | None = None  # engine workers' weight-only quantization on CPU (int8, int4)
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -181,6 +182,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--enforce-eager"]
         if opts.max_model_len:
             args += ["--max-model-len", str(opts.max_model_len)]
+        if opts.quantization:
+            args += ["--quantization", opts.quantization]
     if opts.log_level:
         args += ["--log-level", opts.log_level]
     return tuple(args)

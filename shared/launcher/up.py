@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the GPU plan and the processes that would start, then exit")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
+                             "(groups of 32): 2-4x fewer bytes a decode step than bf16")
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--nats-tls", action="store_true",
@@ -93,9 +96,15 @@ def run(args: argparse.Namespace) -> int:
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
+            quantization=args.quantization,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
+        return 2
+    if opts.quantization and opts.devices:
+        print(f"kvmesh up: --quantization {opts.quantization} is weight-only quantization for CPU workers; the "
+              f"workers here go on GPUs {','.join(opts.devices)} (add --devices none to serve on the CPU)",
+              file=sys.stderr)
         return 2
     missing = missing_services()
     if missing:

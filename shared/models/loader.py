@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from shared.models.errors import CheckpointError
 from shared.models.llama import LlamaFamilyForCausalLM
+from shared.models.cpu_dtype import default_cpu_dtype
 from shared.models.model_config import ModelConfig, load_model_config
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,11 @@ def resolve_dtype(requested: str, cfg: ModelConfig, device: str) -> torch.dtype:
     from shared.config import DTYPES
 
     if requested == "auto":
-        return torch.float32 if device == "cpu" else DTYPES[cfg.dtype]
+        if device == "cpu":
+            name, why = default_cpu_dtype()
+            log.info("dtype %s on CPU (--dtype auto: %s)", name, why)
+            return DTYPES[name]
+        return DTYPES[cfg.dtype]
     return DTYPES[requested]
 
 
@@ -138,6 +143,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     max_positions: int | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
@@ -166,6 +172,11 @@ def load_model(
                         t = plan[name]
                         dst = params[t.param]
                         dst[t.row_offset : t.row_offset + t.shape[0]].copy_(f.get_tensor(name))
+    if quantization:
+        from shared.models.quant_linear import quantize_model
+
+        n = quantize_model(model, quantization)
+        log.info("%s weight-only quantization: %.1f M weights quantized", quantization, n / 1e6)
     model.eval()
     return model, cfg
 

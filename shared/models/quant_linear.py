@@ -1,0 +1,121 @@
+"""Weight-only quantized linear layers for CPU serving (`--quantization int8|int4`).
+
+Decode on a CPU is memory-bound: every step streams every weight once. Keeping weights in 8 or 4 bits and
+dequantizing inside the matmul reads 2x / 4x fewer bytes than bf16 (4x / 8x fewer than float32). The matmuls
+are torch's own CPU weight-only kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`).
+They accept float32 activations but are only fast in bfloat16 (measured on this project's 2-core CPU, one
+576 x 1536 matmul at batch 1: int4 28 us in bf16, 5.3 ms in float32; int8 28 us vs 0.37 ms): the quantized
+layers always multiply in bfloat16 (scales stored in bf16), casting a float32 model's activations in and out.
+
+- int8: symmetric, one scale per output row: w = q * scale, q in [-127, 127].
+- int4: asymmetric, one scale and minimum per group of 32 input columns (GGUF's Q4_1 layout, so a Q4_1
+  checkpoint requantizes to the values it was stored with): w = q * scale + min, q in [0, 15]. torch's kernel
+  computes (q - 8) * scale + zero, so zero = min + 8 * scale.
+
+A layer whose input size is not a multiple of the group stays in the model dtype (logged); embeddings and
+norms are never quantized. Each layer keeps what it needs to say what it computes (`dequantized()`), which is
+the tests' oracle.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("int8", "int4")
+COMPUTE = torch.bfloat16  # the dtype the quantized matmuls run in
+INT4_GROUP = 32
+_INNER_K_TILES = 2  # the packing torch's CPU int4 kernel reads
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(COMPUTE))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.out_features, self.in_features = weight.shape
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP) -> None:
+        super().__init__()
+        n, k = weight.shape
+        assert k % group == 0, f"in_features {k} is not a multiple of the int4 group {group}"
+        w = weight.detach().float().view(n, k // group, group)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scale = (hi - lo) / 15
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0, w = lo
+        q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES))
+        # [k / group, n, 2]: (scale, zero) with zero = lo + 8 * scale, in the activations' dtype.
+        self.register_buffer("scales_zeros", torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1)
+                             .contiguous().to(COMPUTE))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.out_features, self.in_features, self.group = n, k, group
+
+    def dequantized(self) -> torch.Tensor:
+        """What the layer multiplies by, as float32 [out, in]: unpacked by running the kernel on the identity."""
+        eye = torch.eye(self.in_features, dtype=COMPUTE)
+        cols = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales_zeros)
+        return cols.float().t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_linear(layer: nn.Linear, method: str) -> nn.Module:
+    if method == "int8":
+        return Int8Linear(layer.weight, layer.bias)
+    if method == "int4":
+        if layer.in_features % INT4_GROUP:
+            log.warning("int4: %d input features are not a multiple of %d; layer kept in %s", layer.in_features,
+                        INT4_GROUP, layer.weight.dtype)
+            return layer
+        return Int4Linear(layer.weight, layer.bias)
+    raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}")
+
+
+# The projections of every decoder layer, then the output head (its own quantized copy when it is tied to the
+# embeddings, which stay in the model dtype). Under int4 the head is int8, as llama.cpp's 4-bit mixes keep the
+# output matrix at 6-8 bits: every logit goes through it, and on SmolLM2 an int4 head alone cost most of the
+# int4 perplexity (loadtest/results/cpu_quant_smollm2.json).
+HEAD_METHOD = {"int8": "int8", "int4": "int8"}
+_LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace the model's linear layers in place; returns how many weights (elements) are now quantized."""
+    count = 0
+    for layer in model.layers:
+        for parent_name, name in _LAYER_LINEARS:
+            parent = getattr(layer, parent_name)
+            old = getattr(parent, name)
+            new = quantize_linear(old, method)
+            setattr(parent, name, new)
+            count += old.weight.numel() if new is not old else 0
+    new_head = quantize_linear(model.lm_head, HEAD_METHOD[method])
+    if new_head is not model.lm_head:
+        count += model.lm_head.weight.numel()
+        model.lm_head = new_head
+    return count
