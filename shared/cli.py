@@ -22,6 +22,7 @@ BENCH = {
     "serve": ("loadtest.serve.cli", "serving benchmark against any OpenAI-compatible server"),
     "compare": ("loadtest.serve.compare", "same workload against two servers, side by side"),
     "baseline": ("loadtest.serve.baseline", "start `transformers serve --continuous-batching` on a model dir"),
+    "llamacpp": ("loadtest.serve.llamacpp", "start llama.cpp's llama-server on a GGUF file (--build builds it)"),
 }
 
 
