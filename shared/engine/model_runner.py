@@ -193,8 +193,11 @@ class ModelRunner:
             cfg = self.model.cfg
             q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=next(self.model.parameters()).dtype,
                             device=self.device)
-            tuned = tune_extend_tiles(q, self.kv_caches[0][0], self.sliding_window)
-            log.info("prefill attention tiles: %s (ms per candidate: %s)", tuned["chosen"], tuned["ms"])
+            try:
+                tuned = tune_extend_tiles(q, self.kv_caches[0][0], self.sliding_window)
+                log.info("prefill attention tiles: %s (ms per candidate: %s)", tuned["chosen"], tuned["ms"])
+            except Exception:  # noqa: BLE001 - tuning is an optimisation: the default tiles are always right
+                log.exception("tuning the prefill attention tiles failed; keeping the default tiles")
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
