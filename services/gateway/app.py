@@ -11,6 +11,7 @@ from services.gateway.intake import Intake, default_body_limit
 from services.gateway.context import GatewayContext
 from services.gateway.endpoint import serve_generation
 from services.gateway.errors import bad_request, install_error_handlers
+from services.gateway import anthropic_messages
 from services.gateway.openai_responses import ResponsesFormatter, ResponsesRequest, to_chat
 from services.gateway.health import check_health
 from services.gateway.metrics import CONTENT_TYPE
@@ -51,6 +52,15 @@ def create_app(ctx: GatewayContext) -> FastAPI:
             raise bad_request(first_message(e), param="input") from None
         return await serve_generation(ctx, request, chat, "/v1/responses", prepare_chat,
                                       partial(ResponsesFormatter, request=body))
+
+    @app.post("/v1/messages")
+    async def messages(body: anthropic_messages.MessagesRequest, request: Request) -> Response:
+        try:
+            chat = anthropic_messages.to_chat(body)
+        except ValidationError as e:
+            raise bad_request(first_message(e), param="messages") from None
+        return await serve_generation(ctx, request, chat, "/v1/messages", prepare_chat,
+                                      anthropic_messages.MessagesFormatter)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

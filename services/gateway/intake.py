@@ -40,7 +40,9 @@ class Intake:
             return await self.app(scope, receive, send)
         try:
             if scope["path"] not in OPEN_PATHS:
-                check_api_key(self.api_key, _header(scope, b"authorization"))
+                # Anthropic's clients send their key as x-api-key (/v1/messages); OpenAI's as a bearer token.
+                key = _header(scope, b"x-api-key")
+                check_api_key(self.api_key, _header(scope, b"authorization") or (f"Bearer {key}" if key else None))
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self._bounded(scope, receive)
         except APIError as e:
