@@ -121,3 +121,67 @@ def test_inconsistent_tool_requests_are_400s(client) -> None:  # noqa: ANN001
         model="tiny", messages=ASK, tools=TOOLS + TOOLS[:1]), 400, "tools")
     expect_error(openai.BadRequestError, lambda: client.chat.completions.create(
         model="tiny", messages=ASK, tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400)
+
+
+# ------------------------------------------------------------------ streamed as generated (issue 26)
+
+
+def _raw(client, **kw) -> list:  # noqa: ANN001, ANN003
+    return [c for c in chat(client, stream=True, **kw)]
+
+
+def _assert_vllm_shape(chunks: list) -> None:  # noqa: ANN001
+    """No chunk without content, a tool-call delta, a finish reason or usage (the role-only opener aside); the
+    first delta of each call has index, id, type and name, the later ones only argument fragments."""
+    seen: set[int] = set()
+    for c in chunks[1:]:
+        if not c.choices:
+            continue
+        ch = c.choices[0]
+        assert ch.delta.content or ch.delta.tool_calls or ch.finish_reason or c.usage, c
+        for tc in ch.delta.tool_calls or []:
+            if tc.index not in seen:
+                seen.add(tc.index)
+                assert tc.id and tc.type == "function" and tc.function.name, tc
+            else:
+                assert tc.id is None and tc.function.name is None and tc.function.arguments, tc
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_calls_stream_as_they_are_generated(client, choice) -> None:  # noqa: ANN001
+    kw = dict(tool_choice=choice, temperature=1.0, seed=7, max_tokens=400, parallel_tool_calls=False)
+    whole = chat(client, **kw)
+    chunks = _raw(client, **kw)
+    _assert_vllm_shape(chunks)
+    content, calls, reason = _streamed(chunks)
+    want = whole.choices[0].message.tool_calls
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in want]
+    assert reason == whole.choices[0].finish_reason
+    # Many chunks for one call: the arguments arrive as they are generated, not all in the last chunk.
+    with_args = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(with_args) >= 5
+
+
+def test_several_calls_get_indexes_in_order(client) -> None:  # noqa: ANN001
+    kw = dict(tool_choice="required", temperature=1.0, seed=3, max_tokens=800)
+    whole = chat(client, **kw).choices[0].message.tool_calls
+    content, calls, _ = _streamed(_raw(client, **kw))
+    assert len(whole) >= 2, "this seed makes the random model call more than once"
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in whole]
+
+
+def test_a_call_cut_by_max_tokens_streams_what_was_generated(client) -> None:  # noqa: ANN001
+    kw = dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=1,
+              max_tokens=6)
+    chunks = _raw(client, **kw)
+    content, calls, reason = _streamed(chunks)
+    assert reason == "length" and [c["name"] for c in calls] == ["get_weather"] and calls[0]["arguments"]
+    whole = chat(client, **kw).choices[0]
+    assert whole.finish_reason == "length" and whole.message.tool_calls[0].function.arguments == calls[0]["arguments"]
+
+
+def test_tool_choice_without_tools_is_a_400(client) -> None:  # noqa: ANN001
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        expect_error(openai.BadRequestError, lambda: client.chat.completions.create(
+            model="tiny", messages=ASK, tool_choice=choice), 400, "tool_choice")
+    assert client.chat.completions.create(model="tiny", messages=ASK, tool_choice="none", max_tokens=2).choices

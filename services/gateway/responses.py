@@ -167,28 +167,39 @@ class ChatFormatter(Formatter):
         return [dump(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
                 for i in range(self.n)]
 
+    def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
+        # No chunk that carries nothing: a delta whose text a tool stream holds back sends nothing (vLLM).
+        body = self.chunk(d, include_usage)
+        choice = body["choices"][0]
+        empty = (not choice["delta"].get("content") and not choice["delta"].get("tool_calls")
+                 and not choice.get("finish_reason") and not choice.get("logprobs"))
+        return [] if empty else [body]
+
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
         finish = d.finish_reason
         if self.tools is None:
             delta = ChatDelta(content=d.text) if d.text or not d.finish_reason else ChatDelta()
         else:
+            # Calls stream as they form: the first delta of each carries index, id, type and name, later ones
+            # argument fragments whose concatenation is the final arguments (services/gateway/call_scanner.py).
             stream = self._tool_streams[d.index]
-            content = stream.feed(d.text)
-            calls: list[ParsedCall] = []
+            content, calls = stream.feed_calls(d.text)
             if d.finish_reason:
-                rest, calls = stream.finish()
-                content += rest
-                finish = self._finish_reason(d.finish_reason, calls)
-            delta = ChatDelta(content=content or None, tool_calls=[
-                ToolCallDelta(index=k, id=c.id, type="function", function=FunctionCallDelta(name=c.name, arguments=c.arguments))
-                for k, c in enumerate(calls)] or None)
+                content += stream.finish_calls()
+                finish = self._finish_reason(d.finish_reason, stream.streamed)
+            deltas = [ToolCallDelta(index=c.index, id=stream.ids[c.index], type="function",
+                                    function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                      if c.name is not None else
+                      ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments))
+                      for c in calls]
+            delta = ChatDelta(content=content or None, tool_calls=deltas or None)
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=finish)
         body = dump(self._chunk([choice]))
         if not include_usage:
             body.pop("usage")
         return body
 
-    def _finish_reason(self, reason: str, calls: list[ParsedCall]) -> str:
+    def _finish_reason(self, reason: str, calls: list) -> str:
         # OpenAI: "tool_calls" when the model chose to call; a forced named function ends with "stop".
         return "tool_calls" if calls and self.tools is not None and self.tools.mode != "named" and reason == "stop" else reason
 

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.gateway.call_scanner import CallDelta, CallScanner, scan_calls
 from services.gateway.errors import bad_request
 from services.gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
 from shared.protocol.generate import StructuredSpec
@@ -32,6 +33,7 @@ class ToolParser:
     """Finds tool calls in generated text; `start` marks where calls begin, for streaming."""
 
     start: str = ""
+    depth: int = 0  # where call objects sit in the text (call_scanner.py)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
@@ -46,34 +48,22 @@ class ToolParser:
         return next((k for k in range(min(len(text), len(self.start) - 1), 0, -1) if self.start.startswith(text[-k:])), 0)
 
 
-def _call(obj: object, args_key: str) -> ParsedCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", {}))
-    return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
 class HermesParser(ToolParser):
     start = "<tool_call>"
-    _call_re = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    depth = 0
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        calls = []
-        for body in self._call_re.findall(text):
-            try:
-                call = _call(json.loads(body), "arguments")
-            except json.JSONDecodeError:
-                call = None
-            if call is not None:
-                calls.append(call)
+        begin = text.find(self.start)
+        calls = _complete_calls(text[begin:], self.depth) if begin >= 0 else []
         if not calls:
             return text, []
-        content = text[: text.find(self.start)].strip()
+        content = text[:begin].strip()
         return content or None, calls
 
 
 class Llama3JsonParser(ToolParser):
     start = "<|python_tag|>"
+    depth = 0
 
     def begins_calls(self, text: str) -> int | None:
         stripped = text.lstrip()
@@ -87,16 +77,22 @@ class Llama3JsonParser(ToolParser):
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip().removeprefix(self.start).strip()
-        calls = []
-        for part in [p for p in body.split(";") if p.strip()] if body.startswith("{") else []:
-            try:
-                call = _call(json.loads(part), "parameters")
-            except json.JSONDecodeError:
-                return text, []
-            if call is None:
-                return text, []
-            calls.append(call)
+        calls = _complete_calls(body, self.depth) if body.startswith("{") else []
         return (None, calls) if calls else (text, [])
+
+
+def _complete_calls(text: str, depth: int) -> list[ParsedCall]:
+    """The calls a model wrote of its own accord (auto): only whole objects with a name and JSON arguments."""
+    calls = []
+    for c in scan_calls(text, depth):
+        if c.name is None or not c.complete:
+            continue
+        try:
+            json.loads(c.arguments or "{}")
+        except json.JSONDecodeError:
+            continue
+        calls.append(ParsedCall(c.name, c.arguments or "{}"))
+    return calls
 
 
 def parser_for_template(template: str | None) -> ToolParser | None:
@@ -141,11 +137,10 @@ class ToolPlan:
         if self.mode == "named":
             return None, [ParsedCall(self.name or "", text)]
         if self.mode == "required":
-            try:
-                calls = [_call(c, "parameters") for c in json.loads(text)]
-            except (json.JSONDecodeError, TypeError):
-                return text, []
-            return None, [c for c in calls if c is not None]
+            # The arguments as written (a constrained array, cut short only by max_tokens): the same text a
+            # stream sends (call_scanner.py).
+            calls = [ParsedCall(c.name, c.arguments) for c in scan_calls(text, 1) if c.name is not None]
+            return (None, calls) if calls else (text, [])
         if self.mode == "auto" and self.parser is not None:
             content, calls = self.parser.parse(text)
             return content, calls if self.parallel else calls[:1]
@@ -156,7 +151,8 @@ def plan_tools(body: ChatCompletionRequest, chat_template: str | None) -> ToolPl
     """The request's tool mode, or a 400 for an inconsistent request. None: no tools involved."""
     choice = body.tool_choice
     if not body.tools:
-        if isinstance(choice, NamedToolChoice) or choice == "required":
+        # As vLLM: any tool_choice but none needs tools.
+        if choice is not None and choice != "none":
             raise bad_request("tool_choice needs tools: the request has none", param="tool_choice")
         return None
     names = [t.function.name for t in body.tools]
@@ -183,14 +179,19 @@ def plan_tools(body: ChatCompletionRequest, chat_template: str | None) -> ToolPl
 
 
 class ToolStream:
-    """One choice's streamed text under a tool plan: content is passed on until tool calls may begin,
-    then held back; at the end the held text is parsed into calls."""
+    """One choice's streamed text under a tool plan: content is passed on until tool calls may begin; from there
+    the calls are scanned as they form (`feed_calls`: names, then argument fragments), or held back and parsed
+    whole at the end (`feed` / `finish`, for formatters that send calls whole)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
         self.sent = 0  # characters of text already passed on as content
         self.holding = plan.mode in ("named", "required")  # constrained output is all calls
+        self.calls_from = 0 if self.holding else None  # where the calls begin in text
+        self.scanner: CallScanner | None = CallScanner(1) if plan.mode == "required" else None
+        self.streamed: list[str | None] = []  # names of the calls already announced, by index
+        self.ids: list[str] = []  # their ids
 
     def feed(self, delta: str) -> str:
         self.text += delta
@@ -202,12 +203,41 @@ class ToolStream:
             return out
         begin = parser.begins_calls(self.text)
         if begin is not None:
-            self.holding = True
+            self.holding, self.calls_from = True, begin
+            self.scanner = CallScanner(parser.depth)
             out, self.sent = self.text[self.sent:begin], max(self.sent, begin)
             return out
         end = max(len(self.text) - parser.holdback(self.text), self.sent)
         out, self.sent = self.text[self.sent:end], end
         return out
+
+    def feed_calls(self, delta: str) -> tuple[str, list[CallDelta]]:
+        """(content, call deltas) of one piece of text, for streaming calls as they form."""
+        already = self.calls_from
+        seen = len(self.text)
+        content = self.feed(delta)
+        if self.plan.mode == "named":
+            first = not self.streamed
+            if first:
+                self.streamed.append(self.plan.name)
+                self.ids.append(_new_id())
+            return "", [CallDelta(0, self.plan.name if first else None, delta)] if first or delta else []
+        if self.scanner is None:
+            return content, []
+        # The part of the text the scanner has not seen: from where the calls begin, or from this delta.
+        start = self.calls_from if already is None else seen
+        deltas = [d for d in self.scanner.feed(self.text[start:]) if self.plan.parallel or d.index == 0]
+        for d in deltas:
+            if d.name is not None:
+                self.streamed.append(d.name)
+                self.ids.append(_new_id())
+        return content, deltas
+
+    def finish_calls(self) -> str:
+        """Content still owed once the choice is over, when `feed_calls` streamed the calls."""
+        if self.streamed:
+            return ""
+        return self.text[self.sent:]  # held text that never became a call is content after all
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """(content not yet sent, calls) once the choice is over."""
@@ -216,3 +246,7 @@ class ToolStream:
             rest = (content or "")[self.sent:] if content and len(content) > self.sent else ""
             return rest, calls
         return self.text[self.sent:], []
+
+
+def _new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
