@@ -54,7 +54,7 @@ def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, promp
 def _figures(c1: dict, c832: dict) -> dict:
     out = {}
     for report in (c1, c832):
-        for lv in report["levels"]:
+        for lv in report["runs"]:
             s = lv["summary"]
             out[f"c{lv['max_concurrency']}"] = {"output_tok_s": round(s["output_throughput"], 2),
                                                 "ttft_p50_ms": round(s["ttft_ms"]["median"], 1),
