@@ -78,7 +78,7 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
 
 async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prepared:
     model = check_model(ctx, body.model)
-    tools = plan_tools(body, getattr(ctx.tokenizer, "chat_template", None))
+    tools = plan_tools(body, getattr(ctx.tokenizer, "chat_template", None), ctx.config.tool_call_parser)
     ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
                                           add_generation_prompt=body.add_generation_prompt,
                                           tools_json=tools.tools_json if tools is not None else None))
