@@ -90,11 +90,12 @@ async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prep
                                           template_kwargs_json=kwargs))
     # Where the prompt ends tells whether the template opened a <think> block the output starts inside.
     reasoning = plan_reasoning(template, ctx.tokenizer.decode(ids[-8:]), ctx.config.reasoning_parser)
-    constrained = (tools is not None and tools.mode in ("named", "required")) or body.structured_outputs or (
+    constrained = (tools is not None and tools.mode in ("named", "required")) or (
         body.response_format is not None and body.response_format.type != "text")
     if constrained:
-        # A constraint applies from the first token, so a constrained answer has no reasoning to split off
-        # (starting constraints where reasoning ends, as vLLM does, is not done yet).
+        # Forced calls and JSON answers are constrained from the first token, so they hold no reasoning to split
+        # off (starting the constraint where reasoning ends, as vLLM does, is not done yet). A raw
+        # structured_outputs pattern covers the whole text, reasoning included, and is split as usual.
         reasoning = None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
