@@ -163,6 +163,8 @@ class ResponsesFormatter(Formatter):
         self._seq = 0
         self._text = ""  # text sent as output_text so far
         self._opened = False  # the message item has been announced
+        self._closed = False  # ... and completed
+        self._calls: list[ParsedCall] = []  # the calls streamed so far, arguments as far as generated
 
     # ---- the Response object
 
@@ -204,6 +206,8 @@ class ResponsesFormatter(Formatter):
     def final(self, u: Usage) -> dict[str, Any]:
         a = self._acc[0]
         content, calls = self._split(a.text)
+        if self._calls:  # streamed: the items the client saw, same ids and the arguments as generated
+            content, calls = (self._text or None), self._calls
         output = ([self._message_item(content, "completed")] if content or not calls else [])
         output += [self._call_item(c) for c in calls]
         status = "incomplete" if a.finish_reason == "length" else "completed"
@@ -231,38 +235,53 @@ class ResponsesFormatter(Formatter):
                 self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": []})]
 
+    def _close_message(self) -> list[dict[str, Any]]:
+        if not self._opened or self._closed:
+            return []
+        self._closed = True
+        return [
+            self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
+                        text=self._text),
+            self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                        part={"type": "output_text", "text": self._text, "annotations": []}),
+            self._event("response.output_item.done", output_index=0, item=self._message_item(self._text, "completed")),
+        ]
+
     def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
+        # Function calls stream as they form, as in chat (call_scanner.py): an in-progress function_call item once
+        # the name is known, then argument delta events; each item is completed when the response ends.
         self.add(d)
-        text = self._stream.feed(d.text) if self._stream else d.text
-        calls: list[ParsedCall] = []
-        if d.finish_reason and self._stream:
-            rest, calls = self._stream.finish()
-            text += rest
+        calls: list = []
+        if self._stream is not None:
+            text, calls = self._stream.feed_calls(d.text)
+            if d.finish_reason:
+                text += self._stream.finish_calls()
+        else:
+            text = d.text
         events = []
-        if text:
+        if text and not self._calls:
             events += self._open_message()
             self._text += text
             events.append(self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
                                       content_index=0, delta=text))
+        for c in calls:
+            if c.name is not None:
+                events += self._close_message()  # a message before the calls is over when the first call begins
+                call = ParsedCall(c.name, "", id=self._stream.ids[c.index])
+                self._calls.append(call)
+                k = len(self._calls) - 1 + (1 if self._opened else 0)
+                events.append(self._event("response.output_item.added", output_index=k,
+                                          item={**self._call_item(call), "status": "in_progress"}))
+            call = self._calls[c.index]
+            if c.arguments:
+                self._calls[c.index] = ParsedCall(call.name, call.arguments + c.arguments, id=call.id)
+                events.append(self._event("response.function_call_arguments.delta", item_id=self._call_item(call)["id"],
+                                          output_index=c.index + (1 if self._opened else 0), delta=c.arguments))
         if d.finish_reason:
-            index = 0
-            if self._opened:
-                events += [
-                    self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
-                                text=self._text),
-                    self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
-                                part={"type": "output_text", "text": self._text, "annotations": []}),
-                    self._event("response.output_item.done", output_index=0,
-                                item=self._message_item(self._text, "completed")),
-                ]
-                index = 1
-            for k, c in enumerate(calls, start=index):
+            events += self._close_message()
+            for k, c in enumerate(self._calls, start=1 if self._opened else 0):
                 item = self._call_item(c)
                 events += [
-                    self._event("response.output_item.added", output_index=k, item={**item, "arguments": "",
-                                                                                     "status": "in_progress"}),
-                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
-                                delta=c.arguments),
                     self._event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
                                 arguments=c.arguments),
                     self._event("response.output_item.done", output_index=k, item=item),
