@@ -124,3 +124,19 @@ def test_the_plan_follows_the_template_and_the_flag() -> None:
     assert plan_reasoning(THINKING, "<think>\n\n</think>\n\n", None) == ReasoningPlan(starts_inside=False)
     assert plan_reasoning(None, "x", "deepseek_r1") == ReasoningPlan(starts_inside=False)
     json.dumps(CASES)
+
+
+def test_responses_carry_a_reasoning_item(client) -> None:  # noqa: ANN001
+    # The template opened the block and the random model never closes it within 8 tokens: all reasoning.
+    chat_r = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, temperature=0)
+    thought = chat_r.choices[0].message.reasoning_content
+    assert thought and not chat_r.choices[0].message.content
+    r = client.responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=8, temperature=0)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == thought
+    assert r.usage.output_tokens_details.reasoning_tokens == 8
+    events = list(client.responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=8, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.output_item.added") < kinds.index("response.reasoning_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert events[-1].response.output[0].type == "reasoning"

@@ -76,16 +76,17 @@ class Formatter:
             return u
         return u.model_copy(update={"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}})
 
-    def add(self, d: Delta) -> None:
+    def add(self, d: Delta) -> tuple[str, str]:
+        """Accumulate a delta; its (reasoning, answer) text (the whole text is split again at the end)."""
         a = self._acc[d.index]
         a.text += d.text
-        if self.reasoning is not None:
-            self.split_reasoning(d)  # for the reasoning-token count; the text is split whole at the end
+        split = self.split_reasoning(d)
         a.logprobs.extend(d.logprobs)
         if d.prompt_logprobs is not None:
             a.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason:
             a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
+        return split
 
     def token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)
