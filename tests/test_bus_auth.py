@@ -129,7 +129,7 @@ def test_compose_auth_config_is_generated_from_the_roles_and_loads_in_nats_serve
             errors: list[str] = []
             nc = await _as(srv, "tokenizer", errors)
             await nc.subscribe("$SRV.PING")  # quoted "$SRV.>" stays a subject, not a variable
-            await nc.subscribe(subjects.TOKENIZER_ENCODE)
+            await nc.subscribe(subjects.TOKENIZER_ENCODE, queue=subjects.QUEUE_TOKENIZER)
             await nc.subscribe(subjects.DECODE_LOAD_ALL)  # not the tokenizer's
             await nc.flush()
             await asyncio.sleep(0.2)

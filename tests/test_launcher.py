@@ -391,7 +391,7 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
             model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True)
             if c.choices)
         assert streamed
-        assert "per-role users and subject permissions, TLS" in "\n".join(out.lines)
+        assert "one user per process, subject permissions, TLS" in "\n".join(out.lines)
         assert (tmp_path / "kvstore").is_dir(), "the kvstore runs with its disk tier"
         assert not any("Violation" in line for line in out.lines), [l for l in out.lines if "Violation" in l]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shared.bus.natsd import free_port, nats_server_binary
 from shared.bus.limits import SERVER_MAX_PENDING
-from shared.bus.roles import ROLES, permissions
+from shared.bus.roles import ROLES, Identity, identity_permissions
 from shared.launcher.nats_tls import TlsFiles, make_tls
 from shared.launcher.spec import ProcessSpec
 
@@ -19,8 +19,13 @@ NAME = "nats"
 
 
 def role_passwords() -> dict[str, str]:
-    """A fresh password per service role, for one mesh's lifetime."""
+    """A fresh password per service role (shared role users, as compose has), for one mesh's lifetime."""
     return {role: secrets.token_urlsafe(24) for role in ROLES}
+
+
+def identity_passwords(users: list[str]) -> dict[str, str]:
+    """A fresh password per process (`kvmesh up`: user = instance name, shared/bus/roles.py Identity.of)."""
+    return {user: secrets.token_urlsafe(24) for user in users}
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,9 @@ class LocalNats:
     host: str
     port: int
     http_port: int  # monitoring: /healthz, /varz, /connz
-    # role -> password: the server admits only these users, each with its role's subject permissions
-    # (shared/bus/roles.py). Empty: an open server (--insecure-bus).
+    # user -> password: the server admits only these users, each with its identity's subject permissions
+    # (shared/bus/roles.py: a role name is the role's shared user, `<role>-<n>` one process). Empty: an open
+    # server (--insecure-bus).
     passwords: dict[str, str] = field(default_factory=dict)
     config_dir: Path | None = None  # where the server's config (it holds the passwords) is written
     tls: TlsFiles | None = None  # the server requires TLS; clients verify it with tls.ca
@@ -58,17 +64,19 @@ class LocalNats:
                     tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}")
                 for i, port in enumerate(cluster_ports)]
 
-    def role_env(self, role: str) -> dict[str, str]:
-        """What a service of `role` needs to connect (nothing for an open server without TLS)."""
+    def role_env(self, user: str) -> dict[str, str]:
+        """What the process of identity `user` needs to connect (nothing for an open server without TLS)."""
         env = {"NATS_TLS_CA": str(self.tls.ca)} if self.tls else {}
         if self.passwords:
-            env |= {"NATS_USER": role, "NATS_PASSWORD": self.passwords[role]}
+            env |= {"NATS_USER": user, "NATS_PASSWORD": self.passwords[user],
+                    "NATS_INBOX_PREFIX": Identity.of(user).inbox_prefix}
         return env
 
     def write_config(self) -> Path:
         """nats-server's config (JSON is valid nats-server config), readable by this user only."""
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
-        users = [{"user": role, "password": pw, "permissions": permissions(role)} for role, pw in self.passwords.items()]
+        users = [{"user": user, "password": pw, "permissions": identity_permissions(Identity.of(user))}
+                 for user, pw in self.passwords.items()]
         config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}",
                   "max_pending": SERVER_MAX_PENDING}
         if users:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG
 from shared.launcher.gpus import parse_devices
-from shared.launcher.local_nats import LocalNats, role_passwords
+from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, SERVICES, MeshOptions, mesh_services
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
@@ -151,8 +151,12 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
     nats_url = os.environ.get("NATS_URL")
     cluster: list[LocalNats] = []
+    specs = mesh_services(opts)
+    # One bus identity per process, named as the process (shared/bus/roles.py Identity.of): a leaked
+    # credential speaks only for that process, never for the other workers of its role.
+    instances = [spec.instance_name(i) for spec in specs for i in range(spec.replicas)]
     if not nats_url:
-        cluster = LocalNats.cluster(nats_servers, passwords=role_passwords() if secure_bus else None,
+        cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
                                     config_dir=secrets_dir, tls=nats_tls)
         for server in cluster:
             await supervisor.start(server.process())
@@ -162,7 +166,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
                 await supervisor.stop([s.name for s in cluster], timeout=5)
                 return 1
         first = cluster[0]
-        access = "per-role users and subject permissions" if first.passwords else "open (--insecure-bus)"
+        access = "one user per process, subject permissions" if first.passwords else "open (--insecure-bus)"
         access += ", TLS" if first.tls else ""
         for server in cluster:
             emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url}; {access})")
@@ -170,12 +174,14 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     env["NATS_URL"] = nats_url
 
     def service_env(service: str) -> dict[str, str]:
-        extra = cluster[0].role_env(service) if cluster else {}
+        extra = {}
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
         return {**env, **extra}
 
-    services = [p for spec in mesh_services(opts) for p in spec.processes(sys.executable, service_env(spec.service))]
+    services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service))]
+    if cluster:
+        services = [replace(p, env={**p.env, **cluster[0].role_env(p.name)}) for p in services]
     if len(cluster) > 1:  # spread the services: each starts at the next server and fails over along the list
         services = [replace(p, env={**p.env, "NATS_URL": _rotate(nats_url, i), "NATS_NO_RANDOMIZE": "1"})
                     for i, p in enumerate(services)]
