@@ -108,8 +108,10 @@ class Choice:
     async def _send(self, subject: str) -> TokenChunk:
         self._reconnects = self.ctx.nc.stats["reconnects"]
         with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
+            # Routed to one worker: only its chunks count (shared/bus/sender.py).
+            sender = None if subject == subjects.DECODE_GENERATE else subjects.worker_from_subject(subject)
             stream = await bus.request_stream(self.ctx.nc, subject, self._req, timeout=self.ctx.config.stream_idle_timeout_s,
-                                              expect=TokenChunk)
+                                              expect=TokenChunk, sender=sender)
         self.sent = True
         self._stream = stream
         try:

@@ -35,6 +35,7 @@ from nats.aio.msg import Msg
 from shared.bus import headers as H
 from shared.bus.errors import BusError, BusTimeout, ChunkError, NoRespondersError, RemoteError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
+from shared.bus.sender import sender_of
 
 _SPEC = re.compile(r"(\d{1,9})/(\d{1,9})")
 _SIZE = re.compile(r"\d{1,12}")
@@ -66,6 +67,9 @@ def frames(max_payload: int, data: bytes, headers: dict[str, str]) -> list[tuple
 
 async def send_direct(nc: Client, subject: str, data: bytes, headers: dict[str, str], reply: str = "") -> None:
     """Publishes to a single-consumer subject (inbox, fan-out), chunked if needed."""
+    sender = sender_of(nc)
+    if sender:
+        headers = {**headers, H.FROM: sender}
     for payload, hdrs in frames(nc.max_payload, data, headers):
         await nc.publish(subject, payload, reply=reply, headers=hdrs or None)
 
