@@ -245,3 +245,68 @@ def test_a_decode_credential_cannot_flood_events_for_other_ids(mesh: LockedMesh)
     errors = asyncio.run(attack())
     assert any("kvmesh.decode.events.made-up" in v for v in _violations(errors)), errors
     assert mesh.complete("still serving", 2).status_code == 200
+
+
+# ------------------------------------------------------------------------------- cluster routes (item 1)
+
+
+@pytest.fixture(scope="module")
+def cluster_mesh(tmp_path_factory) -> Iterator[tuple[LockedMesh, Path]]:  # noqa: ANN001
+    from shared.models.demo import build_demo_model
+
+    tmp = tmp_path_factory.mktemp("routes")
+    model = build_demo_model(tmp / "demo")
+    secrets_root = tmp / "tmp"
+    secrets_root.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "up", "--model", str(model), "--port", str(free_port()), "--grace", "5",
+         "--startup-timeout", "120", "--prefill", "0", "--kvstore", "0", "--served-model-name", "demo",
+         "--nats-servers", "3"],
+        cwd=ROOT, env=_env(TMPDIR=str(secrets_root)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = Lines(proc.stdout)
+        base = out.wait_for(rf"{READY} (http://\S+)/v1", timeout=150)[1]
+        m = out.wait_for(r"nats-0 at (\S+) \(monitoring (\S+);", timeout=5)
+        (conf,) = secrets_root.glob("kvmesh-up-*/nats-0.json")
+        users = {u["user"]: u["password"] for u in json.loads(conf.read_text())["authorization"]["users"]}
+        yield LockedMesh(base, m[1], m[2], users, out), conf
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_passwordless_server_cannot_route_into_the_cluster(cluster_mesh, tmp_path) -> None:  # noqa: ANN001
+    """A local process finds a route port (listening ports are visible to every user), starts its own open
+    nats-server routed to it, and with no credentials at all listens on the tokenizer subject there."""
+    from shared.bus.natsd import NatsServer
+
+    mesh, conf = cluster_mesh
+    route_port = json.loads(conf.read_text())["cluster"]["port"]
+    rogue = NatsServer(workdir=tmp_path, cluster_port=free_port(), routes=(f"nats-route://127.0.0.1:{route_port}",))
+    with rogue:
+        async def attack() -> tuple[int, int]:
+            nc = await nats.connect(rogue.url)  # the rogue server is open: no credentials
+            seen: list[bytes] = []
+
+            async def record(msg) -> None:  # noqa: ANN001
+                seen.append(msg.data)
+            await nc.subscribe(subjects.TOKENIZER_ENCODE, cb=record)
+            await nc.subscribe("kvmesh.>", cb=record)
+            await nc.flush()
+            await asyncio.sleep(2.0)  # routes connect within a second
+            for i in range(3):
+                r = await asyncio.to_thread(mesh.complete, f"routed secret {i}", 2)
+                assert r.status_code == 200, r.text
+            await asyncio.sleep(0.3)
+            await nc.close()
+            routes = httpx.get(f"http://127.0.0.1:{rogue.http_port}/routez", timeout=5).json()["num_routes"]
+            return len(seen), routes
+
+        seen, routes = asyncio.run(attack())
+    assert (seen, routes) == (0, 0), f"the rogue server got {routes} routes and read {seen} messages"
+    # The monitoring pages listen on the loopback only.
+    assert re.match(r"http://127\.0\.0\.1:\d+$", mesh.monitor_url)

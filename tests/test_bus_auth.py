@@ -195,3 +195,19 @@ def test_the_mesh_servers_buffer_enough_for_a_busy_kvstore(tmp_path, locked) -> 
         proc.terminate()
         proc.wait(5)
     assert f"max_pending: {SERVER_MAX_PENDING}" in server_auth_config()
+
+
+def test_cluster_routes_have_their_own_credential_and_tls(tmp_path) -> None:  # noqa: ANN001
+    """Issue 20 item 1: each route authenticates with a generated route password (no service holds it), and
+    with --nats-tls the routes use TLS too; the route password never shows in a repr or in argv."""
+    import json
+
+    servers = LocalNats.cluster(3, passwords=role_passwords(), config_dir=tmp_path, tls=True)
+    for srv in servers:
+        cluster = json.loads(srv.write_config().read_text())["cluster"]
+        auth = cluster["authorization"]
+        assert auth["user"] == "route" and len(auth["password"]) >= 24 and auth["password"] not in srv.passwords.values()
+        assert all(r.startswith(f"nats-route://route:{auth['password']}@127.0.0.1:") for r in cluster["routes"])
+        assert set(cluster["tls"]) == {"cert_file", "key_file", "ca_file"}
+        assert cluster["host"] == "127.0.0.1"
+        assert auth["password"] not in repr(srv) and auth["password"] not in " ".join(srv.process().argv)

@@ -16,6 +16,7 @@ from shared.launcher.nats_tls import TlsFiles, make_tls
 from shared.launcher.spec import ProcessSpec
 
 NAME = "nats"
+ROUTE_USER = "route"  # the cluster's route credential (not a client user: clients cannot log in with it)
 
 
 def role_passwords() -> dict[str, str]:
@@ -40,10 +41,14 @@ class LocalNats:
     config_dir: Path | None = None  # where the server's config (it holds the passwords) is written
     tls: TlsFiles | None = None  # the server requires TLS; clients verify it with tls.ca
     # In a cluster (`kvmesh up --nats-servers N`): the port peers route to, the peers' route URLs, and
-    # this server's process name. Routes stay on the loopback without TLS: only clients cross hosts.
+    # this server's process name. Routes listen on the mesh's (loopback) address, and every route must
+    # authenticate with the cluster's own generated password, which no service holds: a local process that
+    # finds a route port cannot join its own server to the cluster and bypass the users. With TLS the
+    # routes use it too.
     cluster_port: int = 0
     routes: tuple[str, ...] = ()
     name: str = NAME
+    route_password: str = field(default="", repr=False)
 
     @classmethod
     def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
@@ -60,8 +65,10 @@ class LocalNats:
         if size == 1:
             return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files)]
         cluster_ports = [free_port(host) for _ in range(size)]
+        route_password = secrets.token_urlsafe(24)
         return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files, port,
-                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}")
+                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}",
+                    route_password)
                 for i, port in enumerate(cluster_ports)]
 
     def role_env(self, user: str) -> dict[str, str]:
@@ -85,12 +92,23 @@ class LocalNats:
             config["tls"] = {"cert_file": str(self.tls.cert), "key_file": str(self.tls.key)}
         if self.cluster_port:
             config["cluster"] = {"name": "kvmesh", "host": self.host, "port": self.cluster_port,
-                                 "routes": list(self.routes)}
+                                 "routes": [self._route_url(r) for r in self.routes]}
+            if self.route_password:
+                config["cluster"]["authorization"] = {"user": ROUTE_USER, "password": self.route_password}
+            if self.tls:
+                config["cluster"]["tls"] = {"cert_file": str(self.tls.cert), "key_file": str(self.tls.key),
+                                            "ca_file": str(self.tls.ca)}
         path = self.config_dir / f"{self.name}.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
         return path
+
+    def _route_url(self, route: str) -> str:
+        if not self.route_password:
+            return route
+        scheme, rest = route.split("://", 1)
+        return f"{scheme}://{ROUTE_USER}:{self.route_password}@{rest}"
 
     @property
     def url(self) -> str:
