@@ -247,6 +247,24 @@ def test_a_decode_credential_cannot_flood_events_for_other_ids(mesh: LockedMesh)
     assert mesh.complete("still serving", 2).status_code == 200
 
 
+def test_the_salt_goes_only_to_engine_workers_and_no_secret_is_in_argv(mesh: LockedMesh) -> None:
+    """Issue 20 item 6 and the secrets rule, read from the running processes as any process of this user can."""
+    pids = {m[1]: int(m[2]) for line in mesh.out.lines if (m := re.search(r"^\[kvmesh\] started (\S+) \(pid (\d+)\)", line))}
+    assert {"nats", "tokenizer-0", "decode-0", "decode-1", "gateway-0"} <= set(pids)
+    salt = None
+    for name, pid in pids.items():
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        assert ("KVMESH_CACHE_SALT" in env) == name.startswith(("decode", "prefill")), name
+        salt = env.get("KVMESH_CACHE_SALT", salt)
+        if name != "nats":  # each process holds its own password only
+            assert env["NATS_USER"] == name and env["NATS_PASSWORD"] == mesh.users[name]
+        argv = Path(f"/proc/{pid}/cmdline").read_text()
+        assert not any(pw in argv for pw in mesh.users.values()) and (salt is None or salt not in argv), name
+    assert salt
+    log = "\n".join(mesh.out.lines)
+    assert salt not in log and not any(pw in log for pw in mesh.users.values())
+
+
 # ------------------------------------------------------------------------------- cluster routes (item 1)
 
 

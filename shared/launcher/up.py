@@ -14,7 +14,6 @@ import secrets
 import signal
 import socket
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from shared.engine.errors import EXIT_CONFIG
 from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.readiness import wait_healthy
-from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, SERVICES, MeshOptions, mesh_services
+from shared.launcher.secrets_dir import secrets_dir
+from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, SERVICES, MeshOptions, mesh_services
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
 from shared.service_runner import DEFAULT_GRACE_S
 
@@ -120,8 +120,8 @@ def missing_services() -> list[str]:
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
              secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
              nats_servers: int = 1) -> int:
-    with tempfile.TemporaryDirectory(prefix="kvmesh-up-") as secrets_dir:
-        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir), kvstore_disk_dir, nats_tls,
+    with secrets_dir() as secrets:
+        return await _up(opts, grace, startup_timeout, emit, secure_bus, secrets, kvstore_disk_dir, nats_tls,
                          nats_servers)
 
 
@@ -146,7 +146,10 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
 
     supervisor = Supervisor(emit, on_config_failure=on_config_failure)
     # The mesh's secret: folded into every block hash, so blocks cannot be planted for a predicted prompt.
-    env: dict[str, str] = {"KVMESH_CACHE_SALT": secrets.token_hex(16)}
+    # Only the engine workers hash blocks; the kvstore keeps them by hash and the gateway routes with the
+    # hash root the workers' beats carry, so no other service gets it.
+    cache_salt = secrets.token_hex(16)
+    env: dict[str, str] = {}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
     nats_url = os.environ.get("NATS_URL")
@@ -174,7 +177,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     env["NATS_URL"] = nats_url
 
     def service_env(service: str) -> dict[str, str]:
-        extra = {}
+        extra = {"KVMESH_CACHE_SALT": cache_salt} if service in ENGINE_SERVICES else {}
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
         return {**env, **extra}
