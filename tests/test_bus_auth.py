@@ -119,7 +119,13 @@ def test_compose_auth_config_is_generated_from_the_roles_and_loads_in_nats_serve
     port = free_port()
     passwords = {role: f"pw-{role}" for role in ROLES}
     env = {**os.environ, **{password_variable(r): p for r, p in passwords.items()}}
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(conf), "--addr", "127.0.0.1", "--port", str(port)],
+    env |= {"KVMESH_NATS_ROUTE_PASSWORD": "pw-route", "KVMESH_NATS_ROUTE_SEED": "nats-route://route:pw-route@127.0.0.1:1"}
+    # compose's fixed cluster and monitoring ports moved to free ones (in the file: a --cluster flag would
+    # replace the cluster block, its route authorization too)
+    local = tmp_path / "nats-auth.conf"
+    local.write_text(conf.read_text().replace('"0.0.0.0:6222"', f'"127.0.0.1:{free_port()}"')
+                     .replace('"127.0.0.1:8222"', f'"127.0.0.1:{free_port()}"'))
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(local), "--addr", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         srv = LocalNats("127.0.0.1", port, 0, passwords)
@@ -211,3 +217,26 @@ def test_cluster_routes_have_their_own_credential_and_tls(tmp_path) -> None:  # 
         assert set(cluster["tls"]) == {"cert_file", "key_file", "ca_file"}
         assert cluster["host"] == "127.0.0.1"
         assert auth["password"] not in repr(srv) and auth["password"] not in " ".join(srv.process().argv)
+
+
+def test_the_container_health_check_works_as_the_role_without_monitoring(server, monkeypatch) -> None:  # noqa: ANN001
+    """Compose's health check of a NATS-only service asks its service's INFO as the container's role user."""
+    from shared.launcher.healthcheck import answers_from_here
+    from shared.protocol.tokenizer import EncodeRequest
+
+    for k, v in server.role_env("tokenizer").items():
+        monkeypatch.setenv(k, v)
+
+    async def go() -> tuple[bool, bool]:
+        nc = await bus.connect(server.url)
+
+        async def encode(req, ctx):  # noqa: ANN001, ANN202
+            return None
+        micro = await bus.add_micro_service(nc, subjects.SERVICE_TOKENIZER, "0.0.1", [
+            bus.Endpoint("encode", subjects.TOKENIZER_ENCODE, subjects.QUEUE_TOKENIZER, encode, EncodeRequest)])
+        try:
+            return await answers_from_here("tokenizer", 2.0, server.url), await answers_from_here("decode", 0.5, server.url)
+        finally:
+            await micro.stop()
+            await nc.close()
+    assert asyncio.run(go()) == (True, False)

@@ -93,6 +93,8 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
         "kvstore": [_queued(subject, s.QUEUE_KVSTORE) for subject in _kvstore()],
     }[role]
     subscribe.append(SERVICE_DISCOVERY)  # every service (the gateway too) answers nats.micro's PING/INFO/STATS
+    if role != "gateway":  # a container's health check asks its own service's INFO (shared/launcher/healthcheck.py)
+        publish = [*publish, f"$SRV.INFO.kvmesh-{role}"]
     return {"publish": {"allow": publish}, "subscribe": {"allow": [*subscribe, own_inbox]},
             "allow_responses": dict(RESPONSES)}
 
@@ -106,9 +108,17 @@ def password_variable(role: str) -> str:
     return f"KVMESH_NATS_{role.upper()}_PASSWORD"
 
 
+ROUTE_PASSWORD_VARIABLE = "KVMESH_NATS_ROUTE_PASSWORD"
+ROUTE_SEED_VARIABLE = "KVMESH_NATS_ROUTE_SEED"  # nats-route://route:<route password>@nats:6222
+
+
 def server_auth_config() -> str:
-    """nats-server configuration text for the role users, passwords taken from the server's environment
-    (nats-server resolves `$NAME`): compose/nats-auth.conf is this text, and a test keeps it so."""
+    """nats-server configuration text for compose (compose/nats-auth.conf is this text, and a test keeps it
+    so): the role users, passwords taken from the server's environment (nats-server resolves `$NAME`); the
+    cluster listener, which admits only routes that hold the route password (a whole-value variable holds
+    the seed's route URL with it, as nats-server does not expand variables inside strings; the seed's
+    route to itself is dropped by nats-server); monitoring on the container's loopback only, for its own
+    health check: it lists every connection and subscription."""
     import json
 
     users = []
@@ -117,4 +127,8 @@ def server_auth_config() -> str:
         users.append(f'    {{user: "{role}", password: ${password_variable(role)}, permissions: {perms}}}')
     return ("# Generated from shared/bus/roles.py (tests/test_bus_auth.py checks it): one user per kvmesh role.\n"
             f"max_pending: {SERVER_MAX_PENDING}  # shared/bus/limits.py says why\n"
+            'http: "127.0.0.1:8222"  # monitoring: inside the container only\n'
+            "cluster {\n  name: kvmesh\n  listen: \"0.0.0.0:6222\"  # the compose network (no host port)\n"
+            f"  authorization {{ user: route, password: ${ROUTE_PASSWORD_VARIABLE} }}\n"
+            f"  routes: [${ROUTE_SEED_VARIABLE}]\n}}\n"
             "authorization {\n  users = [\n" + ",\n".join(users) + "\n  ]\n}\n")
