@@ -240,3 +240,61 @@ def test_the_container_health_check_works_as_the_role_without_monitoring(server,
             await micro.stop()
             await nc.close()
     assert asyncio.run(go()) == (True, False)
+
+
+def test_oversized_requests_and_long_streams_pass_with_response_permissions_only(tmp_path) -> None:  # noqa: ANN001
+    """With replies allowed only by `allow_responses` (no publish on `_INBOX.>`), the upload handshake (a
+    request over max_payload, both directions being replies) and a long token stream still work, between
+    two per-process identities; a third identity cannot write into the stream."""
+    import subprocess
+
+    from shared.launcher.local_nats import identity_passwords
+    from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+
+    srv = LocalNats.on_free_ports(passwords=identity_passwords(["gateway-0", "decode-0", "decode-1"]), config_dir=tmp_path)
+    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert asyncio.run(srv.wait_ready(15))
+
+        async def go() -> tuple[int, list[int], list[str]]:
+            async def as_user(user: str, errors: list[str]):  # noqa: ANN202
+                async def on_error(e: Exception) -> None:
+                    errors.append(str(e))
+                env = srv.role_env(user)
+                return await bus.connect(srv.url, user=user, password=env["NATS_PASSWORD"],
+                                         inbox_prefix=env["NATS_INBOX_PREFIX"], error_cb=on_error)
+            errors: list[str] = []
+            gateway, worker, other = [await as_user(u, errors) for u in ("gateway-0", "decode-0", "decode-1")]
+            bus.set_sender(worker, "decode-0")
+            prompts: list[int] = []
+
+            async def generate(req: GenerateRequest, ctx: bus.RequestContext):  # noqa: ANN202
+                prompts.append(len(req.prompt_token_ids))
+                await other.publish(ctx.reply, b"forged")  # decode-1 learned the reply subject: refused
+                for i in range(3000):
+                    yield TokenChunk(request_id=req.request_id, seq=i, token_ids=[i % 100],
+                                     finish_reason="length" if i == 2999 else None)
+            await bus.serve(worker, subjects.decode_generate("decode-0"), "kvmesh.decode.decode-0", generate,
+                            GenerateRequest)
+            await worker.flush()
+            big = list(range(400_000))  # ~1.2 MB of msgpack: over the 1 MiB max_payload, so an upload
+            req = GenerateRequest(request_id="r", prompt_token_ids=big, sampling=Sampling())
+            tokens = []
+            async with await bus.request_stream(gateway, subjects.decode_generate("decode-0"), req, timeout=10,
+                                                expect=TokenChunk, sender="decode-0") as stream:
+                async for c in stream:
+                    tokens += c.token_ids
+                    if c.finished:
+                        break
+            await asyncio.sleep(0.2)
+            for nc in (gateway, worker, other):
+                await nc.close()
+            return prompts[0], tokens, errors
+
+        n, tokens, errors = asyncio.run(go())
+        assert n == 400_000 and len(tokens) == 3000
+        violations = [e for e in errors if "violation" in e.lower()]
+        assert len(violations) == 1 and "_inbox.gateway-0" in violations[0].lower(), errors
+    finally:
+        proc.terminate()
+        proc.wait(5)
