@@ -22,7 +22,8 @@ from tests.gateway_harness import Mesh
 def soak(tmp_path, num_requests: int, concurrency: int) -> dict:  # noqa: ANN001
     model_dir = build_checkpoint("llama", tmp_path / "llama", max_position_embeddings=1024).path
     (tmp_path / "nats").mkdir()
-    mesh = Mesh(tmp_path / "nats", model_dir, worker_expiry_s=1.0)
+    # The bus locked down as `kvmesh up` makes it: one identity per service, response permissions only.
+    mesh = Mesh(tmp_path / "nats", model_dir, worker_expiry_s=1.0, locked_workers=("d0", "d1"))
     try:
         mesh.start_tokenizer()
         mesh.start_kvstore()
