@@ -41,12 +41,11 @@ class Mesh:
         """nats_servers > 1: a NATS cluster; each connection (gateway, then services in start order)
         gets the next server as its home and the others for failover. locked_workers: a locked-down bus
         as `kvmesh up` makes it (shared/bus/roles.py), one identity per service, the decode workers with
-        these ids (one server only)."""
+        these ids."""
         self.model_dir = model_dir
         self.identities: dict[str, tuple[Identity, str]] = {}  # user -> (identity, password)
         authorization = None
         if locked_workers is not None:
-            assert nats_servers == 1, "a locked-down harness runs one nats-server"
             ids = [Identity("harness", "gateway"), Identity("gateway-0", "gateway"), Identity("tokenizer-0", "tokenizer"),
                    Identity("kvstore-0", "kvstore"), *(Identity(f"prefill-{i}", "prefill") for i in range(4)),
                    *(Identity(f"decode-{w}", "decode", w) for w in locked_workers)]
@@ -54,7 +53,8 @@ class Mesh:
             authorization = {"users": [{"user": i.user, "password": pw, "permissions": identity_permissions(i)}
                                        for i, pw in self.identities.values()]}
         self._free = {"prefill": [f"prefill-{i}" for i in range(4)]}
-        self.cluster = NatsCluster(nats_servers, workdir=workdir).start() if nats_servers > 1 else None
+        self.cluster = (NatsCluster(nats_servers, workdir=workdir, authorization=authorization).start()
+                        if nats_servers > 1 else None)
         self.nats = self.cluster.servers[0] if self.cluster else NatsServer(workdir=workdir, authorization=authorization).start()
         self.homes: dict[int, int] = {}  # id(connection) -> its home server's index in the cluster
         self._loop = asyncio.new_event_loop()
@@ -83,14 +83,15 @@ class Mesh:
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
 
     async def _connect(self, user: str = "harness") -> Client:
+        auth = {}
         if self.identities:
             identity, password = self.identities[user]
-            nc = await bus.connect(self.nats.url, user=user, password=password, inbox_prefix=identity.inbox_prefix)
-        elif self.cluster is None:
-            nc = await bus.connect(self.nats.url)
+            auth = {"user": user, "password": password, "inbox_prefix": identity.inbox_prefix}
+        if self.cluster is None:
+            nc = await bus.connect(self.nats.url, **auth)
         else:
             home = len(self.conns) % self.cluster.size
-            nc = await bus.connect(self.cluster.url_from(home), dont_randomize=True)
+            nc = await bus.connect(self.cluster.url_from(home), dont_randomize=True, **auth)
             self.homes[id(nc)] = home
         self.conns.append(nc)
         return nc

@@ -159,6 +159,11 @@ class Router:
         w = self._workers.get(worker_id)
         return w is not None and w.beat is not None and self._clock() - w.seen <= self.config.expiry_s
 
+    def bus_reconnects(self, worker_id: str) -> int | None:
+        """How often the worker's bus connection reconnected, as its last beat says (None: unknown)."""
+        w = self._workers.get(worker_id)
+        return w.beat.bus_reconnects if w is not None and w.beat is not None else None
+
     def max_model_len(self) -> int | None:
         lens = [w.beat.max_model_len for w in self.alive() if w.beat and w.beat.max_model_len > 0]
         return min(lens) if lens else None
