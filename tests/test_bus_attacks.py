@@ -18,7 +18,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +33,6 @@ from shared.protocol.events import BlockStored, LoadBeat
 from shared.protocol.generate import TokenChunk
 from shared.launcher.up import READY
 from tests.test_launcher import ROOT, Lines, _env
-
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-
 
 @dataclass
 class LockedMesh:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from shared.bus.natsd import free_port
 from shared.launcher.secrets_dir import OWNER_FILE, PREFIX, remove_stale, secrets_dir
