@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections import Counter
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -80,9 +82,16 @@ def soak(tmp_path, num_requests: int, concurrency: int) -> dict:  # noqa: ANN001
                 "worst_seconds": max(o.seconds for o in outcomes), "elapsed_s": elapsed,
                 "same_greedy_output": before == after,
                 "migrations": mesh.gateway.ctx.metrics.migrations.labels("tiny")._value.get(),
-                "lost_details": [o.detail for o in outcomes if o.kind == "lost"][:5]}
+                "lost_details": [o.detail for o in outcomes if o.kind == "lost"][:5],
+                "clean_errors": dict(Counter(_code(o.detail) for o in outcomes if o.kind == "clean_error"))}
     finally:
         mesh.close()
+
+
+def _code(detail: object) -> str:
+    """An error's code (or the start of its text): what kinds of clean errors the faults caused."""
+    m = re.search(r"'code': '([a-z_]+)'", str(detail))
+    return m[1] if m else str(detail)[:60]
 
 
 def _check(report: dict) -> None:
