@@ -137,7 +137,7 @@ class MessagesFormatter(Formatter):
 
     def __init__(self, tokenizer, model: str, request_id: str, n: int, logprobs: int | None,  # noqa: ANN001
                  echo: list[str] | None = None, per_prompt: int = 1, tools: ToolPlan | None = None,
-                 prompts: list[list[int]] | None = None, reasoning: bool | None = None) -> None:
+                 prompts: list[list[int]] | None = None) -> None:
         super().__init__(tokenizer, model, request_id, n, logprobs, echo, per_prompt, tools, prompts)
         self.id = f"msg_{uuid.uuid4().hex}"
         self._stream = ToolStream(self.tools) if self.tools else None

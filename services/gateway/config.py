@@ -24,9 +24,6 @@ class GatewayConfig:
     worker_expiry_s: float = 2.0
     # How many times one request may move to another decode worker after its worker died (Dynamo's rule).
     migration_limit: int = 3
-    # Where the answer's <think> block goes (services/gateway/reasoning.py): auto (from the chat template), none,
-    # qwen3, deepseek_r1.
-    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         assert self.max_waiting > 0, "max_waiting must be positive"

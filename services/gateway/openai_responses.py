@@ -154,8 +154,7 @@ class ResponsesFormatter(Formatter):
 
     def __init__(self, tokenizer, model: str, request_id: str, n: int, logprobs: int | None,  # noqa: ANN001
                  echo: list[str] | None = None, per_prompt: int = 1, tools: ToolPlan | None = None,
-                 prompts: list[list[int]] | None = None, request: ResponsesRequest | None = None,
-                 reasoning: bool | None = None) -> None:
+                 prompts: list[list[int]] | None = None, request: ResponsesRequest | None = None) -> None:
         super().__init__(tokenizer, model, request_id, n, logprobs, echo, per_prompt)
         self.request = request
         self.tools = tools if tools is not None and tools.mode != "none" else None

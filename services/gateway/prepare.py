@@ -4,7 +4,6 @@ Everything that can reject a request happens here, before anything is published 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -12,7 +11,6 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from services.gateway.context import GatewayContext
-from services.gateway import reasoning
 from services.gateway.errors import APIError, bad_request, unavailable
 from services.gateway.tools import ToolPlan, plan_tools
 from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
@@ -35,8 +33,6 @@ class Prepared:
     model: str
     echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
     tools: ToolPlan | None = None  # chat with tools: how the answer's tool calls are made and found
-    # chat with a reasoning parser: whether the answer begins inside its <think> block (None: no parser)
-    reasoning_starts_inside: bool | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -82,41 +78,16 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
 
 async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prepared:
     model = check_model(ctx, body.model)
-    template = getattr(ctx.tokenizer, "chat_template", None)
-    tools = plan_tools(body, template)
+    tools = plan_tools(body, getattr(ctx.tokenizer, "chat_template", None))
     ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
                                           add_generation_prompt=body.add_generation_prompt,
-                                          tools_json=tools.tools_json if tools is not None else None,
-                                          template_kwargs_json=_template_kwargs(body)))
+                                          tools_json=tools.tools_json if tools is not None else None))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    prepared = _finish(ctx, body, model, [ids], max_tokens, logprobs, max_tokens_param=param, tools=tools)
-    if reasoning.parser_for(ctx.config.reasoning_parser, template) is not None:
-        # The prompt's own tail says whether the template opened the block (DeepSeek-R1) or closed it empty
-        # (Qwen3 with enable_thinking false).
-        inside = reasoning.starts_inside(ctx.tokenizer.decode(ids[-8:]))
-        prepared = dataclasses.replace(prepared, reasoning_starts_inside=inside)
-    return prepared
-
-
-# Arguments apply_chat_template itself takes: a request may not set them through chat_template_kwargs.
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                                      "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                                      "truncation", "max_length", "return_tensors", "return_dict",
-                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
-
-
-def _template_kwargs(body: ChatCompletionRequest) -> str | None:
-    kwargs = body.chat_template_kwargs
-    if not kwargs:
-        return None
-    clash = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
-    if clash:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
-    return json.dumps(kwargs)
+    return _finish(ctx, body, model, [ids], max_tokens, logprobs, max_tokens_param=param, tools=tools)
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:

@@ -13,7 +13,6 @@ from services.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletio
                                       ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, CompletionChoice,
                                       CompletionLogprobs, CompletionResponse, FunctionCallDelta, FunctionCallOut,
                                       ToolCallDelta, ToolCallOut, TopLogprob, Usage, dump)
-from services.gateway.reasoning import ReasoningStream
 from services.gateway.tools import ParsedCall, ToolPlan, ToolStream
 from shared.protocol.generate import TokenLogprob
 
@@ -41,12 +40,8 @@ class Formatter:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model: str, request_id: str, n: int, logprobs: int | None,
                  echo: list[str] | None = None, per_prompt: int = 1, tools: ToolPlan | None = None,
-                 prompts: list[list[int]] | None = None, reasoning: bool | None = None) -> None:
+                 prompts: list[list[int]] | None = None) -> None:
         self.tok, self.model, self.n, self.logprobs = tokenizer, model, n, logprobs
-        # With a reasoning parser: whether each choice begins inside its <think> block (None: no parser).
-        self.reasoning = reasoning
-        self._reasoning = [ReasoningStream(reasoning) for _ in range(n)] if reasoning is not None else []
-        self._reasoning_tokens = [0] * n
         self.echo, self.per_prompt, self.prompts = echo, per_prompt, prompts
         self._echo_sent = [False] * n
         self.tools = tools if tools is not None and tools.mode != "none" else None
@@ -176,38 +171,19 @@ class ChatFormatter(Formatter):
         # No chunk that carries nothing: a delta whose text a tool stream holds back sends nothing (vLLM).
         body = self.chunk(d, include_usage)
         choice = body["choices"][0]
-        delta = choice["delta"]
-        empty = (not delta.get("content") and not delta.get("tool_calls") and not delta.get("reasoning_content")
+        empty = (not choice["delta"].get("content") and not choice["delta"].get("tool_calls")
                  and not choice.get("finish_reason") and not choice.get("logprobs"))
         return [] if empty else [body]
 
-    def _split(self, d: Delta) -> tuple[str, str]:
-        """(reasoning, answer text) of a delta; the answer is all of it without a reasoning parser."""
-        if self.reasoning is None:
-            return "", d.text
-        rs = self._reasoning[d.index]
-        was_inside = rs.in_reasoning
-        split = rs.feed(d.text)
-        if d.finish_reason:
-            rest = rs.finish()
-            split.reasoning += rest.reasoning
-            split.content += rest.content
-        if was_inside and (split.reasoning or not split.content):
-            self._reasoning_tokens[d.index] += len(d.token_ids)
-        return split.reasoning, split.content
-
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
         finish = d.finish_reason
-        thought, text = self._split(d)
         if self.tools is None:
-            delta = ChatDelta(content=text, reasoning_content=thought or None) if text or not d.finish_reason \
-                else ChatDelta(reasoning_content=thought or None)
+            delta = ChatDelta(content=d.text) if d.text or not d.finish_reason else ChatDelta()
         else:
             # Calls stream as they form: the first delta of each carries index, id, type and name, later ones
             # argument fragments whose concatenation is the final arguments (services/gateway/call_scanner.py).
-            # Tool calls are looked for in the answer only, never in the reasoning.
             stream = self._tool_streams[d.index]
-            content, calls = stream.feed_calls(text)
+            content, calls = stream.feed_calls(d.text)
             if d.finish_reason:
                 content += stream.finish_calls()
                 finish = self._finish_reason(d.finish_reason, stream.streamed)
@@ -216,7 +192,7 @@ class ChatFormatter(Formatter):
                       if c.name is not None else
                       ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments))
                       for c in calls]
-            delta = ChatDelta(content=content or None, tool_calls=deltas or None, reasoning_content=thought or None)
+            delta = ChatDelta(content=content or None, tool_calls=deltas or None)
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=finish)
         body = dump(self._chunk([choice]))
         if not include_usage:
@@ -227,37 +203,21 @@ class ChatFormatter(Formatter):
         # OpenAI: "tool_calls" when the model chose to call; a forced named function ends with "stop".
         return "tool_calls" if calls and self.tools is not None and self.tools.mode != "named" and reason == "stop" else reason
 
-    def _message(self, a: _Acc, index: int) -> tuple[ChatMessageOut, str | None]:
-        thought, text = None, a.text
-        if self.reasoning is not None:
-            rs = self._reasoning[index]
-            if not rs.reasoning and not rs.content and a.text:  # not streamed: split the whole text now
-                self._split(Delta(index, a.text, finish_reason=a.finish_reason))
-                if rs.reasoning:  # the tokens of the block, tags included (streamed, they are counted per delta)
-                    block = rs.reasoning if self.reasoning else "<think>" + rs.reasoning
-                    closed = "</think>" if rs.content or not rs.in_reasoning else ""
-                    self._reasoning_tokens[index] = len(self.tok.encode(block + closed, add_special_tokens=False))
-            thought, text = rs.reasoning or None, rs.content
+    def _message(self, a: _Acc) -> tuple[ChatMessageOut, str | None]:
         if self.tools is None:
-            return ChatMessageOut(content=text, reasoning_content=thought), a.finish_reason
-        content, calls = self.tools.parse(text)
+            return ChatMessageOut(content=a.text), a.finish_reason
+        content, calls = self.tools.parse(a.text)
         out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
         reason = self._finish_reason(a.finish_reason, calls) if a.finish_reason else None
-        return ChatMessageOut(content=content, tool_calls=out, reasoning_content=thought), reason
-
-    def _with_reasoning_tokens(self, u: Usage) -> Usage:
-        if self.reasoning is None:
-            return u
-        return u.model_copy(update={"completion_tokens_details": {"reasoning_tokens": sum(self._reasoning_tokens)}})
+        return ChatMessageOut(content=content, tool_calls=out), reason
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
-        return dump(self._chunk([], self._with_reasoning_tokens(u)))
+        return dump(self._chunk([], u))
 
     def final(self, u: Usage) -> dict[str, Any]:
         choices = []
         for i, a in enumerate(self._acc):
-            message, reason = self._message(a, i)
+            message, reason = self._message(a)
             choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(a.logprobs), finish_reason=reason,
                                       stop_reason=a.stop_reason))
-        return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                           usage=self._with_reasoning_tokens(u)))
+        return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))

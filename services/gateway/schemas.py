@@ -169,8 +169,6 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
-    # vLLM's chat extra: keyword arguments for the chat template (Qwen3's enable_thinking, ...).
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------ responses
@@ -181,7 +179,6 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}
-    completion_tokens_details: dict[str, int] | None = None  # {"reasoning_tokens": n}, with a reasoning parser
 
 
 class CompletionLogprobs(BaseModel):
@@ -236,7 +233,6 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    reasoning_content: str | None = None  # the model's <think> block, with a reasoning parser (vLLM's field)
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -272,7 +268,6 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -176,9 +176,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens when a request gives none, capped by the context left; 0: the whole context")
     parser.add_argument("--stream-idle-timeout", type=float, default=120.0,
                         help="seconds a decode worker may stay silent mid-request")
-    parser.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "qwen3", "deepseek_r1"],
-                        help="return a reasoning model's <think> block as reasoning_content (auto: when the chat "
-                             "template has one)")
 
 
 def build(args: argparse.Namespace) -> GatewayService:
@@ -188,7 +185,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         host=args.host, port=args.port, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
-        migration_limit=args.migration_limit, reasoning_parser=args.reasoning_parser,
+        migration_limit=args.migration_limit,
     ))
 
 

@@ -39,8 +39,6 @@ class EncodeRequest(Message):
     # Function tools for the chat template, as a JSON array of OpenAI tool objects (JSON schemas are
     # arbitrarily nested; as text they cross the wire without a schema of their own).
     tools_json: str | None = None
-    # Extra keyword arguments for the chat template (a JSON object), e.g. {"enable_thinking": false}.
-    template_kwargs_json: str | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> EncodeRequest:
