@@ -95,7 +95,7 @@ class EngineWorker(Service):
                          e.block_manager.root, e.max_model_len, kv_dtype, off.submitted if off else 0,
                          off.dropped if off else 0, self.host_hit_tokens,
                          e.host_tier.stats.bytes if e.host_tier is not None else 0,
-                         self.transport.endpoint or "", self.kv_push)
+                         self.transport.endpoint or "", self.kv_push, self.nc.stats["reconnects"])
 
     async def wait_closed(self) -> None:
         """Ends the service (non-zero exit, so a supervisor restarts it) if the engine thread crashed."""

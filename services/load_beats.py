@@ -77,7 +77,7 @@ class LoadBeats:
 def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens: int, block_size: int,
               hash_root: bytes, max_model_len: int, kv_cache_dtype: str, offloaded: int = 0,
               offload_dropped: int = 0, host_hit_tokens: int = 0, host_bytes: int = 0,
-              kv_endpoint: str = "", kv_push: PushStats | None = None) -> LoadBeat:
+              kv_endpoint: str = "", kv_push: PushStats | None = None, bus_reconnects: int = 0) -> LoadBeat:
     push = kv_push or PushStats()
     hist = stats.iteration_tokens
     return LoadBeat(
@@ -90,4 +90,5 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         iteration_tokens_sum=hist.total if hist else 0, kv_cache_dtype=kv_cache_dtype,
         offloaded_blocks=offloaded, offload_dropped_blocks=offload_dropped, host_tier_hit_tokens=host_hit_tokens,
         kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes, kv_endpoint=kv_endpoint,
-        kv_pushes=push.pushes, kv_push_bytes=push.bytes, kv_push_wait_seconds=push.wait_s)
+        kv_pushes=push.pushes, kv_push_bytes=push.bytes, kv_push_wait_seconds=push.wait_s,
+        bus_reconnects=bus_reconnects)

@@ -5,6 +5,7 @@ Tests talk to the gateway over HTTP from the main thread with the official opena
 from __future__ import annotations
 
 import asyncio
+import secrets
 from contextlib import contextmanager
 import threading
 import time
@@ -24,6 +25,7 @@ from services.tokenizer.service import TokenizerService
 from shared import bus
 from shared.bus.nats_cluster import NatsCluster
 from shared.bus.natsd import NatsServer
+from shared.bus.roles import Identity, identity_permissions
 from shared.models.tokenizer import load_tokenizer
 from tests.mesh_helpers import decode_service, kvstore_service, prefill_service
 
@@ -34,13 +36,26 @@ class Mesh:
     """Owns a background event loop; `call(coro)` runs a coroutine there and returns its result."""
 
     def __init__(self, workdir: Path, model_dir: Path, api_key: str | None = None, nats_servers: int = 1,
-                 served_model_name: str = "tiny",
+                 served_model_name: str = "tiny", locked_workers: tuple[str, ...] | None = None,
                  **gateway: Any) -> None:
         """nats_servers > 1: a NATS cluster; each connection (gateway, then services in start order)
-        gets the next server as its home and the others for failover."""
+        gets the next server as its home and the others for failover. locked_workers: a locked-down bus
+        as `kvmesh up` makes it (shared/bus/roles.py), one identity per service, the decode workers with
+        these ids."""
         self.model_dir = model_dir
-        self.cluster = NatsCluster(nats_servers, workdir=workdir).start() if nats_servers > 1 else None
-        self.nats = self.cluster.servers[0] if self.cluster else NatsServer(workdir=workdir).start()
+        self.identities: dict[str, tuple[Identity, str]] = {}  # user -> (identity, password)
+        authorization = None
+        if locked_workers is not None:
+            ids = [Identity("harness", "gateway"), Identity("gateway-0", "gateway"), Identity("tokenizer-0", "tokenizer"),
+                   Identity("kvstore-0", "kvstore"), *(Identity(f"prefill-{i}", "prefill") for i in range(4)),
+                   *(Identity(f"decode-{w}", "decode", w) for w in locked_workers)]
+            self.identities = {i.user: (i, secrets.token_urlsafe(16)) for i in ids}
+            authorization = {"users": [{"user": i.user, "password": pw, "permissions": identity_permissions(i)}
+                                       for i, pw in self.identities.values()]}
+        self._free = {"prefill": [f"prefill-{i}" for i in range(4)]}
+        self.cluster = (NatsCluster(nats_servers, workdir=workdir, authorization=authorization).start()
+                        if nats_servers > 1 else None)
+        self.nats = self.cluster.servers[0] if self.cluster else NatsServer(workdir=workdir, authorization=authorization).start()
         self.homes: dict[int, int] = {}  # id(connection) -> its home server's index in the cluster
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mesh", daemon=True)
@@ -67,24 +82,28 @@ class Mesh:
         """Start coro on the mesh loop without waiting for it."""
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self._loop)
 
-    async def _connect(self) -> Client:
+    async def _connect(self, user: str = "harness") -> Client:
+        auth = {}
+        if self.identities:
+            identity, password = self.identities[user]
+            auth = {"user": user, "password": password, "inbox_prefix": identity.inbox_prefix}
         if self.cluster is None:
-            nc = await bus.connect(self.nats.url)
+            nc = await bus.connect(self.nats.url, **auth)
         else:
             home = len(self.conns) % self.cluster.size
-            nc = await bus.connect(self.cluster.url_from(home), dont_randomize=True)
+            nc = await bus.connect(self.cluster.url_from(home), dont_randomize=True, **auth)
             self.homes[id(nc)] = home
         self.conns.append(nc)
         return nc
 
     async def _start_gateway(self) -> None:
         self.nc = await self._connect()
-        await self.gateway.start(await self._connect())
+        await self.gateway.start(await self._connect("gateway-0"))
 
     def start_tokenizer(self) -> None:
         async def go() -> None:
             self.tokenizer = TokenizerService(load_tokenizer(self.model_dir))
-            await self.tokenizer.start(await self._connect())
+            await self.tokenizer.start(await self._connect("tokenizer-0"))
         self.call(go())
 
     def start_decoder(self, worker_id: str, num_kv_blocks: int = 96, threshold: int = 1 << 30,
@@ -94,7 +113,7 @@ class Mesh:
             d = decode_service(self.model_dir, worker_id, threshold, kvstore=use_kvstore, num_kv_blocks=num_kv_blocks,
                                transfer_timeout=remote_timeout_s, remote_timeout=remote_timeout_s,
                                beat_interval_s=beat_interval_s)
-            await d.start(await self._connect())
+            await d.start(await self._connect(f"decode-{worker_id}"))
             self.decoders[worker_id] = d
             return d
         return self.call(go(), timeout=60)
@@ -102,7 +121,7 @@ class Mesh:
     def start_prefill(self, num_kv_blocks: int = 96, use_kvstore: bool = False) -> PrefillService:
         async def go() -> PrefillService:
             p = prefill_service(self.model_dir, kvstore=use_kvstore, num_kv_blocks=num_kv_blocks)
-            await p.start(await self._connect())
+            await p.start(await self._connect(self._free["prefill"].pop(0) if self.identities else "harness"))
             self.prefills.append(p)
             return p
         return self.call(go(), timeout=60)
@@ -110,7 +129,7 @@ class Mesh:
     def start_kvstore(self, capacity: int = 64 << 20) -> KVStoreService:
         async def go() -> KVStoreService:
             k = kvstore_service(capacity)
-            await k.start(await self._connect())
+            await k.start(await self._connect("kvstore-0"))
             self.kvstores.append(k)
             return k
         return self.call(go())

@@ -119,7 +119,13 @@ def test_compose_auth_config_is_generated_from_the_roles_and_loads_in_nats_serve
     port = free_port()
     passwords = {role: f"pw-{role}" for role in ROLES}
     env = {**os.environ, **{password_variable(r): p for r, p in passwords.items()}}
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(conf), "--addr", "127.0.0.1", "--port", str(port)],
+    env |= {"KVMESH_NATS_ROUTE_PASSWORD": "pw-route", "KVMESH_NATS_ROUTE_SEED": "nats-route://route:pw-route@127.0.0.1:1"}
+    # compose's fixed cluster and monitoring ports moved to free ones (in the file: a --cluster flag would
+    # replace the cluster block, its route authorization too)
+    local = tmp_path / "nats-auth.conf"
+    local.write_text(conf.read_text().replace('"0.0.0.0:6222"', f'"127.0.0.1:{free_port()}"')
+                     .replace('"127.0.0.1:8222"', f'"127.0.0.1:{free_port()}"'))
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(local), "--addr", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         srv = LocalNats("127.0.0.1", port, 0, passwords)
@@ -129,7 +135,7 @@ def test_compose_auth_config_is_generated_from_the_roles_and_loads_in_nats_serve
             errors: list[str] = []
             nc = await _as(srv, "tokenizer", errors)
             await nc.subscribe("$SRV.PING")  # quoted "$SRV.>" stays a subject, not a variable
-            await nc.subscribe(subjects.TOKENIZER_ENCODE)
+            await nc.subscribe(subjects.TOKENIZER_ENCODE, queue=subjects.QUEUE_TOKENIZER)
             await nc.subscribe(subjects.DECODE_LOAD_ALL)  # not the tokenizer's
             await nc.flush()
             await asyncio.sleep(0.2)
@@ -195,3 +201,100 @@ def test_the_mesh_servers_buffer_enough_for_a_busy_kvstore(tmp_path, locked) -> 
         proc.terminate()
         proc.wait(5)
     assert f"max_pending: {SERVER_MAX_PENDING}" in server_auth_config()
+
+
+def test_cluster_routes_have_their_own_credential_and_tls(tmp_path) -> None:  # noqa: ANN001
+    """Issue 20 item 1: each route authenticates with a generated route password (no service holds it), and
+    with --nats-tls the routes use TLS too; the route password never shows in a repr or in argv."""
+    import json
+
+    servers = LocalNats.cluster(3, passwords=role_passwords(), config_dir=tmp_path, tls=True)
+    for srv in servers:
+        cluster = json.loads(srv.write_config().read_text())["cluster"]
+        auth = cluster["authorization"]
+        assert auth["user"] == "route" and len(auth["password"]) >= 24 and auth["password"] not in srv.passwords.values()
+        assert all(r.startswith(f"nats-route://route:{auth['password']}@127.0.0.1:") for r in cluster["routes"])
+        assert set(cluster["tls"]) == {"cert_file", "key_file", "ca_file"}
+        assert cluster["host"] == "127.0.0.1"
+        assert auth["password"] not in repr(srv) and auth["password"] not in " ".join(srv.process().argv)
+
+
+def test_the_container_health_check_works_as_the_role_without_monitoring(server, monkeypatch) -> None:  # noqa: ANN001
+    """Compose's health check of a NATS-only service asks its service's INFO as the container's role user."""
+    from shared.launcher.healthcheck import answers_from_here
+    from shared.protocol.tokenizer import EncodeRequest
+
+    for k, v in server.role_env("tokenizer").items():
+        monkeypatch.setenv(k, v)
+
+    async def go() -> tuple[bool, bool]:
+        nc = await bus.connect(server.url)
+
+        async def encode(req, ctx):  # noqa: ANN001, ANN202
+            return None
+        micro = await bus.add_micro_service(nc, subjects.SERVICE_TOKENIZER, "0.0.1", [
+            bus.Endpoint("encode", subjects.TOKENIZER_ENCODE, subjects.QUEUE_TOKENIZER, encode, EncodeRequest)])
+        try:
+            return await answers_from_here("tokenizer", 2.0, server.url), await answers_from_here("decode", 0.5, server.url)
+        finally:
+            await micro.stop()
+            await nc.close()
+    assert asyncio.run(go()) == (True, False)
+
+
+def test_oversized_requests_and_long_streams_pass_with_response_permissions_only(tmp_path) -> None:  # noqa: ANN001
+    """With replies allowed only by `allow_responses` (no publish on `_INBOX.>`), the upload handshake (a
+    request over max_payload, both directions being replies) and a long token stream still work, between
+    two per-process identities; a third identity cannot write into the stream."""
+    import subprocess
+
+    from shared.launcher.local_nats import identity_passwords
+    from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+
+    srv = LocalNats.on_free_ports(passwords=identity_passwords(["gateway-0", "decode-0", "decode-1"]), config_dir=tmp_path)
+    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert asyncio.run(srv.wait_ready(15))
+
+        async def go() -> tuple[int, list[int], list[str]]:
+            async def as_user(user: str, errors: list[str]):  # noqa: ANN202
+                async def on_error(e: Exception) -> None:
+                    errors.append(str(e))
+                env = srv.role_env(user)
+                return await bus.connect(srv.url, user=user, password=env["NATS_PASSWORD"],
+                                         inbox_prefix=env["NATS_INBOX_PREFIX"], error_cb=on_error)
+            errors: list[str] = []
+            gateway, worker, other = [await as_user(u, errors) for u in ("gateway-0", "decode-0", "decode-1")]
+            bus.set_sender(worker, "decode-0")
+            prompts: list[int] = []
+
+            async def generate(req: GenerateRequest, ctx: bus.RequestContext):  # noqa: ANN202
+                prompts.append(len(req.prompt_token_ids))
+                await other.publish(ctx.reply, b"forged")  # decode-1 learned the reply subject: refused
+                for i in range(3000):
+                    yield TokenChunk(request_id=req.request_id, seq=i, token_ids=[i % 100],
+                                     finish_reason="length" if i == 2999 else None)
+            await bus.serve(worker, subjects.decode_generate("decode-0"), "kvmesh.decode.decode-0", generate,
+                            GenerateRequest)
+            await worker.flush()
+            big = list(range(400_000))  # ~1.2 MB of msgpack: over the 1 MiB max_payload, so an upload
+            req = GenerateRequest(request_id="r", prompt_token_ids=big, sampling=Sampling())
+            tokens = []
+            async with await bus.request_stream(gateway, subjects.decode_generate("decode-0"), req, timeout=10,
+                                                expect=TokenChunk, sender="decode-0") as stream:
+                async for c in stream:
+                    tokens += c.token_ids
+                    if c.finished:
+                        break
+            await asyncio.sleep(0.2)
+            for nc in (gateway, worker, other):
+                await nc.close()
+            return prompts[0], tokens, errors
+
+        n, tokens, errors = asyncio.run(go())
+        assert n == 400_000 and len(tokens) == 3000
+        violations = [e for e in errors if "violation" in e.lower()]
+        assert len(violations) == 1 and "_inbox.gateway-0" in violations[0].lower(), errors
+    finally:
+        proc.terminate()
+        proc.wait(5)

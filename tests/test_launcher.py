@@ -96,7 +96,7 @@ def test_compose_workers_scale(compose: dict) -> None:
 def test_compose_infrastructure(compose: dict) -> None:
     nats = compose["services"]["nats"]
     assert nats["image"].startswith("nats:")
-    assert "8222" in nats["command"] and "--cluster" in nats["command"]
+    assert nats["command"] == ["--config", "/etc/nats/auth.conf", "--server_name", "nats"]  # the rest: nats-auth.conf
     assert "healthcheck" in nats
     jaeger = compose["services"]["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one")
@@ -296,10 +296,9 @@ def test_serve_tokenizer_stops_cleanly(nats: NatsServer, demo_model: Path) -> No
     try:
         out = Lines(proc.stdout)
         out.wait_for(r"tokenizer serving on", timeout=60)
-        # The container health check sees this process's NATS connection; a missing service fails it.
-        monitor = f"http://127.0.0.1:{nats.http_port}"
-        assert healthcheck.main(["tokenizer", "--monitor-url", monitor]) == 0
-        assert healthcheck.main(["decode", "--monitor-url", monitor]) == 1
+        # The container health check finds this host's replica over NATS; a missing service fails it.
+        assert healthcheck.main(["tokenizer", "--nats-url", nats.url]) == 0
+        assert healthcheck.main(["decode", "--nats-url", nats.url, "--timeout", "1"]) == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         out.wait_for(r"tokenizer stopped", timeout=5)
@@ -391,7 +390,7 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
             model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, stream=True)
             if c.choices)
         assert streamed
-        assert "per-role users and subject permissions, TLS" in "\n".join(out.lines)
+        assert "one user per process, subject permissions, TLS" in "\n".join(out.lines)
         assert (tmp_path / "kvstore").is_dir(), "the kvstore runs with its disk tier"
         assert not any("Violation" in line for line in out.lines), [l for l in out.lines if "Violation" in l]
 

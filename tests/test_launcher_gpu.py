@@ -118,7 +118,8 @@ def test_compose_files_validate_and_merge_with_docker_compose():
     from shared.bus.roles import ROLES, password_variable
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}  # the files' own defaults
-    secrets = {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt"}
+    secrets = {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt",
+                                                                    "KVMESH_NATS_ROUTE_PASSWORD": "pw-route"}
     missing = subprocess.run([exe, "-f", "docker-compose.yml", "config"], cwd=ROOT / "compose", capture_output=True,
                              text=True, timeout=60, env=env)
     assert "required variable KVMESH_" in missing.stderr, "the secrets are required"
@@ -161,7 +162,8 @@ def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path, tls):
 
     exe = shutil.which("docker-compose", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env |= {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt"}
+    env |= {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt",
+                                                              "KVMESH_NATS_ROUTE_PASSWORD": "pw-route"}
     env["KVMESH_NATS_URL"] = "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"
     certs = tmp_path / "certs"
     files = ["-f", "docker-compose.yml"]
@@ -189,14 +191,20 @@ def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path, tls):
     procs = []
     try:
         for n in names:
-            argv = [a.replace("/etc/nats/auth.conf", str(ROOT / "compose" / "nats-auth.conf")).replace("/certs", str(certs))
-                     .replace("0.0.0.0:6222", f"127.0.0.1:{cluster_ports[n]}")
-                     .replace("nats:6222", f"127.0.0.1:{cluster_ports['nats']}") for a in services[n]["command"]]
-            argv[argv.index("8222")] = str(http_ports[n])
+            # The config's cluster listener, monitoring port and the seed's host name moved to free local ports
+            # (in the file: a --cluster flag would replace the whole cluster block, route authorization too).
+            conf = tmp_path / f"{n}.conf"
+            text = (ROOT / "compose" / "nats-auth.conf").read_text()
+            conf.write_text(text.replace('listen: "0.0.0.0:6222"', f'listen: "127.0.0.1:{cluster_ports[n]}"')
+                            .replace('http: "127.0.0.1:8222"', f'http: "127.0.0.1:{http_ports[n]}"'))
+            argv = [a.replace("/etc/nats/auth.conf", str(conf)).replace("/certs", str(certs)) for a in services[n]["command"]]
+            server_env = {**env, **services[n]["environment"]}
+            assert server_env["KVMESH_NATS_ROUTE_SEED"] == "nats-route://route:pw-route@nats:6222"
+            server_env["KVMESH_NATS_ROUTE_SEED"] = f"nats-route://route:pw-route@127.0.0.1:{cluster_ports['nats']}"
             assert ("--tls" in argv) == tls
             ports[n] = free_port()
             procs.append(subprocess.Popen([nats_server_binary(), *argv, "--addr", "127.0.0.1", "--port", str(ports[n])],
-                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                          env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + 15
         while True:
             try:
@@ -225,7 +233,7 @@ def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path, tls):
             async def answer(msg) -> None:  # noqa: ANN001
                 await msg.respond(b"ok")
 
-            await server.subscribe("kvmesh.tokenizer.encode", cb=answer)
+            await server.subscribe("kvmesh.tokenizer.encode", queue="kvmesh.tokenizer", cb=answer)
             await server.flush()
             try:
                 for _ in range(50):
@@ -239,6 +247,19 @@ def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path, tls):
                 await server.close()
 
         assert asyncio.run(roundtrip()) == b"ok"
+        # Issue 20 item 1: a passwordless server routed to the seed is refused; the cluster stays three.
+        from shared.bus.natsd import NatsServer
+
+        with NatsServer(workdir=tmp_path, cluster_port=free_port(),
+                        routes=(f"nats-route://127.0.0.1:{cluster_ports['nats']}",)) as rogue:
+            time.sleep(1.5)
+            with urllib.request.urlopen(f"http://127.0.0.1:{rogue.http_port}/routez", timeout=2) as r:
+                assert json.load(r)["num_routes"] == 0
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_ports['nats']}/routez", timeout=2) as r:
+                assert len({x["remote_id"] for x in json.load(r).get("routes") or []}) == 2
+        # Monitoring listens on the loopback only (in a container: that container's own).
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_ports['nats']}/varz", timeout=2) as r:
+            assert json.load(r)["http_host"] == "127.0.0.1"
     finally:
         for p in procs:
             p.kill()

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from shared import bus
 from shared.bus.nats_cluster import NatsCluster
@@ -56,10 +57,15 @@ def test_a_request_crosses_servers_and_a_client_fails_over(tmp_path) -> None:  #
         asyncio.run(go(cluster))
 
 
-def test_the_mesh_survives_a_nats_server_dying_under_load(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("locked", [False, True], ids=["open", "locked"])
+def test_the_mesh_survives_a_nats_server_dying_under_load(tmp_path, locked) -> None:  # noqa: ANN001
+    """Open bus: the gateway's own server dies. Locked-down bus (issue 20): a decode worker's server dies; its
+    streams' reply permissions died with its connection, so the gateway resumes them (the worker's beats
+    say it reconnected) instead of waiting out the idle timeout."""
     model_dir = build_checkpoint("llama", tmp_path / "llama", max_position_embeddings=1024).path
     (tmp_path / "nats").mkdir()
-    mesh = Mesh(tmp_path / "nats", model_dir, nats_servers=3, worker_expiry_s=1.0)
+    mesh = Mesh(tmp_path / "nats", model_dir, nats_servers=3, worker_expiry_s=1.0,
+                locked_workers=("d0", "d1") if locked else None, stream_idle_timeout_s=15.0)
     try:
         mesh.start_tokenizer()
         for wid in ("d0", "d1"):
@@ -71,6 +77,9 @@ def test_the_mesh_survives_a_nats_server_dying_under_load(tmp_path) -> None:  # 
         assert sorted(set(mesh.homes.values())) == [0, 1, 2]
         assert all(cluster.connections(i) >= 1 for i in range(3))
         victim = mesh.homes[id(mesh.gateway.ctx.nc)]  # the gateway's own server: the hardest one to lose
+        if locked:
+            victim = mesh.homes[id(mesh.decoders["d0"].nc)]
+            assert victim != mesh.homes[id(mesh.gateway.ctx.nc)]
         probe = {"model": "tiny", "prompt": "The same words every time " * 8, "max_tokens": 16, "temperature": 0}
         before = httpx.post(f"{mesh.url}/v1/completions", json=probe, timeout=30).json()["choices"][0]["text"]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections import Counter
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +24,8 @@ from tests.gateway_harness import Mesh
 def soak(tmp_path, num_requests: int, concurrency: int) -> dict:  # noqa: ANN001
     model_dir = build_checkpoint("llama", tmp_path / "llama", max_position_embeddings=1024).path
     (tmp_path / "nats").mkdir()
-    mesh = Mesh(tmp_path / "nats", model_dir, worker_expiry_s=1.0)
+    # The bus locked down as `kvmesh up` makes it: one identity per service, response permissions only.
+    mesh = Mesh(tmp_path / "nats", model_dir, worker_expiry_s=1.0, locked_workers=("d0", "d1"))
     try:
         mesh.start_tokenizer()
         mesh.start_kvstore()
@@ -79,9 +82,16 @@ def soak(tmp_path, num_requests: int, concurrency: int) -> dict:  # noqa: ANN001
                 "worst_seconds": max(o.seconds for o in outcomes), "elapsed_s": elapsed,
                 "same_greedy_output": before == after,
                 "migrations": mesh.gateway.ctx.metrics.migrations.labels("tiny")._value.get(),
-                "lost_details": [o.detail for o in outcomes if o.kind == "lost"][:5]}
+                "lost_details": [o.detail for o in outcomes if o.kind == "lost"][:5],
+                "clean_errors": dict(Counter(_code(o.detail) for o in outcomes if o.kind == "clean_error"))}
     finally:
         mesh.close()
+
+
+def _code(detail: object) -> str:
+    """An error's code (or the start of its text): what kinds of clean errors the faults caused."""
+    m = re.search(r"'code': '([a-z_]+)'", str(detail))
+    return m[1] if m else str(detail)[:60]
 
 
 def _check(report: dict) -> None:

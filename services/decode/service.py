@@ -72,6 +72,7 @@ class DecodeService(EngineWorker):
     # --- lifecycle --------------------------------------------------------------------------------
 
     async def start(self, nc: Client) -> None:
+        bus.set_sender(nc, self.settings.worker_id)  # the gateway accepts a request's stream only from its worker
         await self.start_engine(nc)
         s = self.settings
         self.admission_settings = AdmissionSettings(s.worker_id, self.block_size, s.remote_prefill_threshold,

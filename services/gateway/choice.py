@@ -80,6 +80,7 @@ class Choice:
         self.sent = False  # a GenerateRequest went out: a cancel may be needed
         self._last_chunk_time = 0.0
         self._reconnects = 0  # the connection's reconnect count when the current stream was opened
+        self._worker_reconnects: int | None = None  # the routed worker's, from its beats (router.bus_reconnects)
 
     @property
     def finished(self) -> bool:
@@ -107,9 +108,12 @@ class Choice:
 
     async def _send(self, subject: str) -> TokenChunk:
         self._reconnects = self.ctx.nc.stats["reconnects"]
+        self._worker_reconnects = self.ctx.router.bus_reconnects(self.worker_id) if self.worker_id else None
         with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
+            # Routed to one worker: only its chunks count (shared/bus/sender.py).
+            sender = None if subject == subjects.DECODE_GENERATE else subjects.worker_from_subject(subject)
             stream = await bus.request_stream(self.ctx.nc, subject, self._req, timeout=self.ctx.config.stream_idle_timeout_s,
-                                              expect=TokenChunk)
+                                              expect=TokenChunk, sender=sender)
         self.sent = True
         self._stream = stream
         try:
@@ -159,10 +163,20 @@ class Choice:
                     raise WorkerLost(self.worker_id)
                 if self.ctx.nc.stats["reconnects"] != self._reconnects:
                     raise StreamInterrupted()
+                if self._worker_moved():
+                    raise StreamInterrupted()
         finally:
             if not pending.done():
                 pending.cancel()
                 await asyncio.gather(pending, return_exceptions=True)
+
+    def _worker_moved(self) -> bool:
+        """The routed worker's connection reconnected since the stream opened: on a locked-down bus its
+        reply permission stayed with the old connection (shared/bus/roles.py), so nothing more can come."""
+        if self.worker_id is None or self._worker_reconnects is None:
+            return False
+        now = self.ctx.router.bus_reconnects(self.worker_id)
+        return now is not None and now > self._worker_reconnects
 
     async def _next(self) -> TokenChunk | None:
         assert self._stream is not None

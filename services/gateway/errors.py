@@ -68,6 +68,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = ".".join(p for p in loc if not _is_type_name(p)) or None
     if loc == [] and first.get("type") == "missing":
         return bad_request("request body is required", code="invalid_json")
+    if first.get("type") == "unsendable":  # services/gateway/wire_safe.py: the field path is in ctx
+        ctx = first.get("ctx", {})
+        # A union of request models puts the model's class name in loc: field names are lower case.
+        parts = [p for p in [*loc, ctx.get("field", "")] if p and not _is_type_name(p) and not p[:1].isupper()]
+        param = ".".join(parts) or None
+        return bad_request(f"{param or 'body'}: {ctx.get('problem', 'invalid value')}", param=param, code="invalid_value")
     msg = first.get("msg", "invalid value")
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"

@@ -8,6 +8,12 @@ that worker as a fraction of computing it all (a block costs 0 on the device, `h
 host tier, `kvstore_cost` from the kvstore, 1 computed) - load, where load mixes KV usage and queue
 length, so a worker with the whole prefix still loses to an idle one once it is busy enough.
 Workers whose waiting queue is at the bound take nothing new.
+
+Bounded state: a worker exists for the router only once it has beaten (block events for ids never seen
+beating are dropped, so made-up ids cost nothing), it is forgotten some time after its beats stop, and
+each of its block sets keeps at most a cap of hashes, oldest stored dropped first. The device set's cap is
+the pool size its beats report (a pool cannot hold more, so the cap costs no routing quality while the
+events arrive); the host set's is `max_worker_hashes`.
 """
 from __future__ import annotations
 
@@ -33,8 +39,9 @@ class OverloadedError(Exception):
 @dataclass
 class WorkerState:
     worker_id: str
-    blocks: set[bytes] = field(default_factory=set)  # in its device pool
-    host_blocks: set[bytes] = field(default_factory=set)  # in its host tier
+    # Insertion-ordered sets (values unused): the oldest stored hash is the first one dropped at the cap.
+    blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # in its device pool
+    host_blocks: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # in its host tier
     beat: LoadBeat | None = None
     seen: float = float("-inf")  # local monotonic time of the last beat (never the sender's clock)
     pending: int = 0  # requests routed here since its last beat, which the beat cannot show yet
@@ -63,6 +70,10 @@ class RouterConfig:
     host_cost: float = 0.1
     kvstore_cost: float = 0.3
     max_kvstore_hashes: int = 1 << 21  # what the router remembers of the kvstore (oldest forgotten first)
+    # Per worker and tier (the device tier: also at most the pool size its beat reports). 1 << 18 hashes
+    # of 16-token blocks is 4M tokens of host tier, about 40 MB of router memory per worker at the cap.
+    max_worker_hashes: int = 1 << 18
+    forget_after_expiries: int = 10  # a worker silent this many expiry periods is dropped with its blocks
 
 
 class Router:
@@ -76,18 +87,31 @@ class Router:
 
     def on_stored(self, ev: BlockStored) -> None:
         """A worker's event (its device pool or host tier; a worker cannot speak for the kvstore)."""
-        held = self._held(ev)
-        if held is not None:
-            held.update(ev.hashes)
+        w = self._workers.get(ev.worker_id)
+        held = self._held(w, ev)
+        if w is None or held is None:
+            return
+        for h in ev.hashes:
+            held[h] = None
+            held.move_to_end(h)
+        cap = self.config.max_worker_hashes
+        if held is w.blocks and w.beat is not None and w.beat.total_blocks > 0:
+            cap = min(cap, w.beat.total_blocks)
+        while len(held) > cap:
+            held.popitem(last=False)
 
     def on_removed(self, ev: BlockRemoved) -> None:
-        held = self._held(ev)
+        held = self._held(self._workers.get(ev.worker_id), ev)
         if held is not None:
-            held.difference_update(ev.hashes)
+            for h in ev.hashes:
+                held.pop(h, None)
 
-    def _held(self, ev: BlockStored | BlockRemoved) -> set[bytes] | None:
-        """The set of the worker's blocks the event's tier speaks of; None for a tier not the worker's."""
-        w = self._worker(ev.worker_id)
+    @staticmethod
+    def _held(w: WorkerState | None, ev: BlockStored | BlockRemoved) -> OrderedDict[bytes, None] | None:
+        """The worker's block set the event's tier speaks of; None for an unknown worker (it has never
+        beaten: nothing is created for it) or a tier not the worker's."""
+        if w is None:
+            return None
         return {"device": w.blocks, "host": w.host_blocks}.get(ev.tier)
 
     def on_kvstore_removed(self, ev: BlockRemoved) -> None:
@@ -105,6 +129,7 @@ class Router:
             held.popitem(last=False)
 
     def on_beat(self, beat: LoadBeat) -> None:
+        self._expire()
         w = self._worker(beat.worker_id)
         w.beat, w.seen, w.pending = beat, self._clock(), 0
 
@@ -114,16 +139,30 @@ class Router:
 
     # --- queries ----------------------------------------------------------------------------------
 
-    def alive(self) -> list[WorkerState]:
+    def _expire(self) -> None:
+        """Drop workers long silent, with their block sets (called on every beat and query, so a gateway
+        that receives only other workers' beats still forgets the silent ones)."""
         now = self._clock()
-        expired = [wid for wid, w in self._workers.items() if w.beat is not None and now - w.seen > self.config.expiry_s * 10]
-        for wid in expired:  # long gone: drop its block set too
+        limit = self.config.expiry_s * self.config.forget_after_expiries
+        for wid in [wid for wid, w in self._workers.items() if now - w.seen > limit]:
             del self._workers[wid]
+
+    def worker_count(self) -> int:
+        return len(self._workers)
+
+    def alive(self) -> list[WorkerState]:
+        self._expire()
+        now = self._clock()
         return [w for w in self._workers.values() if w.beat is not None and now - w.seen <= self.config.expiry_s]
 
     def is_alive(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
         return w is not None and w.beat is not None and self._clock() - w.seen <= self.config.expiry_s
+
+    def bus_reconnects(self, worker_id: str) -> int | None:
+        """How often the worker's bus connection reconnected, as its last beat says (None: unknown)."""
+        w = self._workers.get(worker_id)
+        return w.beat.bus_reconnects if w is not None and w.beat is not None else None
 
     def max_model_len(self) -> int | None:
         lens = [w.beat.max_model_len for w in self.alive() if w.beat and w.beat.max_model_len > 0]

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
+from services.gateway.wire_safe import check_sendable
 from shared.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 8
@@ -18,6 +19,12 @@ MAX_STOPS = 16
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    # The outermost model sees the whole raw body first, so nested models never find anything.
+    @model_validator(mode="before")
+    @classmethod
+    def _sendable(cls, data: Any) -> Any:
+        return check_sendable(data)
 
 
 class StreamOptions(_Request):

@@ -80,7 +80,12 @@ class GatewayService(Service):
             tracer=trace.get_tracer("kvmesh.gateway"), created=int(time.time()),
         )
 
-        async def on_event(ev: BlockStored | BlockRemoved, _: bus.RequestContext) -> None:
+        async def on_event(ev: BlockStored | BlockRemoved, msg: bus.RequestContext) -> None:
+            # A worker speaks only for itself: the id in the event must be the subject's (the bus lets each
+            # worker publish only on its own subject).
+            if not _speaks_for_itself(ev.worker_id, msg.subject):
+                log.warning("ignoring a block event for %r on %r", ev.worker_id, msg.subject)
+                return
             if isinstance(ev, BlockStored):
                 router.on_stored(ev)
             else:
@@ -193,3 +198,10 @@ def build(args: argparse.Namespace) -> GatewayService:
 
 def main(argv: list[str] | None = None) -> int:
     return main_for("gateway", add_arguments, build, argv)
+
+
+def _speaks_for_itself(worker_id: str, subject: str) -> bool:
+    try:
+        return subjects.worker_from_subject(subject) == worker_id
+    except ValueError:
+        return False

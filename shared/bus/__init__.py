@@ -10,6 +10,7 @@ from shared.bus.connect import connect
 from shared.bus.errors import BusError, BusTimeout, ChunkError, NoRespondersError, RemoteError, StreamGapError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.micro import Endpoint, MicroService, add_micro_service
+from shared.bus.sender import set_sender
 from shared.bus.server import Dispatcher, RequestContext, Served, serve, subscribe
 from shared.bus.stream import ReplyStream, StreamReply, stream_reply
 
@@ -17,5 +18,6 @@ __all__ = [
     "BusError", "BusLimits", "BusTimeout", "ChunkError", "DEFAULT_LIMITS", "Dispatcher", "Endpoint",
     "Envelope", "MicroService", "NoRespondersError", "Reassembler", "RemoteError", "ReplyStream",
     "RequestContext", "Served", "StreamGapError", "StreamReply", "add_micro_service", "connect",
-    "publish", "request", "request_idempotent", "request_stream", "send_request", "serve", "stream_reply", "subscribe",
+    "publish", "request", "request_idempotent", "request_stream", "send_request", "serve", "set_sender", "stream_reply",
+    "subscribe",
 ]  # fmt: skip

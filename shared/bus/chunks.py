@@ -14,7 +14,10 @@ member:
     request with `Kvmesh-Upload: 1` and the real reply subject in `Kvmesh-Reply`; the member
     that received it answers with `Kvmesh-Upload: <private inbox>`, and chunks 1..n-1 go
     there. The handshake costs one round trip, only for oversized requests, and it keeps NATS's
-    immediate "no responders" answer.
+    immediate "no responders" answer. Both directions are replies, which is all a locked-down bus
+    (shared/bus/roles.py, `allow_responses`) lets a process publish to another's inbox: the
+    answer names the private inbox as its reply subject, and chunks 1..n-1 carry the real reply
+    subject as theirs, so the member may answer it.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from nats.aio.msg import Msg
 from shared.bus import headers as H
 from shared.bus.errors import BusError, BusTimeout, ChunkError, NoRespondersError, RemoteError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
+from shared.bus.sender import sender_of
 
 _SPEC = re.compile(r"(\d{1,9})/(\d{1,9})")
 _SIZE = re.compile(r"\d{1,12}")
@@ -63,6 +67,9 @@ def frames(max_payload: int, data: bytes, headers: dict[str, str]) -> list[tuple
 
 async def send_direct(nc: Client, subject: str, data: bytes, headers: dict[str, str], reply: str = "") -> None:
     """Publishes to a single-consumer subject (inbox, fan-out), chunked if needed."""
+    sender = sender_of(nc)
+    if sender:
+        headers = {**headers, H.FROM: sender}
     for payload, hdrs in frames(nc.max_payload, data, headers):
         await nc.publish(subject, payload, reply=reply, headers=hdrs or None)
 
@@ -82,11 +89,11 @@ async def send_upload(nc: Client, subject: str, data: bytes, headers: dict[str, 
         raise NoRespondersError(subject) from None
     except nats.errors.TimeoutError:
         raise BusTimeout(subject, timeout, "upload handshake") from None
-    target = (ack.headers or {}).get(H.UPLOAD)
-    if not target:
+    target = ack.reply or (ack.headers or {}).get(H.UPLOAD)
+    if not target or H.UPLOAD not in (ack.headers or {}):
         raise _refusal(subject, ack)
     for payload, hdrs in parts[1:]:
-        await nc.publish(target, payload, headers=hdrs)
+        await nc.publish(target, payload, reply=reply, headers=hdrs)
 
 
 class UploadBudget:
@@ -137,7 +144,7 @@ async def receive_upload(nc: Client, first: Msg, limits: BusLimits = DEFAULT_LIM
 async def _collect(nc: Client, first: Msg, assembler: Reassembler, limits: BusLimits) -> Envelope:
     sub = await nc.subscribe(nc.new_inbox())
     try:
-        await nc.publish(first.reply, b"", headers={H.UPLOAD: sub.subject})
+        await nc.publish(first.reply, b"", reply=sub.subject, headers={H.UPLOAD: sub.subject})
         deadline = time.monotonic() + limits.reassembly_timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -148,8 +155,8 @@ async def _collect(nc: Client, first: Msg, assembler: Reassembler, limits: BusLi
             except nats.errors.TimeoutError:
                 continue
             env = assembler.feed(msg)
-            if env is not None:
-                return Envelope(first.subject, env.reply, env.headers, env.data)
+            if env is not None:  # the reply subject the chunks came with is the one this process may answer
+                return Envelope(first.subject, msg.reply or env.reply, env.headers, env.data)
     finally:
         await unsubscribe_quietly(sub)
 

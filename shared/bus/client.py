@@ -85,8 +85,10 @@ async def request_stream(
     timeout: float = 30.0,
     expect: type[M] | None = None,
     limits: BusLimits = DEFAULT_LIMITS,
+    sender: str | None = None,
 ) -> ReplyStream[M]:
-    """Sends `msg` and returns the stream of answers; `timeout` is the idle timeout per item.
+    """Sends `msg` and returns the stream of answers; `timeout` is the idle timeout per item; `sender`: the
+    answers are accepted only from it (shared/bus/sender.py; None: only from the first answer's sender).
 
         async with await request_stream(nc, subjects.DECODE_GENERATE, req, expect=TokenChunk) as s:
             async for chunk in s:
@@ -106,7 +108,7 @@ async def request_stream(
         span.set_status(trace.StatusCode.ERROR, str(e))
         span.end()
         raise
-    return ReplyStream(sub, subject, timeout, expect, limits, span)
+    return ReplyStream(sub, subject, timeout, expect, limits, span, sender)
 
 
 async def send_request(nc: Client, subject: str, msg: wire.Message, reply: str = "", timeout: float = 5.0) -> None:

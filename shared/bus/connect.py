@@ -29,6 +29,8 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
                      random order, which spreads scaled replicas (compose).
       NATS_USER, NATS_PASSWORD   username/password authentication; a kvmesh role name as the user
                      (shared/bus/roles.py) also sets the inbox prefix its permissions allow
+      NATS_INBOX_PREFIX  this identity's inboxes (`kvmesh up` gives each process its own user, which may
+                     read only `_INBOX.<user>.>`)
       NATS_TOKEN     token authentication
       NATS_CREDS     path of a .creds file (user JWT + nkey seed, decentralized auth)
       NATS_NKEY      path of an nkey seed file (nkey authentication without a JWT)
@@ -47,6 +49,8 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
         kwargs["password"] = env.get("NATS_PASSWORD", "")
         if env["NATS_USER"] in ROLES:  # a locked-down mesh: this role may only read its own inboxes
             kwargs["inbox_prefix"] = inbox_prefix(env["NATS_USER"])
+    if env.get("NATS_INBOX_PREFIX"):
+        kwargs["inbox_prefix"] = env["NATS_INBOX_PREFIX"]
     if env.get("NATS_TOKEN"):
         kwargs["token"] = env["NATS_TOKEN"]
     if env.get("NATS_CREDS"):

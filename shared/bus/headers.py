@@ -11,6 +11,7 @@ UPLOAD = "Kvmesh-Upload"  # request: "1" on chunk 0; handshake answer: inbox for
 REPLY = "Kvmesh-Reply"  # an upload's real reply subject (its NATS reply carries the handshake)
 SEQ = "Kvmesh-Seq"  # stream item number, 0-based
 END = "Kvmesh-End"  # end of stream; value: number of items sent; body: empty or an ErrorReply
+FROM = "Kvmesh-From"  # the sender's identity (shared/bus/sender.py), when it has one
 STATUS = "Status"  # set by the NATS server on status messages; "503" = no responders
 
 FRAMING = (CHUNK, MSG_ID, SIZE, UPLOAD, REPLY)

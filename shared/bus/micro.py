@@ -9,6 +9,7 @@ cover the hand-off only.
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,10 @@ async def add_micro_service(
     metadata: dict[str, str] | None = None,
     limits: BusLimits = DEFAULT_LIMITS,
 ) -> MicroService:
-    """Registers `name` (e.g. subjects.SERVICE_TOKENIZER) with its endpoints and starts serving."""
+    """Registers `name` (e.g. subjects.SERVICE_TOKENIZER) with its endpoints and starts serving. Its INFO
+    names the host it runs on, so a container's health check can find its own replica among the others
+    (shared/launcher/healthcheck.py) without the server's monitoring page."""
+    metadata = {"host": socket.gethostname(), **(metadata or {})}
     service = await micro.add_service(nc, name=name, version=version, description=description or None, metadata=metadata)
     dispatchers: list[Dispatcher[Any]] = []
     for ep in endpoints:

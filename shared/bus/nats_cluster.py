@@ -23,13 +23,14 @@ class NatsCluster:
     host: str = "127.0.0.1"
     workdir: Path | None = None
     servers: list[NatsServer] = field(default_factory=list)
+    authorization: dict | None = field(default=None, repr=False)  # every server's users (NatsServer)
 
     def start(self, timeout: float = 15.0) -> NatsCluster:
         assert self.size >= 1, "a cluster needs at least one server"
         workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvmesh-nats-cluster-"))
         ports = [(free_port(self.host), free_port(self.host), free_port(self.host)) for _ in range(self.size)]
         self.servers = [
-            NatsServer(host=self.host, workdir=workdir, port=p, http_port=h, cluster_port=c,
+            NatsServer(host=self.host, workdir=workdir, port=p, http_port=h, cluster_port=c, authorization=self.authorization,
                        routes=tuple(f"nats-route://{self.host}:{oc}" for j, (_, _, oc) in enumerate(ports) if j != i))
             for i, (p, h, c) in enumerate(ports)
         ]

@@ -4,6 +4,7 @@ Used by the test fixtures and by `kvmesh up` when NATS_URL is not given.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -51,6 +52,8 @@ class NatsServer:
     cluster_port: int = 0
     routes: tuple[str, ...] = ()
     cluster_name: str = "kvmesh"
+    # nats-server's authorization block (users with their permissions), e.g. a locked-down test mesh.
+    authorization: dict | None = field(default=None, repr=False)
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _log: Path | None = field(default=None, repr=False)
 
@@ -67,6 +70,8 @@ class NatsServer:
             lines = [f"host: {self.host}", f"port: {self.port}", f"http: {self.host}:{self.http_port}"]
             if self.max_payload is not None:
                 lines.append(f"max_payload: {int(self.max_payload)}")
+            if self.authorization is not None:
+                lines.append(f"authorization: {json.dumps(self.authorization)}")  # JSON is nats-server config
             if self.cluster_port:
                 lines += ["cluster {", f"  name: {self.cluster_name}", f"  host: {self.host}",
                           f"  port: {self.cluster_port}", "  routes: [" + ", ".join(f'"{r}"' for r in self.routes) + "]", "}"]

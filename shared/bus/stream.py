@@ -9,6 +9,7 @@ tokens. A reply without `Kvmesh-Seq` (a plain request/reply answer) is a one-ite
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
@@ -27,6 +28,7 @@ from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.error_reply import ErrorReply
 
 M = TypeVar("M", bound=wire.Message)
+log = logging.getLogger(__name__)
 
 
 class StreamReply:
@@ -84,8 +86,12 @@ class ReplyStream(Generic[M]):
         expect: type[M] | None = None,
         limits: BusLimits = DEFAULT_LIMITS,
         span: trace.Span | None = None,
+        sender: str | None = None,
     ) -> None:
+        """sender: accept messages only from this sender (shared/bus/sender.py); None: from the sender of
+        the first message, whoever it is (a request to a queue group may reach any member)."""
         self._sub = sub
+        self._sender = sender
         self._target = target
         self._idle_timeout = idle_timeout
         self._expect = expect
@@ -156,8 +162,14 @@ class ReplyStream(Generic[M]):
                 msg = await self._sub.next_msg(timeout=remaining)
             except nats.errors.TimeoutError:
                 continue
-            if (msg.headers or {}).get(H.STATUS) == "503":
+            hdrs = msg.headers or {}
+            if hdrs.get(H.STATUS) == "503":  # the server's own answer
                 raise NoRespondersError(self._target)
+            if self._sender is None:
+                self._sender = hdrs.get(H.FROM)
+            elif hdrs.get(H.FROM) != self._sender:
+                log.warning("ignoring a message on the stream from %r: it is not from %r", self._target, self._sender)
+                continue
             env = self._assembler.feed(msg)
             if env is not None:
                 return env

@@ -11,16 +11,22 @@ from pathlib import Path
 
 from shared.bus.natsd import free_port, nats_server_binary
 from shared.bus.limits import SERVER_MAX_PENDING
-from shared.bus.roles import ROLES, permissions
+from shared.bus.roles import ROLES, Identity, identity_permissions
 from shared.launcher.nats_tls import TlsFiles, make_tls
 from shared.launcher.spec import ProcessSpec
 
 NAME = "nats"
+ROUTE_USER = "route"  # the cluster's route credential (not a client user: clients cannot log in with it)
 
 
 def role_passwords() -> dict[str, str]:
-    """A fresh password per service role, for one mesh's lifetime."""
+    """A fresh password per service role (shared role users, as compose has), for one mesh's lifetime."""
     return {role: secrets.token_urlsafe(24) for role in ROLES}
+
+
+def identity_passwords(users: list[str]) -> dict[str, str]:
+    """A fresh password per process (`kvmesh up`: user = instance name, shared/bus/roles.py Identity.of)."""
+    return {user: secrets.token_urlsafe(24) for user in users}
 
 
 @dataclass(frozen=True)
@@ -28,16 +34,21 @@ class LocalNats:
     host: str
     port: int
     http_port: int  # monitoring: /healthz, /varz, /connz
-    # role -> password: the server admits only these users, each with its role's subject permissions
-    # (shared/bus/roles.py). Empty: an open server (--insecure-bus).
+    # user -> password: the server admits only these users, each with its identity's subject permissions
+    # (shared/bus/roles.py: a role name is the role's shared user, `<role>-<n>` one process). Empty: an open
+    # server (--insecure-bus).
     passwords: dict[str, str] = field(default_factory=dict)
     config_dir: Path | None = None  # where the server's config (it holds the passwords) is written
     tls: TlsFiles | None = None  # the server requires TLS; clients verify it with tls.ca
     # In a cluster (`kvmesh up --nats-servers N`): the port peers route to, the peers' route URLs, and
-    # this server's process name. Routes stay on the loopback without TLS: only clients cross hosts.
+    # this server's process name. Routes listen on the mesh's (loopback) address, and every route must
+    # authenticate with the cluster's own generated password, which no service holds: a local process that
+    # finds a route port cannot join its own server to the cluster and bypass the users. With TLS the
+    # routes use it too.
     cluster_port: int = 0
     routes: tuple[str, ...] = ()
     name: str = NAME
+    route_password: str = field(default="", repr=False)
 
     @classmethod
     def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
@@ -54,21 +65,25 @@ class LocalNats:
         if size == 1:
             return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files)]
         cluster_ports = [free_port(host) for _ in range(size)]
+        route_password = secrets.token_urlsafe(24)
         return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files, port,
-                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}")
+                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}",
+                    route_password)
                 for i, port in enumerate(cluster_ports)]
 
-    def role_env(self, role: str) -> dict[str, str]:
-        """What a service of `role` needs to connect (nothing for an open server without TLS)."""
+    def role_env(self, user: str) -> dict[str, str]:
+        """What the process of identity `user` needs to connect (nothing for an open server without TLS)."""
         env = {"NATS_TLS_CA": str(self.tls.ca)} if self.tls else {}
         if self.passwords:
-            env |= {"NATS_USER": role, "NATS_PASSWORD": self.passwords[role]}
+            env |= {"NATS_USER": user, "NATS_PASSWORD": self.passwords[user],
+                    "NATS_INBOX_PREFIX": Identity.of(user).inbox_prefix}
         return env
 
     def write_config(self) -> Path:
         """nats-server's config (JSON is valid nats-server config), readable by this user only."""
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
-        users = [{"user": role, "password": pw, "permissions": permissions(role)} for role, pw in self.passwords.items()]
+        users = [{"user": user, "password": pw, "permissions": identity_permissions(Identity.of(user))}
+                 for user, pw in self.passwords.items()]
         config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}",
                   "max_pending": SERVER_MAX_PENDING}
         if users:
@@ -77,12 +92,23 @@ class LocalNats:
             config["tls"] = {"cert_file": str(self.tls.cert), "key_file": str(self.tls.key)}
         if self.cluster_port:
             config["cluster"] = {"name": "kvmesh", "host": self.host, "port": self.cluster_port,
-                                 "routes": list(self.routes)}
+                                 "routes": [self._route_url(r) for r in self.routes]}
+            if self.route_password:
+                config["cluster"]["authorization"] = {"user": ROUTE_USER, "password": self.route_password}
+            if self.tls:
+                config["cluster"]["tls"] = {"cert_file": str(self.tls.cert), "key_file": str(self.tls.key),
+                                            "ca_file": str(self.tls.ca)}
         path = self.config_dir / f"{self.name}.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f)
         return path
+
+    def _route_url(self, route: str) -> str:
+        if not self.route_password:
+            return route
+        scheme, rest = route.split("://", 1)
+        return f"{scheme}://{ROUTE_USER}:{self.route_password}@{rest}"
 
     @property
     def url(self) -> str:

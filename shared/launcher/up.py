@@ -14,7 +14,6 @@ import secrets
 import signal
 import socket
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,9 +21,10 @@ from shared.engine.errors import EXIT_CONFIG
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
                                      plan_mesh, worker_needs)
 from shared.launcher.gpus import parse_devices
-from shared.launcher.local_nats import LocalNats, role_passwords
+from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.readiness import wait_healthy
-from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, SERVICES, MeshOptions, mesh_services
+from shared.launcher.secrets_dir import secrets_dir
+from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, SERVICES, MeshOptions, mesh_services
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
 from shared.models.model_config import load_model_config
 from shared.service_runner import DEFAULT_GRACE_S
@@ -170,8 +170,8 @@ def missing_services() -> list[str]:
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
              secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
              nats_servers: int = 1) -> int:
-    with tempfile.TemporaryDirectory(prefix="kvmesh-up-") as secrets_dir:
-        return await _up(opts, grace, startup_timeout, emit, secure_bus, Path(secrets_dir), kvstore_disk_dir, nats_tls,
+    with secrets_dir() as secrets:
+        return await _up(opts, grace, startup_timeout, emit, secure_bus, secrets, kvstore_disk_dir, nats_tls,
                          nats_servers)
 
 
@@ -196,13 +196,20 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
 
     supervisor = Supervisor(emit, on_config_failure=on_config_failure)
     # The mesh's secret: folded into every block hash, so blocks cannot be planted for a predicted prompt.
-    env: dict[str, str] = {"KVMESH_CACHE_SALT": secrets.token_hex(16)}
+    # Only the engine workers hash blocks; the kvstore keeps them by hash and the gateway routes with the
+    # hash root the workers' beats carry, so no other service gets it.
+    cache_salt = secrets.token_hex(16)
+    env: dict[str, str] = {}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
     nats_url = os.environ.get("NATS_URL")
     cluster: list[LocalNats] = []
+    specs = mesh_services(opts)
+    # One bus identity per process, named as the process (shared/bus/roles.py Identity.of): a leaked
+    # credential speaks only for that process, never for the other workers of its role.
+    instances = [spec.instance_name(i) for spec in specs for i in range(spec.replicas)]
     if not nats_url:
-        cluster = LocalNats.cluster(nats_servers, passwords=role_passwords() if secure_bus else None,
+        cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
                                     config_dir=secrets_dir, tls=nats_tls)
         for server in cluster:
             await supervisor.start(server.process())
@@ -212,7 +219,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
                 await supervisor.stop([s.name for s in cluster], timeout=5)
                 return 1
         first = cluster[0]
-        access = "per-role users and subject permissions" if first.passwords else "open (--insecure-bus)"
+        access = "one user per process, subject permissions" if first.passwords else "open (--insecure-bus)"
         access += ", TLS" if first.tls else ""
         for server in cluster:
             emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url}; {access})")
@@ -220,12 +227,14 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     env["NATS_URL"] = nats_url
 
     def service_env(service: str) -> dict[str, str]:
-        extra = cluster[0].role_env(service) if cluster else {}
+        extra = {"KVMESH_CACHE_SALT": cache_salt} if service in ENGINE_SERVICES else {}
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
         return {**env, **extra}
 
-    services = [p for spec in mesh_services(opts) for p in spec.processes(sys.executable, service_env(spec.service))]
+    services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service))]
+    if cluster:
+        services = [replace(p, env={**p.env, **cluster[0].role_env(p.name)}) for p in services]
     if len(cluster) > 1:  # spread the services: each starts at the next server and fails over along the list
         services = [replace(p, env={**p.env, "NATS_URL": _rotate(nats_url, i), "NATS_NO_RANDOMIZE": "1"})
                     for i, p in enumerate(services)]

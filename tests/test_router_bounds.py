@@ -1,0 +1,78 @@
+"""The router's memory is bounded (issue 20 item 5): 600 block events carrying 1.2 million random hashes for
+made-up worker ids grew the gateway from 101 to 247 MB for good. Router state now exists only for workers
+that beat, is forgotten when they stop, and each block set is capped (oldest dropped)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+from services.gateway.router import Router, RouterConfig
+from shared import bus, subjects
+from shared.block_hash import hash_blocks
+from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
+from tests.gateway_harness import one_decoder_mesh
+from tests.test_gateway_units import ROOT, Clock, beat
+
+
+def test_events_for_workers_that_never_beat_create_nothing() -> None:
+    r = Router(RouterConfig(), Clock())
+    r.on_stored(BlockStored(worker_id="ghost", hashes=[os.urandom(16) for _ in range(1000)]))
+    r.on_removed(BlockRemoved(worker_id="ghost2", hashes=[b"x" * 16]))
+    assert r.worker_count() == 0
+
+
+def test_each_block_set_is_capped_oldest_first_and_silent_workers_are_forgotten() -> None:
+    clock = Clock()
+    r = Router(RouterConfig(expiry_s=1.0, max_worker_hashes=50, forget_after_expiries=10), clock)
+    r.on_beat(beat("a", free=20))  # a pool of 100 blocks (beat()'s total)
+    prompt = list(range(40))
+    chain = hash_blocks(ROOT, prompt, 4)
+    r.on_stored(BlockStored(worker_id="a", hashes=[os.urandom(16) for _ in range(500)]))
+    r.on_stored(BlockStored(worker_id="a", hashes=chain))  # the newest survive the cap
+    r.on_stored(BlockStored(worker_id="a", hashes=[os.urandom(16) for _ in range(500)], tier="host"))
+    w = r.alive()[0]
+    assert len(w.blocks) == 50 and len(w.host_blocks) == 50
+    assert r.pick(prompt).cached_blocks == len(chain)
+    # The device set is also capped at the pool size the worker reports.
+    r.on_beat(LoadBeat(worker_id="a", role="decode", running=0, waiting=0, free_blocks=0, total_blocks=8,
+                       block_size=4, hash_root=ROOT, max_model_len=512))
+    r.on_stored(BlockStored(worker_id="a", hashes=chain))
+    assert len(r.alive()[0].blocks) == 8
+    # Silent for ten expiry periods: gone, block sets and all, even if nobody picks in between.
+    r.on_beat(beat("b"))
+    clock.t += 11
+    r.on_beat(beat("b"))
+    assert r.worker_count() == 1 and [w.worker_id for w in r.alive()] == ["b"]
+
+
+def test_a_flood_of_block_events_over_the_bus_leaves_the_router_bounded(tmp_path_factory) -> None:  # noqa: ANN001
+    """The issue's attack through a real nats-server into the real gateway: 600 events of 2,000 random hashes
+    for made-up ids, plus 100 for the real worker's id on its own subject, plus events whose id is not the
+    subject's."""
+    with one_decoder_mesh(tmp_path_factory, "flood") as mesh:
+        router = mesh.gateway.ctx.router
+        total = mesh.gateway.ctx.router.alive()[0].beat.total_blocks
+
+        async def flood() -> None:
+            nc = await bus.connect(mesh.nats.url)
+            try:
+                for i in range(600):
+                    wid = f"fake{i}"
+                    await bus.publish(nc, subjects.decode_events(wid),
+                                      BlockStored(worker_id=wid, hashes=[os.urandom(16) for _ in range(2000)]))
+                for _ in range(100):
+                    await bus.publish(nc, subjects.decode_events("d0"),
+                                      BlockStored(worker_id="d0", hashes=[os.urandom(16) for _ in range(2000)]))
+                # d0's id on another subject: ignored (a worker speaks only for itself)
+                await bus.publish(nc, subjects.decode_events("fake1"), BlockStored(worker_id="d0", hashes=[b"y" * 16]))
+                await nc.flush()
+                await asyncio.sleep(1.0)
+            finally:
+                await nc.close()
+
+        mesh.call(flood(), timeout=120)
+        mesh.wait_until(lambda: True)
+        assert router.worker_count() == 1
+        d0 = router.alive()[0]
+        assert d0.worker_id == "d0" and len(d0.blocks) == total and len(d0.host_blocks) <= RouterConfig().max_worker_hashes
+        assert b"y" * 16 not in d0.blocks
