@@ -19,6 +19,9 @@ CASES = [
     ('{"name": "f", "parameters": "str,}"}; {"name": "g", "parameters": 42}', 0, [("f", '"str,}"'), ("g", "42")]),
     ('[{"name": "get_weather", "parameters": {"city": "Pa', 1, [("get_weather", '{"city": "Pa')]),
     ('[{"name": "get_wea', 1, []),
+    # Mistral: the marker's own brackets balance, the calls sit in the array after it.
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"a": [1, "]"]}}, {"name": "g", "arguments": {}}]', 1,
+     [("f", '{"a": [1, "]"]}'), ("g", "{}")]),
 ]
 
 
@@ -44,3 +47,32 @@ def test_pieces_add_up_to_the_whole(text, depth, want) -> None:  # noqa: ANN001
                 slot[1] += d.arguments
             i += k
         assert [tuple(got[k]) for k in sorted(got)] == want
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "llama3_json"])
+def test_a_tool_stream_in_pieces_equals_the_one_shot_parse(parser: str) -> None:
+    """Through ToolStream (content before the calls, the marker held back while it may still be forming)."""
+    from services.gateway.schemas import Tool
+    from services.gateway.tools import PARSERS, ToolPlan, ToolStream
+
+    body = {"hermes": 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+                      '<tool_call>{"name": "g", "arguments": {"b": "x"}}</tool_call>',
+            "mistral": 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "x"}}]',
+            "llama3_json": '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": "x"}}'}[parser]
+    tools = [Tool.model_validate({"type": "function", "function": {"name": n}}) for n in "fg"]
+    plan = ToolPlan("auto", tools, parser=PARSERS[parser]())
+    content, calls = plan.parse(body)
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}'), ("g", '{"b": "x"}')]
+    for seed in range(20):
+        rnd, stream, got, text, i = random.Random(seed), ToolStream(plan), {}, "", 0
+        while i < len(body):
+            k = rnd.randint(1, 7)
+            piece, deltas = stream.feed_calls(body[i:i + k])
+            text, i = text + piece, i + k
+            for d in deltas:
+                got.setdefault(d.index, ["", ""])
+                got[d.index][0] += d.name or ""
+                got[d.index][1] += d.arguments
+        text += stream.finish_calls()
+        assert text.strip() == (content or "") and [tuple(v) for _, v in sorted(got.items())] == [
+            (c.name, c.arguments) for c in calls]

@@ -84,6 +84,18 @@ def test_function_tools(client) -> None:  # noqa: ANN001
                                           tool_choice={"type": "function", "name": "lookup"}, max_output_tokens=100))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and "word" in json.loads(done[0].arguments)
+    # Issue 26: the call streams as it forms: the item first, then argument deltas adding up to the arguments.
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert added < kinds.index("response.function_call_arguments.delta") and len(deltas) > 3
+    assert "".join(deltas) == done[0].arguments
+    (item,) = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert item.arguments == done[0].arguments and item.call_id == events[added].item.call_id
+    cut = list(client.responses.create(model="tiny", input="Define cat", tools=tools, stream=True, temperature=1.0,
+                                       tool_choice={"type": "function", "name": "lookup"}, max_output_tokens=6))
+    assert cut[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in cut if e.type == "response.function_call_arguments.delta")
 
 
 def test_stateless_limits_and_bad_input_are_400s(client) -> None:  # noqa: ANN001

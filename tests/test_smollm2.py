@@ -155,6 +155,27 @@ def test_forced_tool_calls_validate(client, choice) -> None:
     assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
 
 
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_calls_stream_as_generated(client, choice) -> None:
+    """Issue 26: the call streams as it forms (id and name first, then argument fragments, no empty chunks)
+    and the fragments add up to the non-streamed call's arguments with the same seed."""
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "What is the weather like in Tokyo today?"}],
+              tools=[WEATHER_TOOL], tool_choice=tool_choice, max_tokens=60, temperature=0.8, seed=11)
+    whole = client.chat.completions.create(**kw).choices[0]
+    (call,) = whole.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices][1:]  # after the role chunk
+    deltas = [c.choices[0].delta.tool_calls for c in chunks]
+    assert all(d or c.choices[0].finish_reason for d, c in zip(deltas, chunks)), "no empty chunks"
+    first = deltas[0][0]
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather") and first.id.startswith("call_")
+    args = "".join(tc.function.arguments or "" for d in deltas for tc in d or [])
+    assert args == call.function.arguments and sum(1 for d in deltas if d) > 3
+    assert all(tc.id is None and tc.function.name is None for d in deltas[1:] for tc in d or [])
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
 def test_auto_tool_choice_is_refused_clearly_for_smollm2(client) -> None:
     """SmolLM2's chat template has no tool-call format (no <tool_call> section, no tools variable), so
     what it writes under tool_choice auto cannot be parsed reliably: the gateway says so (400) instead

@@ -24,6 +24,8 @@ class GatewayConfig:
     worker_expiry_s: float = 2.0
     # How many times one request may move to another decode worker after its worker died (Dynamo's rule).
     migration_limit: int = 3
+    reasoning_parser: str | None = None  # a reasoning.PARSERS name; None: <think> blocks when the template knows them
+    tool_call_parser: str | None = None  # a tools.PARSERS name; None: read from the chat template
 
     def __post_init__(self) -> None:
         assert self.max_waiting > 0, "max_waiting must be positive"

@@ -67,6 +67,8 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
         p = opened.prepared
         fmt = formatter(ctx.tokenizer, p.model, p.request_id, p.n, p.logprobs, echo=p.echo, per_prompt=len(p.samplings),
                         tools=p.tools, prompts=p.prompts)
+        if p.reasoning is not None:
+            fmt.reason(p.reasoning)
         if body.stream:
             streaming = True  # from here the SSE generator owns the span and the in-flight count
             return StreamingResponse(stream_events(ctx, opened, fmt, body.include_usage, body.continuous_usage), media_type="text/event-stream",

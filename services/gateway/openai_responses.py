@@ -163,6 +163,11 @@ class ResponsesFormatter(Formatter):
         self._seq = 0
         self._text = ""  # text sent as output_text so far
         self._opened = False  # the message item has been announced
+        self._closed = False  # ... and completed
+        self._calls: list[ParsedCall] = []  # the calls streamed so far, arguments as far as generated
+        self.rs_id = f"rs_{uuid.uuid4().hex}"
+        self._reasoning = ""  # reasoning text streamed so far
+        self._reasoning_state = "none"  # none, open, done: the reasoning item (output 0) when there is one
 
     # ---- the Response object
 
@@ -186,7 +191,7 @@ class ResponsesFormatter(Formatter):
             "usage": None if u is None else {
                 "input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens, "total_tokens": u.total_tokens,
                 "input_tokens_details": {"cached_tokens": (u.prompt_tokens_details or {}).get("cached_tokens", 0)},
-                "output_tokens_details": {"reasoning_tokens": 0}},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens}},
         }
 
     def _message_item(self, text: str, status: str) -> dict[str, Any]:
@@ -203,8 +208,12 @@ class ResponsesFormatter(Formatter):
 
     def final(self, u: Usage) -> dict[str, Any]:
         a = self._acc[0]
-        content, calls = self._split(a.text)
-        output = ([self._message_item(content, "completed")] if content or not calls else [])
+        reasoning, text = self.reasoning.split(a.text) if self.reasoning is not None else (None, a.text)
+        content, calls = self.tools.parse(text) if self.tools else (text, [])
+        if self._calls:  # streamed: the items the client saw, same ids and the arguments as generated
+            content, calls = (self._text or None), self._calls
+        output = [self._reasoning_item(reasoning, "completed")] if reasoning is not None else []
+        output += [self._message_item(content, "completed")] if content or not (calls or reasoning) else []
         output += [self._call_item(c) for c in calls]
         status = "incomplete" if a.finish_reason == "length" else "completed"
         return self._response(status, output, u, a.finish_reason)
@@ -226,43 +235,90 @@ class ResponsesFormatter(Formatter):
         if self._opened:
             return []
         self._opened = True
-        return [self._event("response.output_item.added", output_index=0, item={**self._message_item("", "in_progress"),
+        return [self._event("response.output_item.added", output_index=self._msg_index, item={**self._message_item("", "in_progress"),
                                                                                  "content": []}),
-                self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+                self._event("response.content_part.added", item_id=self.msg_id, output_index=self._msg_index, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": []})]
 
-    def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
-        self.add(d)
-        text = self._stream.feed(d.text) if self._stream else d.text
-        calls: list[ParsedCall] = []
-        if d.finish_reason and self._stream:
-            rest, calls = self._stream.finish()
-            text += rest
+    @property
+    def _msg_index(self) -> int:
+        return 0 if self._reasoning_state == "none" else 1
+
+    @property
+    def _calls_index(self) -> int:
+        return self._msg_index + (1 if self._opened else 0)
+
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.rs_id, "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}] if text else []}
+
+    def _reasoning_events(self, delta: str, done: bool) -> list[dict[str, Any]]:
+        """A reasoning model's <think> text as its own output item (reasoning.py), before the answer's items."""
         events = []
-        if text:
+        if delta and self._reasoning_state == "none":
+            self._reasoning_state = "open"
+            events.append(self._event("response.output_item.added", output_index=0,
+                                      item=self._reasoning_item("", "in_progress")))
+        if delta:
+            self._reasoning += delta
+            events.append(self._event("response.reasoning_text.delta", item_id=self.rs_id, output_index=0,
+                                      content_index=0, delta=delta))
+        if done and self._reasoning_state == "open":
+            self._reasoning_state = "done"
+            events += [self._event("response.reasoning_text.done", item_id=self.rs_id, output_index=0, content_index=0,
+                                   text=self._reasoning),
+                       self._event("response.output_item.done", output_index=0,
+                                   item=self._reasoning_item(self._reasoning, "completed"))]
+        return events
+
+    def _close_message(self) -> list[dict[str, Any]]:
+        if not self._opened or self._closed:
+            return []
+        self._closed = True
+        return [
+            self._event("response.output_text.done", item_id=self.msg_id, output_index=self._msg_index, content_index=0,
+                        text=self._text),
+            self._event("response.content_part.done", item_id=self.msg_id, output_index=self._msg_index, content_index=0,
+                        part={"type": "output_text", "text": self._text, "annotations": []}),
+            self._event("response.output_item.done", output_index=self._msg_index,
+                        item=self._message_item(self._text, "completed")),
+        ]
+
+    def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
+        # Function calls stream as they form, as in chat (call_scanner.py): an in-progress function_call item once
+        # the name is known, then argument delta events; each item is completed when the response ends.
+        reasoning, answer = self.add(d)
+        events = self._reasoning_events(reasoning, done=bool(answer or d.finish_reason))
+        calls: list = []
+        if self._stream is not None:
+            text, calls = self._stream.feed_calls(answer)
+            if d.finish_reason:
+                text += self._stream.finish_calls()
+        else:
+            text = answer
+        if text and not self._calls:
             events += self._open_message()
             self._text += text
-            events.append(self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
+            events.append(self._event("response.output_text.delta", item_id=self.msg_id, output_index=self._msg_index,
                                       content_index=0, delta=text))
+        for c in calls:
+            if c.name is not None:
+                events += self._close_message()  # a message before the calls is over when the first call begins
+                call = ParsedCall(c.name, "", id=self._stream.ids[c.index])
+                self._calls.append(call)
+                k = len(self._calls) - 1 + self._calls_index
+                events.append(self._event("response.output_item.added", output_index=k,
+                                          item={**self._call_item(call), "status": "in_progress"}))
+            call = self._calls[c.index]
+            if c.arguments:
+                self._calls[c.index] = ParsedCall(call.name, call.arguments + c.arguments, id=call.id)
+                events.append(self._event("response.function_call_arguments.delta", item_id=self._call_item(call)["id"],
+                                          output_index=c.index + self._calls_index, delta=c.arguments))
         if d.finish_reason:
-            index = 0
-            if self._opened:
-                events += [
-                    self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
-                                text=self._text),
-                    self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
-                                part={"type": "output_text", "text": self._text, "annotations": []}),
-                    self._event("response.output_item.done", output_index=0,
-                                item=self._message_item(self._text, "completed")),
-                ]
-                index = 1
-            for k, c in enumerate(calls, start=index):
+            events += self._close_message()
+            for k, c in enumerate(self._calls, start=self._calls_index):
                 item = self._call_item(c)
                 events += [
-                    self._event("response.output_item.added", output_index=k, item={**item, "arguments": "",
-                                                                                     "status": "in_progress"}),
-                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
-                                delta=c.arguments),
                     self._event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
                                 arguments=c.arguments),
                     self._event("response.output_item.done", output_index=k, item=item),

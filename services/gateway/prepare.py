@@ -4,6 +4,7 @@ Everything that can reject a request happens here, before anything is published 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, bad_request, unavailable
+from services.gateway.reasoning import ReasoningPlan, plan_reasoning
 from services.gateway.tools import ToolPlan, plan_tools
 from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
 from shared import bus, subjects
@@ -33,6 +35,7 @@ class Prepared:
     model: str
     echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
     tools: ToolPlan | None = None  # chat with tools: how the answer's tool calls are made and found
+    reasoning: ReasoningPlan | None = None  # chat with a reasoning model: where its <think> text ends
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -78,16 +81,29 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
 
 async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prepared:
     model = check_model(ctx, body.model)
-    tools = plan_tools(body, getattr(ctx.tokenizer, "chat_template", None))
+    template = getattr(ctx.tokenizer, "chat_template", None)
+    tools = plan_tools(body, template, ctx.config.tool_call_parser)
+    kwargs = json.dumps(body.chat_template_kwargs, ensure_ascii=False) if body.chat_template_kwargs else None
     ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
                                           add_generation_prompt=body.add_generation_prompt,
-                                          tools_json=tools.tools_json if tools is not None else None))
+                                          tools_json=tools.tools_json if tools is not None else None,
+                                          template_kwargs_json=kwargs))
+    # Where the prompt ends tells whether the template opened a <think> block the output starts inside.
+    reasoning = plan_reasoning(template, ctx.tokenizer.decode(ids[-8:]), ctx.config.reasoning_parser)
+    constrained = (tools is not None and tools.mode in ("named", "required")) or (
+        body.response_format is not None and body.response_format.type != "text")
+    if constrained:
+        # Forced calls and JSON answers are constrained from the first token, so they hold no reasoning to split
+        # off (starting the constraint where reasoning ends, as vLLM does, is not done yet). A raw
+        # structured_outputs pattern covers the whole text, reasoning included, and is split as usual.
+        reasoning = None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _finish(ctx, body, model, [ids], max_tokens, logprobs, max_tokens_param=param, tools=tools)
+    prepared = _finish(ctx, body, model, [ids], max_tokens, logprobs, max_tokens_param=param, tools=tools)
+    return dataclasses.replace(prepared, reasoning=reasoning)
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:

@@ -13,6 +13,7 @@ from services.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletio
                                       ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, CompletionChoice,
                                       CompletionLogprobs, CompletionResponse, FunctionCallDelta, FunctionCallOut,
                                       ToolCallDelta, ToolCallOut, TopLogprob, Usage, dump)
+from services.gateway.reasoning import ReasoningPlan, ReasoningStream
 from services.gateway.tools import ParsedCall, ToolPlan, ToolStream
 from shared.protocol.generate import TokenLogprob
 
@@ -50,15 +51,42 @@ class Formatter:
         self.created = int(time.time())
         self._acc = [_Acc() for _ in range(n)]
         self._offsets = [0] * n  # completions' text_offset, per choice
+        self.reasoning: ReasoningPlan | None = None
+        self._reason_streams: list[ReasoningStream] = []
+        self.reasoning_tokens = 0
 
-    def add(self, d: Delta) -> None:
+    def reason(self, plan: ReasoningPlan) -> None:
+        """Keep a reasoning model's <think> text apart from the answer (reasoning.py)."""
+        self.reasoning = plan
+        self._reason_streams = [ReasoningStream(plan) for _ in range(self.n)]
+
+    def split_reasoning(self, d: Delta) -> tuple[str, str]:
+        """(reasoning, answer) text of one delta; its tokens count as reasoning tokens while a block is open."""
+        if self.reasoning is None:
+            return "", d.text
+        s = self._reason_streams[d.index]
+        before = s.in_reasoning
+        reasoning, answer = s.feed(d.text, final=bool(d.finish_reason))
+        if before or reasoning or s.in_reasoning:
+            self.reasoning_tokens += len(d.token_ids)
+        return reasoning, answer
+
+    def with_reasoning_tokens(self, u: Usage) -> Usage:
+        if self.reasoning is None:
+            return u
+        return u.model_copy(update={"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}})
+
+    def add(self, d: Delta) -> tuple[str, str]:
+        """Accumulate a delta; its (reasoning, answer) text (the whole text is split again at the end)."""
         a = self._acc[d.index]
         a.text += d.text
+        split = self.split_reasoning(d)
         a.logprobs.extend(d.logprobs)
         if d.prompt_logprobs is not None:
             a.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason:
             a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
+        return split
 
     def token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id], skip_special_tokens=False)
@@ -172,18 +200,21 @@ class ChatFormatter(Formatter):
         body = self.chunk(d, include_usage)
         choice = body["choices"][0]
         empty = (not choice["delta"].get("content") and not choice["delta"].get("tool_calls")
+                 and not choice["delta"].get("reasoning_content")
                  and not choice.get("finish_reason") and not choice.get("logprobs"))
         return [] if empty else [body]
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
         finish = d.finish_reason
+        reasoning, text = self.split_reasoning(d)  # tool calls are looked for only in the answer
         if self.tools is None:
-            delta = ChatDelta(content=d.text) if d.text or not d.finish_reason else ChatDelta()
+            delta = ChatDelta(content=text, reasoning_content=reasoning or None) \
+                if text or reasoning or not d.finish_reason else ChatDelta()
         else:
             # Calls stream as they form: the first delta of each carries index, id, type and name, later ones
             # argument fragments whose concatenation is the final arguments (services/gateway/call_scanner.py).
             stream = self._tool_streams[d.index]
-            content, calls = stream.feed_calls(d.text)
+            content, calls = stream.feed_calls(text)
             if d.finish_reason:
                 content += stream.finish_calls()
                 finish = self._finish_reason(d.finish_reason, stream.streamed)
@@ -192,7 +223,7 @@ class ChatFormatter(Formatter):
                       if c.name is not None else
                       ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments))
                       for c in calls]
-            delta = ChatDelta(content=content or None, tool_calls=deltas or None)
+            delta = ChatDelta(content=content or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=finish)
         body = dump(self._chunk([choice]))
         if not include_usage:
@@ -204,15 +235,16 @@ class ChatFormatter(Formatter):
         return "tool_calls" if calls and self.tools is not None and self.tools.mode != "named" and reason == "stop" else reason
 
     def _message(self, a: _Acc) -> tuple[ChatMessageOut, str | None]:
+        reasoning, text = self.reasoning.split(a.text) if self.reasoning is not None else (None, a.text)
         if self.tools is None:
-            return ChatMessageOut(content=a.text), a.finish_reason
-        content, calls = self.tools.parse(a.text)
+            return ChatMessageOut(content=text, reasoning_content=reasoning), a.finish_reason
+        content, calls = self.tools.parse(text)
         out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
         reason = self._finish_reason(a.finish_reason, calls) if a.finish_reason else None
-        return ChatMessageOut(content=content, tool_calls=out), reason
+        return ChatMessageOut(content=content, reasoning_content=reasoning, tool_calls=out), reason
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
-        return dump(self._chunk([], u))
+        return dump(self._chunk([], self.with_reasoning_tokens(u)))
 
     def final(self, u: Usage) -> dict[str, Any]:
         choices = []
@@ -220,4 +252,5 @@ class ChatFormatter(Formatter):
             message, reason = self._message(a)
             choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(a.logprobs), finish_reason=reason,
                                       stop_reason=a.stop_reason))
-        return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))
+        return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                          usage=self.with_reasoning_tokens(u)))

@@ -165,6 +165,8 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    # Extra variables for the chat template (e.g. Qwen3's {"enable_thinking": false}), as vLLM and SGLang take them.
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -179,6 +181,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}
+    completion_tokens_details: dict[str, int] | None = None  # {"reasoning_tokens": n}, with a reasoning parser
 
 
 class CompletionLogprobs(BaseModel):
@@ -233,6 +236,7 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # a reasoning model's <think> text (reasoning.py)
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -268,6 +272,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -19,6 +19,8 @@ from opentelemetry import trace
 from services.gateway.app import create_app
 from services.gateway.beat_check import beat_problem
 from services.gateway.config import GatewayConfig
+from services.gateway.reasoning import PARSERS as REASONING_PARSERS
+from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router, RouterConfig
@@ -176,6 +178,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens when a request gives none, capped by the context left; 0: the whole context")
     parser.add_argument("--stream-idle-timeout", type=float, default=120.0,
                         help="seconds a decode worker may stay silent mid-request")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split reasoning from the answer (default: when the chat template writes <think> blocks)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="how the model writes tool calls under tool_choice auto (default: read from the chat template)")
 
 
 def build(args: argparse.Namespace) -> GatewayService:
@@ -185,7 +191,8 @@ def build(args: argparse.Namespace) -> GatewayService:
         host=args.host, port=args.port, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
-        migration_limit=args.migration_limit,
+        migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     ))
 
 

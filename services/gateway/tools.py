@@ -6,7 +6,8 @@ and the parsers that find tool calls in a model's own text (for `auto`), chosen 
   always parse and match the schemas.
 - `auto`: the model decides; its text is parsed in the format its chat template teaches: Hermes-style
   `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Qwen2/Qwen3, and the demo template) or
-  Llama 3.x's JSON form (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`).
+  Llama 3.x's JSON form (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`) or Mistral's
+  `[TOOL_CALLS][...]`; the gateway's --tool-call-parser overrides the choice.
 """
 from __future__ import annotations
 
@@ -81,6 +82,19 @@ class Llama3JsonParser(ToolParser):
         return (None, calls) if calls else (text, [])
 
 
+class MistralParser(HermesParser):
+    """Mistral's `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`: the calls sit in the array after the marker
+    (depth 1 counting from the marker, whose own brackets balance)."""
+
+    start = "[TOOL_CALLS]"
+    depth = 1
+
+
+# vLLM's --tool-call-parser names for the formats kvmesh reads.
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
+                                        "mistral": MistralParser}
+
+
 def _complete_calls(text: str, depth: int) -> list[ParsedCall]:
     """The calls a model wrote of its own accord (auto): only whole objects with a name and JSON arguments."""
     calls = []
@@ -95,11 +109,16 @@ def _complete_calls(text: str, depth: int) -> list[ParsedCall]:
     return calls
 
 
-def parser_for_template(template: str | None) -> ToolParser | None:
+def parser_for_template(template: str | None, name: str | None = None) -> ToolParser | None:
+    """The format the chat template teaches, or the one `name` (the gateway's --tool-call-parser) names."""
+    if name:
+        return PARSERS[name]()
     if not template:
         return None
     if "<tool_call>" in template:
         return HermesParser()
+    if "[TOOL_CALLS]" in template:
+        return MistralParser()
     if "<|python_tag|>" in template or '"parameters"' in template:
         return Llama3JsonParser()
     return None
@@ -147,8 +166,9 @@ class ToolPlan:
         return text, []
 
 
-def plan_tools(body: ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:
-    """The request's tool mode, or a 400 for an inconsistent request. None: no tools involved."""
+def plan_tools(body: ChatCompletionRequest, chat_template: str | None, parser_name: str | None = None) -> ToolPlan | None:
+    """The request's tool mode, or a 400 for an inconsistent request. None: no tools involved.
+    `parser_name`: the gateway's --tool-call-parser, which overrides the format read from the chat template."""
     choice = body.tool_choice
     if not body.tools:
         # As vLLM: any tool_choice but none needs tools.
@@ -171,7 +191,7 @@ def plan_tools(body: ChatCompletionRequest, chat_template: str | None) -> ToolPl
         return ToolPlan("named", body.tools, body.parallel_tool_calls, name=choice.function.name)
     if choice == "required":
         return ToolPlan("required", body.tools, body.parallel_tool_calls)
-    parser = parser_for_template(chat_template)
+    parser = parser_for_template(chat_template, parser_name)
     if parser is None:
         raise bad_request("tool_choice auto needs a chat template with a tool-call format (Hermes <tool_call> or "
                           "Llama 3 JSON); use tool_choice required or a named function", param="tool_choice")

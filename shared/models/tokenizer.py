@@ -33,6 +33,7 @@ def encode_chat(
     messages: Sequence[Mapping[str, object]],
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
+    template_kwargs: Mapping[str, object] | None = None,
 ) -> list[int]:
     """Prompt ids for `messages` ({"role", "content"} dicts) through the checkpoint's chat template.
 
@@ -47,6 +48,7 @@ def encode_chat(
         tools=tools or None,
         tokenize=True,
         return_dict=False,
+        **dict(template_kwargs or {}),
     )
     if isinstance(out, Mapping):  # a BatchEncoding, should a version ignore return_dict
         out = out["input_ids"]

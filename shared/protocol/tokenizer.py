@@ -39,6 +39,8 @@ class EncodeRequest(Message):
     # Function tools for the chat template, as a JSON array of OpenAI tool objects (JSON schemas are
     # arbitrarily nested; as text they cross the wire without a schema of their own).
     tools_json: str | None = None
+    # Extra chat-template variables (chat_template_kwargs), as a JSON object; text for the same reason.
+    template_kwargs_json: str | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> EncodeRequest:
