@@ -417,3 +417,14 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_up_passes_the_gateway_parsers_only_when_asked() -> None:
+    from shared.launcher.spec import MeshOptions, mesh_services
+
+    def gateway_args(**kw) -> str:  # noqa: ANN003
+        return " ".join(next(s.args for s in mesh_services(MeshOptions(**kw)) if s.service == "gateway"))
+
+    assert "--tool-call-parser" not in gateway_args() and "--reasoning-parser" not in gateway_args()
+    args = gateway_args(tool_call_parser="mistral", reasoning_parser="qwen3")
+    assert "--tool-call-parser mistral" in args and "--reasoning-parser qwen3" in args

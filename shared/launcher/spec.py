@@ -46,6 +46,8 @@ class MeshOptions:
     enforce_eager: bool = False
     max_model_len: int | None = None  # None: the workers' default (the checkpoint's); set by the GPU plan
     quantization: str | None = None  # engine workers' weight-only quantization on CPU (int8, int4)
+    tool_call_parser: str | None = None  # the gateway's tool-call format (None: from the chat template)
+    reasoning_parser: str | None = None  # the gateway's reasoning parser (None: from the chat template)
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -161,6 +163,10 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
         args += ["--model", opts.model]
     if service == "gateway":
         args += ["--host", opts.host, "--port", str(opts.port)]
+        if opts.tool_call_parser:
+            args += ["--tool-call-parser", opts.tool_call_parser]
+        if opts.reasoning_parser:
+            args += ["--reasoning-parser", opts.reasoning_parser]
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
     if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name:

@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the GPU plan and the processes that would start, then exit")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="the gateway's tool-call format for tool_choice auto (hermes, llama3_json, mistral; "
+                             "default: from the chat template)")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="the gateway's reasoning parser (qwen3, deepseek_r1; default: from the chat template)")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
                              "(groups of 32): 2-4x fewer bytes a decode step than bf16")
@@ -96,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
-            quantization=args.quantization,
+            quantization=args.quantization, tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
