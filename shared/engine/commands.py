@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 import torch
 
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
-from shared.engine.offload import BlockStore, OffloadBatch, collect
+from shared.engine.offload import BlockStore, OffloadBatch
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.sampling_params import SamplingParams
 
@@ -117,8 +117,5 @@ class EvictAll(Command["OffloadBatch | None"]):
     store: BlockStore
 
     def run(self, engine: LLMEngine) -> OffloadBatch | None:
-        engine.block_manager.reset_prefix_cache()
-        engine.spill_evicted()
-        if engine.host_tier is not None and engine.offload_out is not None:
-            engine.offload_out.extend(engine.host_tier.take_all())
-        return collect(engine, [], self.store, "eviction")
+        engine.tiers.evict_all()
+        return engine.tiers.collect([], self.store, "eviction")

@@ -16,8 +16,7 @@ from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
 from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.grammar import GrammarBackend
-from shared.engine.host_tier import HostTier
-from shared.protocol.events import BlockRemoved, BlockStored
+from shared.engine.kv_tiers import KVTiers
 from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
@@ -88,15 +87,9 @@ class LLMEngine:
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
         root = root_hash(model_id, config.block_size, str(self.kv_dtype).removeprefix("torch."), config.cache_salt)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, root, config.enable_prefix_caching)
-        self.host_tier = HostTier(config.host_kv_bytes) if config.host_kv_bytes > 0 else None
-        if self.host_tier is not None:
-            self.block_manager.evicted = []
-        # Blocks on their way to the kvstore under the eviction policy (track_for_offload): hash, K, V
-        # [layers, block_size, heads, dim] host copies. None: not tracked.
-        self.offload_out: list[tuple[bytes, torch.Tensor, torch.Tensor]] | None = None
-        # Spilled blocks whose device-to-host copies may still run: hashes, K, V, the copies' event (or None).
-        self._spills: list[tuple[list[bytes], torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
-        self._async_spills = config.device.startswith("cuda")  # on CPU there is nothing to overlap with
+        # Host tier, offload queue and spills: every tier below the device pool has this one owner.
+        self.tiers = KVTiers(self.block_manager, self._gather_blocks, config.host_kv_bytes,
+                             async_copies=config.device.startswith("cuda"))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold)
         self.seqs: dict[str, Sequence] = {}
@@ -173,7 +166,7 @@ class LLMEngine:
                      first_layer: int = 0) -> None:
         """Write K/V ([layers, n, block_size, kv_heads, head_dim], layers from first_layer on) into a held
         request's logical blocks."""
-        self.spill_evicted()  # the blocks about to be written may be ones just given up by the cache
+        self.tiers.spill()  # the blocks about to be written may be ones just given up by the cache
         seq = self.held[request_id]
         n = k.shape[1]
         if first_block < 0 or first_block + n > len(seq.block_table):
@@ -191,64 +184,6 @@ class LLMEngine:
         for i, (kc, vc) in enumerate(layers):
             _copy_blocks(kc, ids, k[i])
             _copy_blocks(vc, ids, v[i])
-
-    def track_for_offload(self) -> None:
-        """Offload by eviction (shared/engine/offload.py): remember blocks the device gives up (or the host
-        tier drops) and prefixes that get reused, for the worker to send to the kvstore."""
-        if self.block_manager.evicted is None:
-            self.block_manager.evicted = []
-        self.block_manager.reused = []
-        self.offload_out = []
-
-    def spill_evicted(self, wait: bool = True) -> None:
-        """Copy the cached blocks the block manager gave up since the last call down a tier (the host
-        tier, else the offload queue), while their KV is still intact (nothing has written into them).
-
-        On CUDA the blocks are gathered on the device and copied into pinned host memory without blocking,
-        ordered before the forward that will overwrite them; with wait=False (a step) they reach the tier at
-        the end of the step (finish_spills), by when the copy has long run, while the forward still does."""
-        bm = self.block_manager
-        if bm.evicted and (self.host_tier is not None or self.offload_out is not None):
-            evicted, bm.evicted = bm.evicted, []
-            k, v, ready = self._read_blocks_async([b for _, b in evicted])
-            self._spills.append(([h for h, _ in evicted], k, v, ready))
-        if wait or not self._async_spills:
-            self.finish_spills()
-
-    def finish_spills(self) -> None:
-        """Hand the spilled blocks to the host tier (or the offload queue) once their copies have run."""
-        spills, self._spills = self._spills, []
-        bm = self.block_manager
-        for hashes, k, v, ready in spills:
-            if ready is not None:
-                ready.synchronize()
-                k, v = k.clone(), v.clone()  # pinned staging -> ordinary memory: the tier can be large
-            if self.host_tier is None:
-                assert self.offload_out is not None
-                self.offload_out.extend((h, k[:, i], v[:, i]) for i, h in enumerate(hashes))
-                continue
-            stored, dropped = self.host_tier.put(hashes, k, v)
-            if self.offload_out is not None:
-                self.offload_out.extend(dropped)  # out of the host tier: on down to the kvstore
-            # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
-            if dropped:
-                bm.events.append(BlockRemoved(hashes=[h for h, _, _ in dropped], tier="host"))
-            if stored:
-                bm.events.append(BlockStored(hashes=stored, tier="host"))
-
-    def _read_blocks_async(self, block_ids: Seq[int]):
-        """(K, V, event): host copies of physical blocks as read_blocks, on CUDA pinned and still in flight
-        until the event completes; on CPU done (event None)."""
-        k, v = self._gather_blocks(block_ids)
-        if not k.is_cuda:
-            return k, v, None
-        k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-        v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-        k_host.copy_(k, non_blocking=True)
-        v_host.copy_(v, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return k_host, v_host, ready
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
@@ -346,11 +281,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         # Before the forward overwrites blocks this schedule took from the cache; they reach the tier at the end.
-        self.spill_evicted(wait=False)
+        self.tiers.spill(wait=False)
         try:
             return self._step(plan)
         finally:
-            self.finish_spills()
+            self.tiers.finish_spills()
 
     def _step(self, plan) -> list[RequestOutput]:
         if plan.is_empty:
