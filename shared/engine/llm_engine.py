@@ -14,10 +14,9 @@ from shared.block_hash import root_hash
 from shared.prompt_check import check_prompt, check_token_ids
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
-from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.grammar import GrammarBackend
 from shared.engine.kv_tiers import KVTiers
-from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
+from shared.engine.kv_cache import bytes_per_block, kv_dtype, num_blocks_for
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
 from shared.engine.model_runner import ModelRunner
 from shared.engine.profile_run import profile_run
@@ -53,13 +52,6 @@ class EngineStats:
     iteration_tokens: CumulativeHistogram | None = None  # tokens computed per step (cumulative)
 
 
-def _copy_blocks(cache: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
-    if cache.element_size() == 1:  # FP8: copied as bytes (CPU has no index_copy_ for float8)
-        cache.view(torch.uint8).index_copy_(0, ids, src.to(cache.device).view(torch.uint8))
-    else:
-        cache.index_copy_(0, ids, src.to(cache.device, cache.dtype))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -73,22 +65,19 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.dtype = next(self.model.parameters()).dtype
         self.kv_dtype = kv_dtype(self.dtype, config.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, [], config.block_size, config.device)
+        self.runner = ModelRunner(self.model, config.block_size, config.device)
         self.sampler = Sampler(mc.eos_token_ids, config.seed, config.device)
         self.num_blocks = self._plan_num_blocks(start)
-        self.runner.kv_caches = allocate_kv_cache(mc, self.num_blocks, config.block_size, self.kv_dtype,
-                                                  config.device)
+        self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if config.device.startswith("cuda") and not config.enforce_eager:
-            self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, config.block_size,
-                                              self.max_model_len, config.max_num_seqs, config.device, capture=True,
-                                              block_tables=self.runner.tables)
+            self.runner.use_decode_graphs(self.max_model_len, config.max_num_seqs)
         model_id = config.model_id or Path(config.model).resolve().name
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
         root = root_hash(model_id, config.block_size, str(self.kv_dtype).removeprefix("torch."), config.cache_salt)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, root, config.enable_prefix_caching)
         # Host tier, offload queue and spills: every tier below the device pool has this one owner.
-        self.tiers = KVTiers(self.block_manager, self._gather_blocks, config.host_kv_bytes,
+        self.tiers = KVTiers(self.block_manager, self.runner.gather_blocks, config.host_kv_bytes,
                              async_copies=config.device.startswith("cuda"))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_token_threshold)
@@ -171,36 +160,11 @@ class LLMEngine:
         n = k.shape[1]
         if first_block < 0 or first_block + n > len(seq.block_table):
             raise ValueError(f"blocks [{first_block}, {first_block + n}) outside the {len(seq.block_table)} reserved")
-        ids = torch.tensor(seq.block_table[first_block : first_block + n], device=self.config.device)
-        layers = self.runner.kv_caches[first_layer : first_layer + k.shape[0]]
-        expected = (len(layers), n, *self.runner.kv_caches[0][0].shape[1:])
-        if not layers or tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)} from layer {first_layer}, "
-                             f"expected {expected}")
-        if k.dtype != self.kv_dtype and torch.float8_e4m3fn in (k.dtype, self.kv_dtype):
-            # Converting to or from FP8 here would drop the scales; the hash root keeps the kvstore from
-            # mixing them, and a prefill worker must run the same --kv-cache-dtype as its decode workers.
-            raise ValueError(f"KV blocks in {k.dtype} cannot be written into a {self.kv_dtype} cache")
-        for i, (kc, vc) in enumerate(layers):
-            _copy_blocks(kc, ids, k[i])
-            _copy_blocks(vc, ids, v[i])
+        self.runner.write_blocks(seq.block_table[first_block : first_block + n], k, v, first_layer)
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
-        k, v = self._gather_blocks(block_ids)
-        return k.cpu(), v.cpu()
-
-    def _gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.config.device)
-        caches = self.runner.kv_caches
-        # Gathered straight into one tensor per K and V (not gathered per layer, then stacked: a second
-        # copy of every byte; 2.5 against 4.5 ms for a 2,048-token prompt's 33.6 MB on the CPU machine).
-        k = caches[0][0].new_empty((len(caches), len(ids), *caches[0][0].shape[1:]))
-        v = torch.empty_like(k)
-        for i, (kc, vc) in enumerate(caches):
-            torch.index_select(kc, 0, ids, out=k[i])
-            torch.index_select(vc, 0, ids, out=v[i])
-        return k, v
+        return self.runner.read_blocks(block_ids)
 
     def read_request_blocks(self, request_id: str, first_block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of a live request's logical blocks from first_block to its last (partial) prompt block."""
