@@ -60,7 +60,7 @@ def measure(model_dir: str, batch: int, context: int, steps: int, graphs: bool) 
     params = SamplingParams(max_tokens=max_len, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", torch.randint(0, vocab - 1, (context,), generator=g).tolist(), params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.requests.values()):
         engine.step()
     times: dict[str, float] = defaultdict(float)
     _timed(engine.scheduler, "schedule", times)

@@ -74,7 +74,7 @@ def test_fp8_blocks_round_trip_and_refuse_other_dtypes(checkpoints):
     assert k.dtype == torch.float8_e4m3fn
     engine.reserve("r", prompt, greedy(2))
     engine.write_blocks("r", 0, k, v)
-    table = engine.held["r"].block_table[:2]
+    table = engine.scheduler.held["r"].block_table[:2]
     back_k, back_v = engine.read_blocks(table)
     assert torch.equal(back_k.view(torch.uint8), k.view(torch.uint8))
     assert torch.equal(back_v.view(torch.uint8), v.view(torch.uint8))

@@ -70,7 +70,7 @@ class WriteBlocks(Command[bool]):
     first_layer: int = 0
 
     def run(self, engine: LLMEngine) -> bool:
-        if self.request_id not in engine.held:
+        if not engine.is_held(self.request_id):
             return False
         engine.write_blocks(self.request_id, self.first_block, self.k, self.v, self.first_layer)
         return True
@@ -88,7 +88,7 @@ class Commit(Command[RequestOutput | None]):
     logprobs: TokenLogprobs | None = None
 
     def run(self, engine: LLMEngine) -> RequestOutput | None:
-        if self.request_id not in engine.held:
+        if not engine.is_held(self.request_id):
             return None
         return engine.commit_held(self.request_id, self.num_computed_tokens, self.first_token, self.logprobs)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
+from itertools import accumulate
 
 import torch
 
@@ -157,11 +158,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         new_row: dict[int, int] = {}  # old row (plan order) -> new row (step order)
-        old_start = []
-        at = 0
-        for _, n in plan:
-            old_start.append(at)
-            at += n
+        old_start = list(accumulate((n for _, n in plan), initial=0))  # each sequence's first row, plan order
         qstart = [0]
         pctx: list[int] = []
         prows: list[int] = []
