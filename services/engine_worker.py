@@ -1,5 +1,6 @@
-"""What decode and prefill workers share: the engine on its own thread, the kvstore client with
-write-through offload, the KV transport, and loading a reserved prompt's prefix from the kvstore."""
+"""What decode and prefill workers share: the engine on its own thread, the kvstore client and the
+offloader (what to send is the engine's KV tiers' call: shared/engine/kv_tiers.py), the KV transport,
+load beats, and loading a reserved prompt's prefix down the chain host tier -> kvstore."""
 from __future__ import annotations
 
 import asyncio

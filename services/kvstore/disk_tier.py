@@ -40,6 +40,8 @@ DEFAULT_DIRECT = False  # see the module docstring: buffered I/O measured faster
 
 
 class DiskTier(KVTier):
+    name = "disk"
+
     def __init__(self, directory: str | Path, capacity_bytes: int, io_threads: int = DEFAULT_IO_THREADS,
                  direct: bool = DEFAULT_DIRECT, layout: LayoutFactory = SlabFile) -> None:
         assert capacity_bytes > 0, "capacity_bytes must be positive"
@@ -149,9 +151,13 @@ class DiskTier(KVTier):
     def contains_chain(self, hashes: Sequence[bytes]) -> int:
         return held_prefix(hashes, self._index)
 
+    def take_gone(self) -> list[bytes]:
+        gone, self.dropped = self.dropped, []
+        return gone
+
     def evict(self, nbytes: int) -> list[StoredBlock]:
         """Frees at least `nbytes` (or everything), least recently used first; returns nothing (no tier lies
-        below the disk): the hashes go to `dropped`, for routers to forget."""
+        below the disk): the hashes go to `dropped` (take_gone), for routers to forget."""
         freed = 0
         while freed < nbytes and self._index:
             h = next(iter(self._index))
