@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-KV = tuple[torch.Tensor, torch.Tensor]
+from shared.engine.kv_cache import KV
 
 
 @dataclass

@@ -40,7 +40,8 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
             for _ in range(cfg.num_layers)]
 
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KV = tuple[torch.Tensor, torch.Tensor]  # K and V of some blocks, [layers, n, block_size, kv_heads, head_dim] each
+KVCaches = list[KV]  # the pool: per layer K and V [num_blocks, block_size, kv_heads, head_dim]
 
 
 def gather_blocks(caches: KVCaches, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
