@@ -70,7 +70,7 @@ def _fill(engine, batch: int, context_len: int, steps: int, vocab: int, seed: in
     for rid in ids:
         engine.add_request(rid, random_tokens(rng, context_len - 1, vocab), params)
     # Until every request has its first token, steps contain prefill chunks; after that only decodes.
-    while any(engine.seqs[r].num_output_tokens == 0 for r in ids):
+    while any(engine.scheduler.requests[r].num_output_tokens == 0 for r in ids):
         engine.step()
     return ids
 

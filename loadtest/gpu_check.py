@@ -358,7 +358,6 @@ def step_graphs(args) -> dict:
     import torch
 
     from shared.config import EngineConfig
-    from shared.engine.cuda_graphs import DecodeGraphs
     from shared.engine.llm_engine import LLMEngine
     from shared.sampling_params import SamplingParams
     from tests.checkpoints import VOCAB, build_checkpoint
@@ -378,8 +377,7 @@ def step_graphs(args) -> dict:
                     engine = LLMEngine(EngineConfig(model=str(ckpt.path), dtype=dtype, device=dev, num_kv_blocks=512,
                                                     max_num_seqs=64, max_num_batched_tokens=256, enforce_eager=eager))
                     if not eager and engine.runner.graphs is None:  # CPU: the same static path, not captured
-                        engine.runner.graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, 16,
-                                                            engine.max_model_len, 64, dev, capture=False)
+                        engine.runner.use_decode_graphs(engine.max_model_len, 64, capture=False)
                     outs = engine.generate(prompts, params, use_tqdm=False)
                     tokens[eager] = [o.output_token_ids for o in outs]
                     del engine

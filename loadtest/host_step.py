@@ -42,7 +42,6 @@ def _timed(obj, name: str, times: dict) -> None:
 
 def measure(model_dir: str, batch: int, context: int, steps: int, graphs: bool) -> dict:
     from shared.config import EngineConfig
-    from shared.engine.cuda_graphs import DecodeGraphs
     from shared.engine.llm_engine import LLMEngine
     from shared.sampling_params import SamplingParams
 
@@ -56,13 +55,12 @@ def measure(model_dir: str, batch: int, context: int, steps: int, graphs: bool) 
     engine.model.forward = lambda ids, positions, meta, kv: torch.zeros(ids.shape[0], hidden)
     engine.model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab)
     if graphs:  # the decode-graph path's host side (static buffers), its replay being the stub forward
-        engine.runner.graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, 16, max_len, batch, "cpu",
-                                            capture=False)
+        engine.runner.use_decode_graphs(max_len, batch, capture=False)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=max_len, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", torch.randint(0, vocab - 1, (context,), generator=g).tolist(), params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.seqs.values()):
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.requests.values()):
         engine.step()
     times: dict[str, float] = defaultdict(float)
     _timed(engine.scheduler, "schedule", times)

@@ -111,9 +111,9 @@ async def measure(model: str, args: argparse.Namespace) -> dict:
             def go(e) -> None:  # noqa: ANN001 - the engine, on its thread
                 e.block_manager.reset_prefix_cache()
                 if spill_to_host:
-                    e.spill_evicted()
-                elif e.block_manager.evicted is not None:
-                    e.block_manager.evicted.clear()
+                    e.tiers.spill()
+                else:
+                    e.tiers.forget_evicted()
             return go
 
         for _ in range(args.repeats):
@@ -125,7 +125,7 @@ async def measure(model: str, args: argparse.Namespace) -> dict:
                     if tier != "device":
                         await decode.thread.call(drop_device(spill_to_host=tier == "host"))
                     if tier in ("kvstore", "disk"):
-                        await decode.thread.call(lambda e: e.host_tier.clear())
+                        await decode.thread.call(lambda e: e.tiers.clear_host())
                     if tier == "disk":
                         await loop.run_in_executor(kvstore._io, store.evict, 1 << 62)  # memory -> disk
                         assert store.cpu.stats().blocks == 0 and store.disk.stats().blocks > 0

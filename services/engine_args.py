@@ -8,8 +8,8 @@ from shared.config import EngineConfig
 
 
 # A prefill worker's chunk: its KV goes out while the next chunk computes, so the decode worker waits
-# for one chunk's transfer instead of the whole prompt's (docs/architecture.md, "Pushing KV while the
-# prompt computes").
+# for one chunk's transfer instead of the whole prompt's (shared/kv_transport/outgoing.py; the figures
+# are in loadtest/results/README.md, "KV transfer").
 PREFILL_CHUNK_TOKENS = 1024
 
 

@@ -1,5 +1,6 @@
-"""What decode and prefill workers share: the engine on its own thread, the kvstore client with
-write-through offload, the KV transport, and loading a reserved prompt's prefix from the kvstore."""
+"""What decode and prefill workers share: the engine on its own thread, the kvstore client and the
+offloader (what to send is the engine's KV tiers' call: shared/engine/kv_tiers.py), the KV transport,
+load beats, and loading a reserved prompt's prefix down the chain host tier -> kvstore."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,7 @@ from shared.config import EngineConfig
 from shared.engine.commands import EvictAll, Stats, WriteBlocks
 from shared.engine.engine_thread import EngineThread
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
-from shared.engine.offload import Offloader, collect
+from shared.engine.offload import Offloader
 from shared.kv_transport import MeshKVTransport, NatsKVTransport
 from shared.kv_transport.outgoing import PushStats
 from shared.kvstore_client import KVStoreClient
@@ -54,7 +55,7 @@ class EngineWorker(Service):
         self.prefix_fetches = PrefixFetches(self.kvstore.get_chain) if self.kvstore else None
         self.offloader = Offloader(self.kvstore) if self.kvstore else None
         if self.kvstore and self.engine.config.offload_policy == "eviction":
-            self.engine.track_for_offload()
+            self.engine.tiers.offload_by_eviction()
         self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
                                    self._post_step if self.kvstore else None)
         self.thread.start()
@@ -94,7 +95,7 @@ class EngineWorker(Service):
         return load_beat(self.worker_id, self.role, stats, self.kvstore_hit_tokens, self.block_size,
                          e.block_manager.root, e.max_model_len, kv_dtype, off.submitted if off else 0,
                          off.dropped if off else 0, self.host_hit_tokens,
-                         e.host_tier.stats.bytes if e.host_tier is not None else 0,
+                         e.tiers.host_bytes,
                          self.transport.endpoint or "", self.kv_push, self.nc.stats["reconnects"])
 
     async def wait_closed(self) -> None:
@@ -129,15 +130,14 @@ class EngineWorker(Service):
         await self.offloader.abandon()
 
     def _post_step(self, engine: LLMEngine, outputs, events):
-        return collect(engine, events, self.kvstore, engine.config.offload_policy)
+        return engine.tiers.collect(events, self.kvstore, engine.config.offload_policy)
 
     async def load_prefix(self, rid: str, res: Reservation) -> int:
         """Write the longest run of a held request's uncached blocks found in this worker's host tier,
         then in the kvstore; returns the request's cached tokens."""
         own = res.num_cached_tokens // self.block_size
-        host = self.engine.host_tier
-        if host is not None and len(res.block_hashes) > own:
-            got = host.get_chain(res.block_hashes[own:])
+        if len(res.block_hashes) > own:
+            got = self.engine.tiers.host_chain(res.block_hashes[own:])
             if got is not None:
                 if not await self.thread.run(WriteBlocks(rid, own, *got)):  # cancelled meanwhile
                     return own * self.block_size

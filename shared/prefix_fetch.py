@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-import torch
-
-KV = tuple[torch.Tensor, torch.Tensor]
+from shared.engine.kv_cache import KV
 
 
 class PrefixFetches:

@@ -136,13 +136,13 @@ class Mesh:
 
     def engine_state(self, service) -> tuple[int, int, int]:  # noqa: ANN001
         """(requests held, free blocks, total blocks) of a decode or prefill worker's engine."""
-        return self.call(service.thread.call(lambda e: (len(e.seqs), e.block_manager.num_free_blocks,
+        return self.call(service.thread.call(lambda e: (len(e.scheduler.requests), e.block_manager.num_free_blocks,
                                                         e.block_manager.num_blocks)))
 
     def held(self, worker_id: str) -> int:
         """Requests the worker's engine still holds."""
         d = self.decoders[worker_id]
-        return self.call(d.thread.call(lambda e: len(e.seqs)))
+        return self.call(d.thread.call(lambda e: len(e.scheduler.requests)))
 
     def crash(self, worker_id: str) -> None:
         """The worker goes silent as a killed process would: no more tokens, beats or answers."""

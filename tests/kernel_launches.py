@@ -16,7 +16,6 @@ from kernels.store_kv import store_kv
 from kernels.token_bitmask import apply_token_bitmask
 from loadtest.shapes import SHAPES, build_shape_checkpoint
 from shared.config import EngineConfig
-from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
 
@@ -45,8 +44,7 @@ def shape_engine(root: Path, name: str, kv_cache_dtype: str = "auto", dtype: str
     cfg.update(overrides)
     engine = LLMEngine(EngineConfig(**cfg))
     # The decode-graph path (static buffers, padded buckets) run eagerly: what CUDA captures and replays.
-    engine.runner.graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, engine.config.block_size,
-                                        engine.max_model_len, max_num_seqs, "cpu", capture=False)
+    engine.runner.use_decode_graphs(engine.max_model_len, max_num_seqs, capture=False)
     return engine
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.cuda_graphs import DecodeGraphs, batch_buckets
+from shared.engine.cuda_graphs import batch_buckets
 from shared.sampling_params import SamplingParams
 from tests.engine_helpers import greedy, make_engine, random_prompts
 
@@ -22,11 +22,10 @@ def test_static_padded_decode_path_gives_the_same_tokens(checkpoints, arch):
     prompts = random_prompts([3, 17, 40, 9, 33], seed=11)  # 5 rows: padded into the bucket of 8
     plain = make_engine(ckpt).generate(prompts, greedy(20), use_tqdm=False)
     engine = make_engine(ckpt)
-    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, 16, engine.max_model_len, 64, "cpu", capture=False)
+    graphs = engine.runner.use_decode_graphs(engine.max_model_len, 64, capture=False)
     calls = []
     run = graphs.run
     graphs.run = lambda plan: calls.append(len(plan)) or run(plan)
-    engine.runner.graphs = graphs
     static = engine.generate(prompts, greedy(20), use_tqdm=False)
     assert calls and max(calls) == 5, "decode steps went through the static path"
     for a, b in zip(plain, static):
@@ -40,6 +39,5 @@ def test_sampled_steps_through_the_static_path_are_seed_stable(checkpoints):
     prompt = random_prompts([14], seed=2)[0]
     plain = make_engine(checkpoints["llama"]).generate([prompt], params, use_tqdm=False)[0]
     engine = make_engine(checkpoints["llama"])
-    engine.runner.graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, 16, engine.max_model_len, 8, "cpu",
-                                        capture=False)
+    engine.runner.use_decode_graphs(engine.max_model_len, 8, capture=False)
     assert engine.generate([prompt], params, use_tqdm=False)[0].output_token_ids == plain.output_token_ids

@@ -48,7 +48,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(nats_server, checkpoint
                 ref, _ = hf_reference(ckpt, p, 4)
                 assert tokens == ref
             assert chunks[0].num_cached_tokens == 79 // 16 * 16  # every full block before the last token, from the host
-            tier = decode.engine.host_tier
+            tier = decode.engine.tiers.host
             assert tier.stats.stored_blocks >= 4 and tier.stats.hit_blocks >= 2  # what the device lost came back
             assert decode.host_hit_tokens == tier.stats.hit_blocks * 16
             beat = await decode._load_snapshot()  # what the gateway's kvmesh:kv_tier_hit_tokens{tier="host"} shows

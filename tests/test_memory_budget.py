@@ -74,7 +74,7 @@ def test_fp8_blocks_round_trip_and_refuse_other_dtypes(checkpoints):
     assert k.dtype == torch.float8_e4m3fn
     engine.reserve("r", prompt, greedy(2))
     engine.write_blocks("r", 0, k, v)
-    table = engine.held["r"].block_table[:2]
+    table = engine.scheduler.held["r"].block_table[:2]
     back_k, back_v = engine.read_blocks(table)
     assert torch.equal(back_k.view(torch.uint8), k.view(torch.uint8))
     assert torch.equal(back_v.view(torch.uint8), v.view(torch.uint8))
@@ -114,11 +114,11 @@ class FakeMemory:
 
 
 def _profile_with_fake_memory(monkeypatch, engine, activation_bytes: int, tokens: int, seqs: int) -> tuple[int, dict]:
-    import shared.engine.profile_run as pr
+    import shared.engine.model_runner as mr
 
     mem = FakeMemory(start=123_456)
     seen = {"logit_rows": [], "temp": 0}
-    real_alloc = pr.allocate_kv_cache
+    real_alloc = mr.allocate_kv_cache
 
     def alloc(*a, **kw):
         caches = real_alloc(*a, **kw)
@@ -141,7 +141,7 @@ def _profile_with_fake_memory(monkeypatch, engine, activation_bytes: int, tokens
         seen["logit_rows"].append(hidden.shape[0])
         return mem.track(real_logits(hidden))
 
-    monkeypatch.setattr(pr, "allocate_kv_cache", alloc)
+    monkeypatch.setattr(mr, "allocate_kv_cache", alloc)  # the runner allocates its temporary cache
     monkeypatch.setattr(runner, "execute_rows", execute_rows)
     monkeypatch.setattr(model, "compute_logits", compute_logits)
     peak = profile_run(runner, engine.sampler, engine.kv_dtype, tokens, seqs, 40, memory=mem)

@@ -99,9 +99,9 @@ def test_spilled_blocks_reach_the_host_tier_after_their_copy_at_the_end_of_the_s
     from tests.engine_helpers import greedy, make_engine, random_prompts
 
     engine = make_engine(checkpoints["qwen3"], num_kv_blocks=9, host_kv_bytes=1 << 24, max_num_batched_tokens=64)
-    engine._async_spills = True
+    engine.tiers._async = True
     log: list[str] = []
-    real = engine._read_blocks_async
+    real = engine.tiers._read_async
 
     class Copies:
         def synchronize(self) -> None:
@@ -112,14 +112,14 @@ def test_spilled_blocks_reach_the_host_tier_after_their_copy_at_the_end_of_the_s
         log.append(f"spill {len(ids)}")
         return k, v, Copies()
 
-    engine._read_blocks_async = read_async
-    put = engine.host_tier.put
+    engine.tiers._read_async = read_async
+    put = engine.tiers.host.put
 
     def put_logged(hashes, k, v):
         log.append(f"tier {len(hashes)}")
         return put(hashes, k, v)
 
-    engine.host_tier.put = put_logged
+    engine.tiers.host.put = put_logged
     step = engine._step
 
     def step_logged(plan):
@@ -135,4 +135,4 @@ def test_spilled_blocks_reach_the_host_tier_after_their_copy_at_the_end_of_the_s
     for i in spills:
         # The spill's step runs after it, and only then do its copies complete and its blocks reach the tier.
         assert log[i + 1] == "step" and log[i + 2] == "copies done" and log[i + 3].startswith("tier"), log[i:i + 4]
-    assert engine.host_tier.stats.stored_blocks > 0 and not engine._spills
+    assert engine.tiers.host.stats.stored_blocks > 0 and not engine.tiers._spills

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from kernels.aot import LaunchRecorder
-from shared.engine.cuda_graphs import DecodeGraphs
 from shared.sampling_params import SamplingParams, StructuredOutput
 from tests.engine_helpers import make_engine, random_prompts
 
@@ -27,8 +26,7 @@ def test_serving_after_warm_up_compiles_nothing_new(checkpoints, arch, graphs):
         warm = set(rec.variants)
         assert rec.kernels() == EVERY_KERNEL, "the warm-up launches every kernel"
         if graphs:  # the decode-graph path (static padded buffers), run eagerly as on CPU it is
-            engine.runner.graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, 16, engine.max_model_len,
-                                                16, "cpu", capture=False)
+            engine.runner.use_decode_graphs(engine.max_model_len, 16, capture=False)
         lengths = [1, 2, 15, 16, 17, 31, 70, 130, 5, 200, 47, 9]
         params = [SamplingParams(max_tokens=3 + i % 5, temperature=0.0, ignore_eos=True) for i in range(len(lengths))]
         params[3] = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=3, ignore_eos=True)

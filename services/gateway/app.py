@@ -17,7 +17,7 @@ from services.gateway.health import check_health
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.prepare import first_message, check_model, prepare_chat, prepare_completion
 from services.gateway.tokenize import detokenize_body, kvmesh_version, tokenize_body
-from services.gateway.responses import ChatFormatter, CompletionFormatter
+from services.gateway.formatters import ChatFormatter, CompletionFormatter
 from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                                      TokenizeChatRequest, TokenizeCompletionRequest, dump)
 

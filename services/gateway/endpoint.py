@@ -21,7 +21,7 @@ from services.gateway.context import GatewayContext
 from services.gateway.errors import unavailable
 from services.gateway.generation import Generation, as_api_error
 from services.gateway.prepare import Prepared
-from services.gateway.responses import Formatter, usage
+from services.gateway.formatters import Formatter, usage
 from services.gateway.schemas import _Common
 from services.gateway.streaming import stream_events
 

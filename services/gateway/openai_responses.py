@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, StrictBool
 
 from services.gateway.choice import Delta
 from services.gateway.errors import bad_request
-from services.gateway.responses import Formatter
+from services.gateway.formatters import Formatter
 from services.gateway.schemas import (ChatCompletionRequest, JsonSchemaFormat, ResponseFormat, Usage, _Request)
 from services.gateway.tools import ParsedCall, ToolPlan, ToolStream
 

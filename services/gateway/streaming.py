@@ -12,7 +12,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.gateway.context import GatewayContext
 from services.gateway.generation import Generation, as_api_error
-from services.gateway.responses import Formatter, usage
+from services.gateway.formatters import Formatter, usage
 from services.gateway.schemas import dump
 
 

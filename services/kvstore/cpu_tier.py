@@ -14,6 +14,8 @@ from shared.protocol.kvstore import StoredBlock
 
 
 class CPUTier(KVTier):
+    name = "cpu"
+
     def __init__(self, capacity_bytes: int) -> None:
         assert capacity_bytes > 0, "capacity_bytes must be positive"
         self.capacity_bytes = capacity_bytes

@@ -6,8 +6,8 @@ miss, never served. At start every slot's header is read, so the tier survives a
 LRU order). The byte cap counts slots (slot size = a block's record rounded up to 4096).
 
 Why a slab file rather than one file per block (or per group of blocks): measured with `kvmesh bench
-disk-layout` (docs/architecture.md has the table). Once the tier is full, which is a cache's steady state,
-one file per block pays a create, a rename and an unlink per block: 0.33 GB/s against the slab's 1.35 at
+disk-layout` (loadtest/results/README.md has the table). Once the tier is full, which is a cache's
+steady state, one file per block pays a create, a rename and an unlink per block: 0.33 GB/s against the slab's 1.35 at
 0.1 MB blocks, 1.9 against 5.4 at 1.8 MB (ext4, 4 threads, medians of 3); cold reads run at the disk's speed
 either way, and a restart scans 4-5x faster. O_DIRECT is off by default (`direct`): on the machine measured
 it wrote 2-5x slower, read cold no faster and loses the page cache's warm reads; where the disk tier's blocks
@@ -40,6 +40,8 @@ DEFAULT_DIRECT = False  # see the module docstring: buffered I/O measured faster
 
 
 class DiskTier(KVTier):
+    name = "disk"
+
     def __init__(self, directory: str | Path, capacity_bytes: int, io_threads: int = DEFAULT_IO_THREADS,
                  direct: bool = DEFAULT_DIRECT, layout: LayoutFactory = SlabFile) -> None:
         assert capacity_bytes > 0, "capacity_bytes must be positive"
@@ -149,9 +151,13 @@ class DiskTier(KVTier):
     def contains_chain(self, hashes: Sequence[bytes]) -> int:
         return held_prefix(hashes, self._index)
 
+    def take_gone(self) -> list[bytes]:
+        gone, self.dropped = self.dropped, []
+        return gone
+
     def evict(self, nbytes: int) -> list[StoredBlock]:
         """Frees at least `nbytes` (or everything), least recently used first; returns nothing (no tier lies
-        below the disk): the hashes go to `dropped`, for routers to forget."""
+        below the disk): the hashes go to `dropped` (take_gone), for routers to forget."""
         freed = 0
         while freed < nbytes and self._index:
             h = next(iter(self._index))

@@ -1,7 +1,7 @@
 """The kvstore service: KV blocks by block hash, so a prefix computed once is fetched, not recomputed.
 
-Workers put blocks they evict and get the longest chain of a prompt's block hashes the store
-holds. Blocks stay opaque bytes here (no torch, no unpickling): the store checks only that a
+Workers put blocks they evict (or, under write-through, every block they cache) and get the longest
+chain of a prompt's block hashes the store holds, from memory or the disk tier below it (tiered.py). Blocks stay opaque bytes here (no torch, no unpickling): the store checks only that a
 block is well formed, and hands it back bit for bit.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ class KVStoreService(MicroServiceDrain, Service):
                 bus.Endpoint("contains", subjects.KVSTORE_CONTAINS, queue, track(self.contains), ContainsRequest),
                 bus.Endpoint("stats", subjects.KVSTORE_STATS, queue, track(self.stats), StatsRequest),
             ],
-            description="KV blocks by block hash (CPU tier)",
+            description="KV blocks by block hash (CPU memory, then an optional disk tier)",
             metadata={"capacity_bytes": str(self.tier.stats().capacity_bytes)},
         )  # fmt: skip
         await nc.flush()  # the server has our subscriptions once start() returns, so "serving" is true
@@ -119,14 +119,13 @@ class KVStoreService(MicroServiceDrain, Service):
     def _put(self, blocks: list[StoredBlock]) -> tuple[PutResult, list[bytes]]:
         """One trip to the I/O thread: the put, and the hashes that left the whole store meanwhile."""
         result = self.tier.put(blocks)
-        gone = self.tier.take_gone() if isinstance(self.tier, TieredStore) else [b.hash for b in result.evicted]
+        gone = [b.hash for b in result.evicted] + self.tier.take_gone()
         return result, gone
 
     def _stats(self) -> StatsReply:
-        t = self.tier
-        cpu = t.cpu.stats() if isinstance(t, TieredStore) else t.stats()
-        disk = t.disk.stats() if isinstance(t, TieredStore) and t.disk is not None else None
-        total = t.stats()
+        per = self.tier.stats_by_tier()
+        cpu, disk = per["cpu"], per.get("disk")
+        total = self.tier.stats()
         return StatsReply(cpu_blocks=cpu.blocks, cpu_bytes=cpu.bytes, disk_blocks=disk.blocks if disk else 0,
                           disk_bytes=disk.bytes if disk else 0, hits=total.hits, misses=total.misses,
                           cpu_hits=cpu.hits, disk_hits=disk.hits if disk else 0)

@@ -1,15 +1,17 @@
 """One storage tier of the kvstore: KV blocks keyed by their chained block hash.
 
-The CPU tier is the first implementation; a disk tier follows. A block is immutable once stored
-(its hash names its content), so tiers hand out the very StoredBlock objects they hold and
-nobody copies or mutates them.
+Implementations: CPU memory (cpu_tier.py), a disk slab (disk_tier.py), and the two stacked
+(tiered.py), which is what the service runs. A block is immutable once stored (its hash names its
+content), so tiers hand out the very StoredBlock objects they hold and nobody copies or mutates them.
 
 Ownership:
   * put() takes the blocks: the tier keeps references until it evicts them.
   * get_chain() lends blocks: the caller may send them anywhere but must not mutate them (they are
     frozen); the tier keeps them too.
   * evict() and the blocks put() reports as evicted give them back: the tier drops its
-    references and the caller decides where they go next (a lower tier, or nowhere).
+    references and the caller decides where they go next (a lower tier, or nowhere). A stack of
+    tiers passes its blocks down itself and hands none back; what leaves it altogether it reports
+    through take_gone().
 Tiers are not thread safe: the kvstore service calls them from its event loop only.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ def block_nbytes(block: StoredBlock) -> int:
 
 
 class KVTier(abc.ABC):
+    name = "tier"  # its label in per-tier figures
     @abc.abstractmethod
     def put(self, blocks: Sequence[StoredBlock]) -> PutResult:
         """Stores `blocks` (usually one chain, in order). Blocks already held are refreshed, not replaced.
@@ -72,7 +75,16 @@ class KVTier(abc.ABC):
 
     @abc.abstractmethod
     def evict(self, nbytes: int) -> list[StoredBlock]:
-        """Frees at least `nbytes` (or everything), least recently used first; returns what it removed."""
+        """Frees at least `nbytes` (or everything), least recently used first; returns the blocks handed back."""
 
     @abc.abstractmethod
     def stats(self) -> TierStats: ...
+
+    def take_gone(self) -> list[bytes]:
+        """Hashes that left this tier for good since the last call, beyond the blocks put() and evict()
+        handed back (what routers must forget). A tier that hands back all it drops (CPUTier) has none."""
+        return []
+
+    def stats_by_tier(self) -> dict[str, TierStats]:
+        """Figures per tier, by name (one entry here; a stack of tiers has one per tier)."""
+        return {self.name: self.stats()}

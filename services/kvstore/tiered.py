@@ -19,6 +19,9 @@ MAX_USE_COUNTS = 1 << 20  # the use counter is forgotten past this many hashes (
 
 
 class TieredStore(KVTier):
+    """A KVTier whose put() and evict() hand nothing back: evicted blocks go down to disk or leave the
+    store, and take_gone() reports those that left."""
+
     def __init__(self, cpu: CPUTier, disk: DiskTier | None = None, disk_min_uses: int = 2) -> None:
         self.cpu, self.disk, self.disk_min_uses = cpu, disk, disk_min_uses
         self._uses: Counter[bytes] = Counter()
@@ -34,10 +37,7 @@ class TieredStore(KVTier):
     def take_gone(self) -> list[bytes]:
         """Hashes that left the whole store since the last call (what routers must forget)."""
         gone, self._gone = self._gone, []
-        if self.disk is not None:
-            gone += self.disk.dropped
-            self.disk.dropped = []
-        return gone
+        return gone + (self.disk.take_gone() if self.disk is not None else [])
 
     def _demote(self, evicted: list[StoredBlock]) -> None:
         if self.disk is None or not evicted:
@@ -83,8 +83,14 @@ class TieredStore(KVTier):
         self._demote(evicted)
         return []
 
+    def stats_by_tier(self) -> dict[str, TierStats]:
+        per = {self.cpu.name: self.cpu.stats()}
+        if self.disk is not None:
+            per[self.disk.name] = self.disk.stats()
+        return per
+
     def stats(self) -> TierStats:
-        """Both tiers together (per-tier figures: cpu.stats() and disk.stats())."""
+        """Both tiers together (per-tier figures: stats_by_tier())."""
         c = self.cpu.stats()
         d = self.disk.stats() if self.disk is not None else TierStats(0, 0, 0, 0, 0, 0)
         return TierStats(blocks=c.blocks + d.blocks, bytes=c.bytes + d.bytes,

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from shared.block_hash import BlockHash, hash_blocks
 from shared.protocol.events import BlockEvent, BlockRemoved, BlockStored
+from shared.engine.block_listener import BlockListener
 from shared.engine.sequence import Sequence
 
 
@@ -26,11 +27,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.events: list[BlockEvent] = []
-        # (hash, block id) of cached blocks given up for reuse, while their KV is still intact; None: not
-        # tracked. The engine copies them to its host tier before anything overwrites them.
-        self.evicted: list[tuple[BlockHash, int]] | None = None
-        # (hash, block id) of cached blocks a new request reused (a shared prefix); None: not tracked.
-        self.reused: list[tuple[BlockHash, int]] | None = None
+        # Told of cached blocks given up for reuse (while their KV is intact) and of cached prefixes a new
+        # request reuses: the engine's KV tiers (shared/engine/kv_tiers.py) decide what to keep of that.
+        self.listener = BlockListener()
         self.num_registered: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
         self.hits = 0  # prompt tokens served from the cache
         self.queries = 0  # prompt tokens looked up
@@ -91,8 +90,8 @@ class BlockManager:
                 self.hits += len(computed) * self.block_size
             for b in computed:
                 self._touch(b)
-            if self.reused is not None and computed:
-                self.reused.extend((self.block_hash[b], b) for b in computed)  # type: ignore[misc]
+            for b in computed:
+                self.listener.on_reused(self.block_hash[b], b)  # type: ignore[arg-type]
             seq.block_table = list(computed)
             seq.num_computed_tokens = len(computed) * self.block_size
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -159,8 +158,7 @@ class BlockManager:
             self.events.append(BlockStored(hashes=[h], parent=parent, block_ids=[block_id]))
 
     def _removed(self, h: BlockHash, block_id: int) -> None:
-        if self.evicted is not None:
-            self.evicted.append((h, block_id))
+        self.listener.on_evicted(h, block_id)
         last = self.events[-1] if self.events else None
         if isinstance(last, BlockRemoved) and last.tier == "device":
             last.hashes.append(h)

@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 import torch
 
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
-from shared.engine.offload import BlockStore, OffloadBatch, collect
+from shared.engine.offload import BlockStore, OffloadBatch
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.sampling_params import SamplingParams
 
@@ -70,7 +70,7 @@ class WriteBlocks(Command[bool]):
     first_layer: int = 0
 
     def run(self, engine: LLMEngine) -> bool:
-        if self.request_id not in engine.held:
+        if not engine.is_held(self.request_id):
             return False
         engine.write_blocks(self.request_id, self.first_block, self.k, self.v, self.first_layer)
         return True
@@ -88,7 +88,7 @@ class Commit(Command[RequestOutput | None]):
     logprobs: TokenLogprobs | None = None
 
     def run(self, engine: LLMEngine) -> RequestOutput | None:
-        if self.request_id not in engine.held:
+        if not engine.is_held(self.request_id):
             return None
         return engine.commit_held(self.request_id, self.num_computed_tokens, self.first_token, self.logprobs)
 
@@ -117,8 +117,5 @@ class EvictAll(Command["OffloadBatch | None"]):
     store: BlockStore
 
     def run(self, engine: LLMEngine) -> OffloadBatch | None:
-        engine.block_manager.reset_prefix_cache()
-        engine.spill_evicted()
-        if engine.host_tier is not None and engine.offload_out is not None:
-            engine.offload_out.extend(engine.host_tier.take_all())
-        return collect(engine, [], self.store, "eviction")
+        engine.tiers.evict_all()
+        return engine.tiers.collect([], self.store, "eviction")

@@ -75,3 +75,11 @@ class GrammarBackend:
     def allocate(self, rows: int) -> torch.Tensor:
         """An int32 bitmask [rows, words] with every token allowed (rows without a grammar stay that way)."""
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def token_bitmask(self, matchers: list[Any]) -> torch.Tensor:
+        """The step's mask: row i from matchers[i]'s grammar state, every token allowed where it is None."""
+        mask = self.allocate(len(matchers))
+        for i, matcher in enumerate(matchers):
+            if matcher is not None:
+                matcher.fill_next_token_bitmask(mask, i)
+        return mask

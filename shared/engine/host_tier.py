@@ -5,7 +5,7 @@ them loads them from here, without the network and without recomputing.
 Keyed by block hash (a hash names the whole prefix, so a chain lookup is a walk over hashes); LRU
 under a byte cap. Written on the engine thread, read from the event loop: one lock. Blocks are stored
 as they left the device (same dtype, FP8 included), in ordinary (pageable) host memory. On CUDA the copy
-out goes through pinned memory without blocking the step (LLMEngine.spill_evicted / finish_spills); the
+out goes through pinned memory without blocking the step (KVTiers.spill / finish_spills in shared/engine/kv_tiers.py); the
 copy back in is synchronous.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-KV = tuple[torch.Tensor, torch.Tensor]
+from shared.engine.kv_cache import KV
 
 
 @dataclass

@@ -1,5 +1,8 @@
-"""The paged KV pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim]."""
+"""The paged KV pool: per layer one K and one V tensor of [num_blocks, block_size, kv_heads, head_dim];
+sizing it, allocating it, and copying whole blocks out of it and into it."""
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -35,3 +38,46 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)]
+
+
+KV = tuple[torch.Tensor, torch.Tensor]  # K and V of some blocks, [layers, n, block_size, kv_heads, head_dim] each
+KVCaches = list[KV]  # the pool: per layer K and V [num_blocks, block_size, kv_heads, head_dim]
+
+
+def gather_blocks(caches: KVCaches, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of physical blocks, [layers, n, block_size, kv_heads, head_dim] each, on the cache's device."""
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=caches[0][0].device)
+    # Gathered straight into one tensor per K and V (not gathered per layer, then stacked: a second
+    # copy of every byte; 2.5 against 4.5 ms for a 2,048-token prompt's 33.6 MB on the CPU machine).
+    k = caches[0][0].new_empty((len(caches), len(ids), *caches[0][0].shape[1:]))
+    v = torch.empty_like(k)
+    for i, (kc, vc) in enumerate(caches):
+        torch.index_select(kc, 0, ids, out=k[i])
+        torch.index_select(vc, 0, ids, out=v[i])
+    return k, v
+
+
+def write_blocks(caches: KVCaches, block_ids: Seq[int], k: torch.Tensor, v: torch.Tensor, first_layer: int = 0) -> None:
+    """Write K/V ([layers, n, block_size, kv_heads, head_dim], layers from first_layer on) into physical blocks."""
+    n = k.shape[1]
+    ids = torch.tensor(list(block_ids), device=caches[0][0].device)
+    layers = caches[first_layer : first_layer + k.shape[0]]
+    expected = (len(layers), n, *caches[0][0].shape[1:])
+    if not layers or tuple(k.shape) != expected or tuple(v.shape) != expected:
+        raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)} from layer {first_layer}, "
+                         f"expected {expected}")
+    cache_dtype = caches[0][0].dtype
+    if k.dtype != cache_dtype and torch.float8_e4m3fn in (k.dtype, cache_dtype):
+        # Converting to or from FP8 here would drop the scales; the hash root keeps the kvstore from
+        # mixing them, and a prefill worker must run the same --kv-cache-dtype as its decode workers.
+        raise ValueError(f"KV blocks in {k.dtype} cannot be written into a {cache_dtype} cache")
+    for i, (kc, vc) in enumerate(layers):
+        _copy_blocks(kc, ids, k[i])
+        _copy_blocks(vc, ids, v[i])
+
+
+def _copy_blocks(cache: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
+    if cache.element_size() == 1:  # FP8: copied as bytes (CPU has no index_copy_ for float8)
+        cache.view(torch.uint8).index_copy_(0, ids, src.to(cache.device).view(torch.uint8))
+    else:
+        cache.index_copy_(0, ids, src.to(cache.device, cache.dtype))

@@ -1,134 +1,82 @@
-"""The engine loop: schedule, run, postprocess. Single-threaded; services call it from their compute thread."""
+"""The engine core: requests in, a step = schedule, run the model, sample, scheduler.update_from_output.
+
+Single-threaded; services call it from their compute thread (shared/engine/engine_thread.py, through
+shared/engine/commands.py). What it composes, each the one owner of its concept: the scheduler (every
+request's state, held ones included, and postprocessing), the model runner (the KV pool and decode
+graphs), the sampler, the block manager, and the KV tiers below the device (shared/engine/kv_tiers.py).
+"""
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from shared.block_hash import root_hash
-from shared.prompt_check import check_prompt, check_token_ids
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
-from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.engine_stats import EngineStats, engine_stats
 from shared.engine.grammar import GrammarBackend
-from shared.engine.host_tier import HostTier
-from shared.protocol.events import BlockRemoved, BlockStored
-from shared.engine.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
-from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
+from shared.engine.kv_cache import kv_dtype
+from shared.engine.kv_pool_size import plan_num_blocks
+from shared.engine.kv_tiers import KVTiers
+from shared.engine.memory_budget import snapshot
 from shared.engine.model_runner import ModelRunner
-from shared.engine.profile_run import profile_run
-from shared.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
+from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprobs
+from shared.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from shared.engine.sampler import Sampler
-from shared.sampling_params import SamplingParams
-from shared.engine.scheduler import Scheduler
+from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
+from shared.engine.sequence import Sequence
 from shared.engine.step_metrics import CumulativeHistogram
-from shared.engine.sequence import Sequence, SequenceStatus
 from shared.models.loader import load_model
+from shared.prompt_check import check_prompt, check_token_ids
+from shared.sampling_params import SamplingParams
+
+__all__ = ["EngineStats", "LLMEngine", "Reservation"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Reservation:
-    num_cached_tokens: int  # prompt tokens already in this engine's prefix cache (whole blocks)
-    block_hashes: list[bytes]  # hashes of the prompt's full blocks that may be fetched (never the last token's)
-    num_blocks: int  # blocks reserved for the whole prompt
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    prefix_cache_queries: int = 0  # prompt tokens looked up in this engine's prefix cache (cumulative)
-    prefix_cache_hits: int = 0  # of those, tokens found (cumulative)
-    iteration_tokens: CumulativeHistogram | None = None  # tokens computed per step (cumulative)
-
-
-def _copy_blocks(cache: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
-    if cache.element_size() == 1:  # FP8: copied as bytes (CPU has no index_copy_ for float8)
-        cache.view(torch.uint8).index_copy_(0, ids, src.to(cache.device).view(torch.uint8))
-    else:
-        cache.index_copy_(0, ids, src.to(cache.device, cache.dtype))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config = c = config
         # Taken before the weights load: the memory budget needs what was free before this worker.
-        start = snapshot(config.device) if config.device.startswith("cuda") else None
-        self.model, self.model_config = load_model(
-            config.model, dtype=config.dtype, device=config.device, load_format=config.load_format,
-            seed=config.seed, max_positions=config.max_model_len, quantization=config.quantization,
-        )
+        start = snapshot(c.device) if c.device.startswith("cuda") else None
+        self.model, self.model_config = load_model(c.model, dtype=c.dtype, device=c.device, load_format=c.load_format,
+                                                   seed=c.seed, max_positions=c.max_model_len,
+                                                   quantization=c.quantization)
         mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = c.max_model_len or mc.max_position_embeddings
         self.dtype = next(self.model.parameters()).dtype
-        self.kv_dtype = kv_dtype(self.dtype, config.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, [], config.block_size, config.device)
-        self.sampler = Sampler(mc.eos_token_ids, config.seed, config.device)
-        self.num_blocks = self._plan_num_blocks(start)
-        self.runner.kv_caches = allocate_kv_cache(mc, self.num_blocks, config.block_size, self.kv_dtype,
-                                                  config.device)
+        self.kv_dtype = kv_dtype(self.dtype, c.kv_cache_dtype)
+        self.runner = ModelRunner(self.model, c.block_size, c.device)
+        self.sampler = Sampler(mc.eos_token_ids, c.seed, c.device)
+        self.num_blocks = plan_num_blocks(c, self.runner, self.sampler, self.kv_dtype, self.max_model_len, start)
+        self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
-        if config.device.startswith("cuda") and not config.enforce_eager:
-            self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, config.block_size,
-                                              self.max_model_len, config.max_num_seqs, config.device, capture=True,
-                                              block_tables=self.runner.tables)
-        model_id = config.model_id or Path(config.model).resolve().name
+        if c.device.startswith("cuda") and not c.enforce_eager:
+            self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
+        model_id = c.model_id or Path(c.model).resolve().name
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
         # Quantized weights compute different KV from the same dtype: their blocks hash apart too.
-        kv_kind = str(self.kv_dtype).removeprefix("torch.") + (f"/weights-{config.quantization}" if config.quantization else "")
-        root = root_hash(model_id, config.block_size, kv_kind, config.cache_salt)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, root, config.enable_prefix_caching)
-        self.host_tier = HostTier(config.host_kv_bytes) if config.host_kv_bytes > 0 else None
-        if self.host_tier is not None:
-            self.block_manager.evicted = []
-        # Blocks on their way to the kvstore under the eviction policy (track_for_offload): hash, K, V
-        # [layers, block_size, heads, dim] host copies. None: not tracked.
-        self.offload_out: list[tuple[bytes, torch.Tensor, torch.Tensor]] | None = None
-        # Spilled blocks whose device-to-host copies may still run: hashes, K, V, the copies' event (or None).
-        self._spills: list[tuple[list[bytes], torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
-        self._async_spills = config.device.startswith("cuda")  # on CPU there is nothing to overlap with
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.long_prefill_token_threshold)
-        self.seqs: dict[str, Sequence] = {}
-        self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
-        self.capture_kv: dict[str, int] = {}
+        kv_kind = str(self.kv_dtype).removeprefix("torch.") + (f"/weights-{c.quantization}" if c.quantization else "")
+        root = root_hash(model_id, c.block_size, kv_kind, c.cache_salt)
+        self.block_manager = BlockManager(self.num_blocks, c.block_size, root, c.enable_prefix_caching)
+        # Host tier, offload queue and spills: every tier below the device pool has this one owner.
+        self.tiers = KVTiers(self.block_manager, self.runner.gather_blocks, c.host_kv_bytes,
+                             async_copies=c.device.startswith("cuda"))
+        outputs = OutputProcessor(c.block_size, self.max_model_len, self.sampler.stop_ids, self.runner.read_blocks)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                   c.long_prefill_token_threshold, outputs)
         self.iteration_tokens = CumulativeHistogram()
         self._grammar: GrammarBackend | None = None
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
-                 config.block_size, self.dtype, self.kv_dtype)
-
-    def _plan_num_blocks(self, start: DeviceSnapshot | None) -> int:
-        """Explicit block count, else an explicit byte budget (or CPU's default), else the GPU memory budget."""
-        c, mc = self.config, self.model_config
-        if c.num_kv_blocks:
-            return c.num_kv_blocks
-        if start is None or c.kv_cache_bytes is not None:
-            return num_blocks_for(mc, c.block_size, self.kv_dtype, c.kv_cache_bytes)
-        device = torch.device(c.device)
-        weights = torch.cuda.memory_allocated(device)
-        peak = profile_run(self.runner, self.sampler, self.kv_dtype, c.max_num_batched_tokens, c.max_num_seqs,
-                           self.max_model_len)
-        now = snapshot(c.device)
-        # Growth of device memory in use that torch's allocator does not account for (cuBLAS, NCCL, ...).
-        non_torch = max(start.free_bytes - now.free_bytes - torch.cuda.memory_reserved(device), 0)
-        profile = MemoryProfile(start.total_bytes, start.free_bytes, weights, peak, non_torch,
-                                0 if c.enforce_eager else CUDA_GRAPH_RESERVE)
-        plan = plan_kv_pool(profile, c.gpu_memory_utilization, bytes_per_block(mc, c.block_size, self.kv_dtype),
-                            -(-self.max_model_len // c.block_size))
-        log.info("memory: %s", plan.describe(profile))
-        return plan.num_blocks
+                 c.block_size, self.dtype, self.kv_dtype)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -153,127 +101,31 @@ class LLMEngine:
         self._track(seq, capture_kv_from_block)
         self.scheduler.add(seq)
 
-    # --- KV that arrives from elsewhere (kvstore, a prefill worker) ---------------------------------
-
     def reserve(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int = 0,
                 arrival_time: float | None = None, capture_kv_from_block: int | None = None) -> Reservation | None:
-        """Admit a request without scheduling it: match the prefix cache and allocate blocks for the
-        whole prompt, so KV computed elsewhere can be written in. None when the pool is too full now
-        (the caller then falls back to add_request). Held sequences wait for commit_held/release_held.
-        """
+        """Admit a request to wait for KV from elsewhere (a prefill worker, the kvstore) with blocks for its
+        whole prompt: Scheduler.hold. None when the pool is too full now (the caller then falls back to
+        add_request). Held requests wait for commit_held/release_held."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, priority, arrival_time)
-        computed = self.block_manager.get_computed_blocks(seq)
-        if not self.block_manager.allocate(seq, seq.num_tokens - len(computed) * self.config.block_size, computed):
-            return None
-        self._track(seq, capture_kv_from_block)
-        self.held[request_id] = seq
-        bs = self.config.block_size
-        return Reservation(seq.num_computed_tokens, list(seq.block_hashes[: (seq.num_tokens - 1) // bs]),
-                           len(seq.block_table))
+        res = self.scheduler.hold(seq)
+        if res is not None:
+            self._track(seq, capture_kv_from_block)
+        return res
 
     def write_blocks(self, request_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
                      first_layer: int = 0) -> None:
         """Write K/V ([layers, n, block_size, kv_heads, head_dim], layers from first_layer on) into a held
         request's logical blocks."""
-        self.spill_evicted()  # the blocks about to be written may be ones just given up by the cache
-        seq = self.held[request_id]
+        self.tiers.spill()  # the blocks about to be written may be ones just given up by the cache
+        seq = self.scheduler.held[request_id]
         n = k.shape[1]
         if first_block < 0 or first_block + n > len(seq.block_table):
             raise ValueError(f"blocks [{first_block}, {first_block + n}) outside the {len(seq.block_table)} reserved")
-        ids = torch.tensor(seq.block_table[first_block : first_block + n], device=self.config.device)
-        layers = self.runner.kv_caches[first_layer : first_layer + k.shape[0]]
-        expected = (len(layers), n, *self.runner.kv_caches[0][0].shape[1:])
-        if not layers or tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)} from layer {first_layer}, "
-                             f"expected {expected}")
-        if k.dtype != self.kv_dtype and torch.float8_e4m3fn in (k.dtype, self.kv_dtype):
-            # Converting to or from FP8 here would drop the scales; the hash root keeps the kvstore from
-            # mixing them, and a prefill worker must run the same --kv-cache-dtype as its decode workers.
-            raise ValueError(f"KV blocks in {k.dtype} cannot be written into a {self.kv_dtype} cache")
-        for i, (kc, vc) in enumerate(layers):
-            _copy_blocks(kc, ids, k[i])
-            _copy_blocks(vc, ids, v[i])
-
-    def track_for_offload(self) -> None:
-        """Offload by eviction (shared/engine/offload.py): remember blocks the device gives up (or the host
-        tier drops) and prefixes that get reused, for the worker to send to the kvstore."""
-        if self.block_manager.evicted is None:
-            self.block_manager.evicted = []
-        self.block_manager.reused = []
-        self.offload_out = []
-
-    def spill_evicted(self, wait: bool = True) -> None:
-        """Copy the cached blocks the block manager gave up since the last call down a tier (the host
-        tier, else the offload queue), while their KV is still intact (nothing has written into them).
-
-        On CUDA the blocks are gathered on the device and copied into pinned host memory without blocking,
-        ordered before the forward that will overwrite them; with wait=False (a step) they reach the tier at
-        the end of the step (finish_spills), by when the copy has long run, while the forward still does."""
-        bm = self.block_manager
-        if bm.evicted and (self.host_tier is not None or self.offload_out is not None):
-            evicted, bm.evicted = bm.evicted, []
-            k, v, ready = self._read_blocks_async([b for _, b in evicted])
-            self._spills.append(([h for h, _ in evicted], k, v, ready))
-        if wait or not self._async_spills:
-            self.finish_spills()
-
-    def finish_spills(self) -> None:
-        """Hand the spilled blocks to the host tier (or the offload queue) once their copies have run."""
-        spills, self._spills = self._spills, []
-        bm = self.block_manager
-        for hashes, k, v, ready in spills:
-            if ready is not None:
-                ready.synchronize()
-                k, v = k.clone(), v.clone()  # pinned staging -> ordinary memory: the tier can be large
-            if self.host_tier is None:
-                assert self.offload_out is not None
-                self.offload_out.extend((h, k[:, i], v[:, i]) for i, h in enumerate(hashes))
-                continue
-            stored, dropped = self.host_tier.put(hashes, k, v)
-            if self.offload_out is not None:
-                self.offload_out.extend(dropped)  # out of the host tier: on down to the kvstore
-            # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
-            if dropped:
-                bm.events.append(BlockRemoved(hashes=[h for h, _, _ in dropped], tier="host"))
-            if stored:
-                bm.events.append(BlockStored(hashes=stored, tier="host"))
-
-    def _read_blocks_async(self, block_ids: Seq[int]):
-        """(K, V, event): host copies of physical blocks as read_blocks, on CUDA pinned and still in flight
-        until the event completes; on CPU done (event None)."""
-        k, v = self._gather_blocks(block_ids)
-        if not k.is_cuda:
-            return k, v, None
-        k_host = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-        v_host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-        k_host.copy_(k, non_blocking=True)
-        v_host.copy_(v, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return k_host, v_host, ready
+        self.runner.write_blocks(seq.block_table[first_block : first_block + n], k, v, first_layer)
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
-        k, v = self._gather_blocks(block_ids)
-        return k.cpu(), v.cpu()
-
-    def _gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.config.device)
-        caches = self.runner.kv_caches
-        # Gathered straight into one tensor per K and V (not gathered per layer, then stacked: a second
-        # copy of every byte; 2.5 against 4.5 ms for a 2,048-token prompt's 33.6 MB on the CPU machine).
-        k = caches[0][0].new_empty((len(caches), len(ids), *caches[0][0].shape[1:]))
-        v = torch.empty_like(k)
-        for i, (kc, vc) in enumerate(caches):
-            torch.index_select(kc, 0, ids, out=k[i])
-            torch.index_select(vc, 0, ids, out=v[i])
-        return k, v
-
-    def read_request_blocks(self, request_id: str, first_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of a live request's logical blocks from first_block to its last (partial) prompt block."""
-        seq = self.seqs[request_id]
-        last = self.block_manager.blocks_for(seq.num_prompt_tokens)
-        return self.read_blocks(seq.block_table[first_block:last])
+        return self.runner.read_blocks(block_ids)
 
     def commit_held(self, request_id: str, num_computed_tokens: int, first_token: int | None = None,
                     logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
@@ -282,29 +134,25 @@ class LLMEngine:
         With first_token (a remote prefill computed the whole prompt and sampled it), the token becomes
         the first output and the returned RequestOutput carries it.
         """
-        seq = self.held.pop(request_id)
-        assert num_computed_tokens <= seq.num_tokens
-        seq.num_computed_tokens = num_computed_tokens
-        self.block_manager.cache_full_blocks(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.add_running(seq)
+        seq = self.scheduler.commit(request_id, num_computed_tokens)
         if first_token is None:
             return None
         assert num_computed_tokens == seq.num_tokens, "a remote first token needs the whole prompt computed"
         # Keep seeded sampling identical to a local run: the prefill worker used the first draw.
         self.sampler.skip_draw(seq, self.model_config.vocab_size)
-        return self._append_token(seq, first_token, logprobs, time.time())
+        return self.scheduler.append_token(seq, first_token, logprobs, time.time())
 
     def release_held(self, request_id: str) -> None:
         """Give up on KV from elsewhere: free the reserved blocks and queue the request to run locally."""
-        seq = self.held.pop(request_id)
-        self.block_manager.free_blocks(seq)
-        self.scheduler.add(seq)
+        self.scheduler.release(request_id)
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self.scheduler.held
 
     def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, priority: int,
                       arrival_time: float | None) -> Sequence:
         """A validated sequence the engine does not know yet (raises ValueError, changing nothing)."""
-        if request_id in self.seqs:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
@@ -320,24 +168,16 @@ class LLMEngine:
         return self._grammar
 
     def _track(self, seq: Sequence, capture_kv_from_block: int | None) -> None:
-        self.seqs[seq.request_id] = seq
+        self.scheduler.requests[seq.request_id] = seq
         if capture_kv_from_block is not None:
-            self.capture_kv[seq.request_id] = capture_kv_from_block
+            self.scheduler.outputs.capture_kv[seq.request_id] = capture_kv_from_block
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
-            return None
-        if self.held.pop(request_id, None) is not None:
-            self.block_manager.free_blocks(seq)
-        self.scheduler.finish(seq)
-        self.capture_kv.pop(request_id, None)
-        seq.finish_reason = "abort"
-        seq.finished_time = time.time()
-        return self._output(seq, [])
+        seq = self.scheduler.abort(request_id)
+        return None if seq is None else OutputProcessor.output(seq, [])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.held)
+        return self.scheduler.has_unfinished() or bool(self.scheduler.held)
 
     def has_work(self) -> bool:
         """Whether step() would compute anything (held requests wait for KV, not for steps)."""
@@ -348,26 +188,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         # Before the forward overwrites blocks this schedule took from the cache; they reach the tier at the end.
-        self.spill_evicted(wait=False)
+        self.tiers.spill(wait=False)
         try:
             return self._step(plan)
         finally:
-            self.finish_spills()
+            self.tiers.finish_spills()
 
-    def _step(self, plan) -> list[RequestOutput]:
+    def _step(self, plan: SchedulerOutput) -> list[RequestOutput]:
         if plan.is_empty:
             return []
-        step_start = time.time()
+        now = time.time()
         self.iteration_tokens.observe(plan.num_batched_tokens)
         for seq, _ in plan.scheduled:
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = step_start
+                seq.first_scheduled_time = now
         # A sequence samples when this step brings its computed tokens up to all its tokens.
         sampling = [(i, s) for i, (s, n) in enumerate(plan.scheduled) if s.num_computed_tokens + n == s.num_tokens]
-        last_row, end = [], 0
-        for _, n in plan.scheduled:
-            end += n
-            last_row.append(end - 1)
+        last_row = [end - 1 for end in accumulate(n for _, n in plan.scheduled)]
         rows = [last_row[i] for i, _ in sampling]
         prompt_rows = prompt_logprob_rows(plan.scheduled, last_row)
         if prompt_rows:
@@ -376,106 +213,12 @@ class LLMEngine:
         else:
             logits = self.runner.execute(plan.scheduled, rows)
         # On CUDA the forward is still running here: the grammar masks are filled on the host meanwhile.
-        bitmask = self._token_bitmask([s for _, s in sampling])
-        for seq, n in plan.scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        pieces = self._captured_pieces(plan.scheduled)
-        if not rows:
-            return pieces
-        now = time.time()
-        samples = self.sampler.sample(logits, [s for _, s in sampling], token_bitmask=bitmask)
-        return pieces + [self._append_token(seq, token, lp, now) for (_, seq), (token, lp) in zip(sampling, samples)]
-
-    def _captured_pieces(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
-        """For prefill-only requests still computing their prompt: the K/V of the blocks this step
-        completed, as an unfinished output, so they travel while the next chunk computes (the rest,
-        the last partial block included, comes with the finished output of the step that samples)."""
-        pieces = []
-        for seq, _ in scheduled:
-            start = self.capture_kv.get(seq.request_id)
-            if start is None or seq.num_computed_tokens == seq.num_tokens:  # sampling now: finishes below
-                continue
-            done = seq.num_computed_tokens // self.config.block_size
-            if done <= start:
-                continue
-            out = self._output(seq, [])
-            out.kv_blocks = self.read_blocks(seq.block_table[start:done])
-            out.kv_first_block = start
-            self.capture_kv[seq.request_id] = done
-            pieces.append(out)
-        return pieces
-
-    def _token_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        rows = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
-        if not rows:
-            return None
-        mask = self.grammar().allocate(len(seqs))
-        for i, matcher in rows:
-            matcher.fill_next_token_bitmask(mask, i)
-        return mask
-
-    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
-        seq.token_ids.append(token)
-        if seq.matcher is not None and not seq.matcher.is_terminated():
-            seq.matcher.accept_token(token)
-        if lp is not None:
-            seq.logprobs.append(lp)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        reason = self._finish_reason(seq, token)
-        kv = None
-        if reason is not None:
-            if seq.request_id in self.capture_kv:
-                # Prefill-only requests hand their prompt KV out before the blocks are freed.
-                kv_first_block = self.capture_kv.pop(seq.request_id)
-                kv = self.read_request_blocks(seq.request_id, kv_first_block)
-            seq.finish_reason = reason
-            seq.finished_time = now
-            self.scheduler.finish(seq)
-            del self.seqs[seq.request_id]
-        out = self._output(seq, [token])
-        if kv is not None:
-            out.kv_blocks, out.kv_first_block = kv, kv_first_block
-        return out
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if seq.matcher is not None and seq.matcher.is_terminated():
-            return "stop"  # the grammar is complete (it accepted a stop token)
-        if seq.num_output_tokens >= p.min_tokens and token in self.sampler.stop_ids(seq):
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        """A finished output carries everything; a streamed one only what a stream sends (its new tokens and
-        their logprobs, the prompt logprobs with the first token): copying each sequence's prompt and output
-        on every token was most of a decode step's host time at batch 128 and 4k-token prompts."""
-        done = seq.is_finished
-        first = bool(new) and seq.num_output_tokens == len(new)
-        logprobs = None
-        if seq.params.logprobs is not None:
-            logprobs = list(seq.logprobs) if done else (seq.logprobs[-len(new):] if new else [])
-        prompt_logprobs = None
-        if seq.params.prompt_logprobs is not None and (done or first):
-            prompt_logprobs = list(seq.prompt_logprobs) or [None]
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids if done else [],
-            output_token_ids=seq.output_token_ids if done else [],
-            new_token_ids=new,
-            finished=done,
-            finish_reason=seq.finish_reason,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=seq.num_cached_tokens,
-            arrival_time=seq.arrival_time,
-            first_scheduled_time=seq.first_scheduled_time,
-            first_token_time=seq.first_token_time,
-            finished_time=seq.finished_time,
-        )
+        seqs = [s for _, s in sampling]
+        matchers = [s.matcher for s in seqs]
+        bitmask = self.grammar().token_bitmask(matchers) if any(m is not None for m in matchers) else None
+        samples = self.sampler.sample(logits, seqs, token_bitmask=bitmask) if rows else []
+        sampled = [(seq, token, lp) for seq, (token, lp) in zip(seqs, samples)]
+        return self.scheduler.update_from_output(plan, sampled, time.time())
 
     # --- offline --------------------------------------------------------------------------------
 
@@ -498,21 +241,10 @@ class LLMEngine:
     # --- introspection --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting + len(self.held),
-            free_blocks=bm.num_free_blocks,
-            total_blocks=bm.num_blocks,
-            prefix_cache_hit_rate=bm.hits / bm.queries if bm.queries else 0.0,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=bm.queries,
-            prefix_cache_hits=bm.hits,
-            iteration_tokens=CumulativeHistogram(self.iteration_tokens.buckets, list(self.iteration_tokens.counts),
-                                                 self.iteration_tokens.total),
-        )
+        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens)
 
     def check_integrity(self) -> None:
-        live = self.scheduler.sequences() + list(self.held.values())
+        live = self.scheduler.sequences()
         self.block_manager.check_integrity(live)
-        assert set(self.seqs) == {s.request_id for s in live}
+        assert set(self.scheduler.requests) == {s.request_id for s in live}
+

@@ -9,6 +9,10 @@ device: the logits come back on it, and the sampler's single copy of sampled ids
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from itertools import accumulate
 
 import torch
 
@@ -17,6 +21,7 @@ from kernels.extend_attention import tune_extend_tiles
 from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.block_tables import BlockTables
 from shared.engine.cuda_graphs import DecodeGraphs
+from shared.engine.kv_cache import KVCaches, allocate_kv_cache, gather_blocks, write_blocks
 from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
 from shared.models.llama import LlamaFamilyForCausalLM
@@ -91,16 +96,53 @@ class StepBuffers:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaFamilyForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: str) -> None:
+    """Owns what a step runs on: the paged KV pool and the decode graphs over it (both built here)."""
+
+    def __init__(self, model: LlamaFamilyForCausalLM, block_size: int, device: str) -> None:
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_caches: KVCaches = []  # none until allocate_kv_cache (the memory profile runs before)
         self.block_size = block_size
         self.device = device
         self.sliding_window = model.cfg.sliding_window
         self.buffers = StepBuffers(device)
         self.tables = BlockTables()  # every running sequence's block table, kept across steps
-        self.graphs: DecodeGraphs | None = None  # set by the engine once the KV pool exists (CUDA only)
+        self.graphs: DecodeGraphs | None = None  # built by use_decode_graphs once the KV pool exists
+
+    # --- the KV pool and the graphs over it ----------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        self.kv_caches = allocate_kv_cache(self.model.cfg, num_blocks, self.block_size, dtype, self.device)
+
+    @contextmanager
+    def temporary_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> Iterator[int]:
+        """A KV pool for a dummy step (the memory profile), in place of the real one until the block ends;
+        yields its size in bytes."""
+        real = self.kv_caches
+        self.allocate_kv_cache(num_blocks, dtype)
+        try:
+            yield sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
+        finally:
+            self.kv_caches = real
+
+    def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True) -> DecodeGraphs:
+        """Decode steps go through static padded buffers from now on, captured as CUDA graphs when capture
+        (capture=False runs the same path eagerly: what CPU tests and benches check)."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs,
+                                   self.device, capture=capture, block_tables=self.tables)
+        return self.graphs
+
+    def gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_blocks(self.kv_caches, block_ids)
+
+    def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""
+        k, v = gather_blocks(self.kv_caches, block_ids)
+        return k.cpu(), v.cpu()
+
+    def write_blocks(self, block_ids: Seq[int], k: torch.Tensor, v: torch.Tensor, first_layer: int = 0) -> None:
+        write_blocks(self.kv_caches, block_ids, k, v, first_layer)
+
+    # --- a step ---------------------------------------------------------------------------------
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -119,11 +161,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         new_row: dict[int, int] = {}  # old row (plan order) -> new row (step order)
-        old_start = []
-        at = 0
-        for _, n in plan:
-            old_start.append(at)
-            at += n
+        old_start = list(accumulate((n for _, n in plan), initial=0))  # each sequence's first row, plan order
         qstart = [0]
         pctx: list[int] = []
         prows: list[int] = []

@@ -1,18 +1,9 @@
-"""Offload of KV blocks to the kvstore, shared by decode and prefill workers; two policies.
+"""Sending offloaded KV blocks to the kvstore, shared by decode and prefill workers.
 
-eviction (the default): blocks flow down the tiers as they are pushed out. What the device pool gives
-  up goes to the host tier (shared/engine/host_tier.py) when there is one, and what that drops goes
-  on to the kvstore; without a host tier, evicted blocks go to the kvstore directly. A prefix that a
-  second request reuses is sent at once: a shared prefix is the one other workers will want, and
-  it should not wait for memory pressure. Blocks computed once and never pushed out cost nothing.
-write-through: every newly cached block is sent right after the step that filled it, so a prefix
-  computed on one worker is in the kvstore before another asks (what the first milestone did). At
-  real block sizes (2 MB per block for an 8B model) this floods the kvstore; use it when cross-worker
-  reuse of one-off prompts matters more than bandwidth.
-
-Blocks are copied out on the engine thread (collect), then sent from the event loop (Offloader).
-Best effort with a bound on puts in flight: a slow kvstore drops offloads (counted), never requests,
-and never slows the engine.
+What to send, and when (the eviction and write-through policies), is decided by the engine's KV tiers
+(shared/engine/kv_tiers.py, collect), on the engine thread; the Offloader here sends it from the event
+loop. Best effort with a bound on puts in flight: a slow kvstore drops offloads (counted), never
+requests, and never slows the engine.
 """
 from __future__ import annotations
 
@@ -23,9 +14,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from shared.engine.llm_engine import LLMEngine
-from shared.protocol.events import BlockEvent, BlockStored
 
 log = logging.getLogger(__name__)
 
@@ -51,53 +39,6 @@ class OffloadBatch:
 
 
 POLICIES = ("eviction", "write-through")
-
-
-def collect(engine: LLMEngine, events: list[BlockEvent], client: BlockStore,
-            policy: str = "eviction") -> OffloadBatch | None:
-    """Engine thread, after a step: the blocks to send now that the kvstore lacks, with host copies."""
-    if policy == "eviction":
-        return _collect_evicted(engine, client)
-    return _collect_stored(engine, events, client)
-
-
-def _collect_evicted(engine: LLMEngine, client: BlockStore) -> OffloadBatch | None:
-    out, engine.offload_out = engine.offload_out or [], []
-    bm = engine.block_manager
-    reused, bm.reused = bm.reused or [], []
-    items = {h: (k, v) for h, k, v in out if client.needs_offload(h)}
-    fresh: dict[bytes, int] = {}
-    for h, block_id in reused:  # in use by the request that reused them: their KV is intact
-        if h not in items and client.needs_offload(h):
-            fresh[h] = block_id
-    if fresh:
-        k, v = engine.read_blocks(list(fresh.values()))
-        items.update({h: (k[:, i], v[:, i]) for i, h in enumerate(fresh)})
-    if not items:
-        return None
-    hashes = list(items)
-    k = torch.stack([items[h][0] for h in hashes], dim=1)
-    v = torch.stack([items[h][1] for h in hashes], dim=1)
-    return OffloadBatch(hashes, [None] * len(hashes), k, v)
-
-
-def _collect_stored(engine: LLMEngine, events: list[BlockEvent], client: BlockStore) -> OffloadBatch | None:
-    """Copy out the KV of blocks stored by this step that the kvstore lacks."""
-    hashes: list[bytes] = []
-    parents: list[bytes | None] = []
-    block_ids: list[int] = []
-    for e in events:
-        if not isinstance(e, BlockStored):
-            continue
-        for i, (h, block_id) in enumerate(zip(e.hashes, e.block_ids)):
-            if client.needs_offload(h):
-                hashes.append(h)
-                parents.append(e.hashes[i - 1] if i else e.parent)
-                block_ids.append(block_id)
-    if not hashes:
-        return None
-    k, v = engine.read_blocks(block_ids)
-    return OffloadBatch(hashes, parents, k, v)
 
 
 class Offloader:

@@ -2,14 +2,14 @@
 prompt logprobs over every row of it (the same sliced path the engine takes), then max_num_seqs rows through
 the sampler with every filter on. On CUDA it returns the peak memory the step needed above what was
 allocated before it (the memory budget's activation term); anywhere it also serves as a warm-up. It runs on
-a temporary KV cache of its own, allocated after the "before" reading and subtracted once from the peak."""
+a temporary KV cache the runner swaps in for it (ModelRunner.temporary_kv_cache), allocated after the
+"before" reading and subtracted once from the peak."""
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
 
-from shared.engine.kv_cache import allocate_kv_cache
 from shared.engine.model_runner import ModelRunner
 from shared.engine.prompt_logprobs import record_prompt_logprobs
 from shared.engine.sampler import Sampler
@@ -49,7 +49,7 @@ class CudaMemory:
 def profile_run(runner: ModelRunner, sampler: Sampler, kv_dtype: torch.dtype, max_num_batched_tokens: int,
                 max_num_seqs: int, max_model_len: int, memory: MemoryCounter | None = None) -> int:
     """Peak bytes of one worst-case step above the memory allocated before it (0 without a counter: off CUDA)."""
-    cfg, bs, device = runner.model.cfg, runner.block_size, runner.device
+    bs, device = runner.block_size, runner.device
     if memory is None and device.startswith("cuda"):
         memory = CudaMemory(device)
     plan: list[tuple[Sequence, int]] = []
@@ -72,24 +72,22 @@ def profile_run(runner: ModelRunner, sampler: Sampler, kv_dtype: torch.dtype, ma
     worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
                            logprobs=MAX_TOP_LOGPROBS)
     samplers = [Sequence(f"profile-s{i}", [0], worst) for i in range(len(rows))]
-    kv_caches = runner.kv_caches
+    before = 0
     if memory is not None:
         memory.sync()
         before = memory.allocated()  # weights and whatever else lives on; the temporary cache comes next
-    runner.kv_caches = allocate_kv_cache(cfg, next_block, bs, kv_dtype, device)
     try:
-        temp_cache = sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer)
-        if memory is not None:
-            memory.reset_peak()
-        logits, hidden = runner.execute_rows(plan, rows, [r for r, _, _ in prompt_rows])
-        record_prompt_logprobs(runner.model.compute_logits, hidden, prompt_rows)
-        del hidden
-        sampler.sample(logits, samplers)
-        if memory is None:
-            return 0
-        memory.sync()
-        return max(memory.peak() - before - temp_cache, 0)
+        with runner.temporary_kv_cache(next_block, kv_dtype) as temp_cache:
+            if memory is not None:
+                memory.reset_peak()
+            logits, hidden = runner.execute_rows(plan, rows, [r for r, _, _ in prompt_rows])
+            record_prompt_logprobs(runner.model.compute_logits, hidden, prompt_rows)
+            del hidden
+            sampler.sample(logits, samplers)
+            if memory is None:
+                return 0
+            memory.sync()
+            return max(memory.peak() - before - temp_cache, 0)
     finally:
-        runner.kv_caches = kv_caches
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

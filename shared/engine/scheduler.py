@@ -1,13 +1,20 @@
 """Continuous batching without phases: each step gives every running sequence the tokens it still
 needs (a whole prompt, a chunk of one, or one decode token) within a token budget, then admits
 waiting sequences by priority. Returns a plan; does no I/O and runs no model.
+
+It also holds every live request's state: held (blocks reserved, waiting for KV computed elsewhere),
+waiting, running; and after a step, update_from_output turns the sampled tokens into outputs
+(shared/engine/output_processor.py) and frees what finished.
 """
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.output_processor import OutputProcessor
+from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.engine.sequence import Sequence, SequenceStatus
 
 
@@ -25,10 +32,20 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class Reservation:
+    num_cached_tokens: int  # prompt tokens already in this engine's prefix cache (whole blocks)
+    block_hashes: list[bytes]  # hashes of the prompt's full blocks that may be fetched (never the last token's)
+    num_blocks: int  # blocks reserved for the whole prompt
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0, outputs: OutputProcessor | None = None) -> None:
         self.bm = block_manager
+        self.outputs = outputs  # the engine's; a scheduler that only plans (tests) needs none
+        self.requests: dict[str, Sequence] = {}  # every live request, whatever its state
+        self.held: dict[str, Sequence] = {}  # reserved, waiting for KV from elsewhere
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens  # prompt tokens of one request per step
@@ -40,6 +57,34 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, (seq.sort_key(), seq))
+
+    # --- requests waiting for KV from elsewhere -------------------------------------------------
+
+    def hold(self, seq: Sequence) -> Reservation | None:
+        """Match the prefix cache and allocate blocks for the whole prompt without scheduling, so KV computed
+        elsewhere can be written in. None when the pool is too full now (nothing changes)."""
+        computed = self.bm.get_computed_blocks(seq)
+        if not self.bm.allocate(seq, seq.num_tokens - len(computed) * self.bm.block_size, computed):
+            return None
+        seq.status = SequenceStatus.HELD
+        self.held[seq.request_id] = seq
+        full = (seq.num_tokens - 1) // self.bm.block_size
+        return Reservation(seq.num_computed_tokens, list(seq.block_hashes[:full]), len(seq.block_table))
+
+    def commit(self, request_id: str, num_computed_tokens: int) -> Sequence:
+        """A held request's first num_computed_tokens are in place: it joins the running batch."""
+        seq = self.held.pop(request_id)
+        assert num_computed_tokens <= seq.num_tokens
+        seq.num_computed_tokens = num_computed_tokens
+        self.bm.cache_full_blocks(seq)
+        self.add_running(seq)
+        return seq
+
+    def release(self, request_id: str) -> None:
+        """Give up on KV from elsewhere: free the reserved blocks and queue the request to run here."""
+        seq = self.held.pop(request_id)
+        self.bm.free_blocks(seq)
+        self.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence admitted elsewhere (blocks already allocated) joins the running batch."""
@@ -55,10 +100,53 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
+        """Whether a step has anything to compute (held requests wait for KV, not for steps)."""
         return bool(self.waiting or self.running)
 
     def sequences(self) -> list[Sequence]:
-        return [s for _, s in self.running] + [s for _, s in self.waiting]
+        """Every live request, held ones included."""
+        return [s for _, s in self.running] + [s for _, s in self.waiting] + list(self.held.values())
+
+    # --- after a step ---------------------------------------------------------------------------
+
+    def update_from_output(self, plan: SchedulerOutput, sampled: list[tuple[Sequence, int, TokenLogprobs | None]],
+                           now: float) -> list[RequestOutput]:
+        """The step computed plan's tokens and sampled `sampled`: advance, cache, append, finish, free."""
+        assert self.outputs is not None
+        for seq, n in plan.scheduled:
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+        pieces = self.outputs.captured_pieces(plan.scheduled)
+        return pieces + [self.append_token(seq, token, lp, now) for seq, token, lp in sampled]
+
+    def append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
+        assert self.outputs is not None
+        reason = self.outputs.append_token(seq, token, lp, now)
+        kv = None
+        if reason is not None:
+            kv = self.outputs.take_prompt_kv(seq)  # prefill-only requests: before the blocks are freed
+            seq.finish_reason = reason
+            seq.finished_time = now
+            self.finish(seq)
+            del self.requests[seq.request_id]
+        out = self.outputs.output(seq, [token])
+        if kv is not None:
+            out.kv_blocks, out.kv_first_block = kv
+        return out
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request wherever it is (held, waiting or running) and free its blocks."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if self.held.pop(request_id, None) is not None:
+            self.bm.free_blocks(seq)
+        self.finish(seq)
+        if self.outputs is not None:
+            self.outputs.capture_kv.pop(request_id, None)
+        seq.finish_reason = "abort"
+        seq.finished_time = time.time()
+        return seq
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence from whichever queue holds it and free its blocks."""

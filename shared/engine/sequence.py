@@ -15,6 +15,7 @@ from shared.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    HELD = "held"  # blocks reserved, waiting for its KV from elsewhere (a prefill worker, the kvstore)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from shared.kv_transport.outgoing import OutgoingTransfer
 
 # write(first_logical_block, k, v, first_layer) with k, v [layers, blocks, block_size, kv_heads, head_dim];
 # a chunk may carry a range of layers when one block of all layers does not fit in a message.
@@ -22,6 +19,22 @@ BlockWriter = Callable[[int, torch.Tensor, torch.Tensor, int], Awaitable[None]]
 
 class TransferError(Exception):
     """A transfer failed (timeout, bad checksum, missing chunk, receiver gone); decode recomputes."""
+
+
+class DirectUnavailable(TransferError):
+    """The receiver's endpoint cannot be reached: nothing was sent, another path may be tried."""
+
+
+class PiecewiseSend(Protocol):
+    """A transfer sent in pieces as they are computed (outgoing.py's OutgoingTransfer is the one)."""
+
+    def push(self, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    async def finish(self, first_block: int, k: torch.Tensor, v: torch.Tensor) -> int: ...
+
+    def add_done_callback(self, fn: Callable[[bool], None]) -> None: ...
+
+    async def cancel(self) -> None: ...
 
 
 class KVTransport(abc.ABC):
@@ -39,7 +52,7 @@ class KVTransport(abc.ABC):
 
     @abc.abstractmethod
     def open_transfer(self, dest_worker: str, transfer_id: str, deadline_s: float, endpoint: str | None = None,
-                      token: bytes = b"") -> "OutgoingTransfer":
+                      token: bytes = b"") -> PiecewiseSend:
         """A transfer sent in pieces as they are computed (outgoing.py): push() each chunk's blocks,
         finish() with the last ones."""
 

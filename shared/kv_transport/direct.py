@@ -24,7 +24,7 @@ import torch
 from opentelemetry import propagate, trace
 
 from shared.kv_transport import shm_ring
-from shared.kv_transport.base import TransferError
+from shared.kv_transport.base import DirectUnavailable, TransferError
 from shared.kv_transport.frames import (FrameError, as_bytes, digest, discard, header, kv_views, recv_header,
                                         recv_into, send_all)
 from shared.kv_transport.incoming import TransferRegistry
@@ -44,10 +44,6 @@ class DirectSettings:
     slots: int = 8  # frames in flight per connection (shared-memory slots, or inline frames)
     max_frame_bytes: int = 256 << 20  # the receiver refuses bigger frames (a bound on its memory)
     shared_memory: bool = True  # offer a ring when the peer may share the host
-
-
-class DirectUnavailable(TransferError):
-    """The receiver's endpoint cannot be reached: nothing was sent, another path may be tried."""
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

@@ -15,14 +15,26 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from shared.kv_transport.base import TransferError
-from shared.kv_transport.direct import DirectSender, DirectUnavailable
+from shared.kv_transport.base import DirectUnavailable, TransferError
 
 # send(first_block, k, v, deadline_s) over the bus: every block at once (the fallback)
 BusSend = Callable[[int, torch.Tensor, torch.Tensor, float], Awaitable[int]]
+
+
+class DirectChannel(Protocol):
+    """The direct path to a receiver (direct.py's DirectSender), named here by what a transfer uses of it
+    so this module does not depend on the channel's implementation."""
+
+    async def connect(self, endpoint: str) -> None: ...
+
+    async def send(self, endpoint: str, token: bytes, transfer_id: str, first_block: int, k: torch.Tensor,
+                   v: torch.Tensor, deadline_s: float, first_seq: int = 0, final: bool = True) -> int: ...
+
+    def num_frames(self, k: torch.Tensor) -> int: ...
 
 
 @dataclass
@@ -47,7 +59,7 @@ class _Piece:
 
 
 class OutgoingTransfer:
-    def __init__(self, transfer_id: str, deadline_s: float, bus_send: BusSend, direct: DirectSender | None = None,
+    def __init__(self, transfer_id: str, deadline_s: float, bus_send: BusSend, direct: DirectChannel | None = None,
                  endpoint: str | None = None, token: bytes = b"") -> None:
         self.transfer_id = transfer_id
         self._deadline = time.monotonic() + deadline_s

@@ -3,8 +3,8 @@
 Everything kvmesh loads (weights, config, tokenizer, chat template, generation defaults) is then
 the same files a Hugging Face checkpoint has, so the loader, the tokenizer service and the gateway
 need no GGUF code of their own. The file is read with the `gguf` package; weights are dequantized
-with its numpy dequantizer (docs/architecture.md, "GGUF checkpoints", says why that one) and written
-as float32 safetensors: dequantized values are exact in float32, and the engine rounds them to the
+with its numpy dequantizer (loadtest/results/README.md, "Figures behind design choices", says why)
+and written as float32 safetensors: dequantized values are exact in float32, and the engine rounds them to the
 serving dtype at load. This module imports numpy and gguf, never torch; the tokenizer comes through
 transformers' GGUF tokenizer conversion (tokenizers only).
 """

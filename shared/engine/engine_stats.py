@@ -1,0 +1,37 @@
+"""A snapshot of an engine's load and cache figures, taken between steps (what load beats publish)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.scheduler import Scheduler
+from shared.engine.step_metrics import CumulativeHistogram
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int  # held requests (waiting for KV from elsewhere) included
+    free_blocks: int
+    total_blocks: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in this engine's prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of those, tokens found (cumulative)
+    iteration_tokens: CumulativeHistogram | None = None  # tokens computed per step (cumulative)
+
+
+def engine_stats(scheduler: Scheduler, bm: BlockManager, iteration_tokens: CumulativeHistogram) -> EngineStats:
+    """Copies, not views: the snapshot crosses to the event loop while the engine steps on."""
+    return EngineStats(
+        running=scheduler.num_running,
+        waiting=scheduler.num_waiting + len(scheduler.held),
+        free_blocks=bm.num_free_blocks,
+        total_blocks=bm.num_blocks,
+        prefix_cache_hit_rate=bm.hits / bm.queries if bm.queries else 0.0,
+        num_preemptions=scheduler.num_preemptions,
+        prefix_cache_queries=bm.queries,
+        prefix_cache_hits=bm.hits,
+        iteration_tokens=CumulativeHistogram(iteration_tokens.buckets, list(iteration_tokens.counts),
+                                             iteration_tokens.total),
+    )
