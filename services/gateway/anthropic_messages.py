@@ -16,7 +16,7 @@ from pydantic import Field, StrictBool
 
 from services.gateway.choice import Delta
 from services.gateway.errors import bad_request
-from services.gateway.responses import Formatter
+from services.gateway.formatters import Formatter
 from services.gateway.schemas import ChatCompletionRequest, Usage, _Request
 from services.gateway.tools import ParsedCall, ToolPlan, ToolStream
 
