@@ -154,3 +154,17 @@ def test_beats_inconsistent_with_their_subject_or_the_model_are_ignored() -> Non
     assert "inconsistent" in beat_problem(ok.model_copy(update={"free_blocks": 30}), subjects.decode_load("d0"), 512,
                                           "decode")
     assert "prefill subject" in beat_problem(ok, subjects.prefill_load("d0"), 512, "prefill")
+
+
+def test_workers_do_not_expire_for_silence_the_gateway_could_not_hear() -> None:
+    """The gateway's own NATS connection was down: on reconnect every known worker counts as just heard from
+    (services/gateway/service.py watches the connection); one that stays silent expires after that."""
+    clock = Clock()
+    r = Router(RouterConfig(expiry_s=1.0), clock)
+    r.on_beat(beat("a"))
+    clock.t += 1.5
+    assert not r.is_alive("a")
+    r.heard_from_all()
+    assert r.is_alive("a") and [w.worker_id for w in r.alive()] == ["a"]
+    clock.t += 1.5
+    assert not r.is_alive("a")

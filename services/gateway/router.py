@@ -133,6 +133,13 @@ class Router:
         w = self._worker(beat.worker_id)
         w.beat, w.seen, w.pending = beat, self._clock(), 0
 
+    def heard_from_all(self) -> None:
+        """Count every known worker as just heard from (the gateway itself could not hear: gateway/service.py)."""
+        now = self._clock()
+        for w in self._workers.values():
+            if w.beat is not None:
+                w.seen = max(w.seen, now)
+
     def forget(self, worker_id: str) -> None:
         """A worker that answered "no responders" is gone whatever its last beat said."""
         self._workers.pop(worker_id, None)

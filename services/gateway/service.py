@@ -55,6 +55,7 @@ class GatewayService(Service):
         self.ctx: GatewayContext | None = None
         self._server: _Server | None = None
         self._serving: asyncio.Task[None] | None = None
+        self._deaf_watch: asyncio.Future | None = None
         self._subs: list[Subscription] = []
         self._micro: MicroService | None = None
 
@@ -117,6 +118,7 @@ class GatewayService(Service):
             await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat),
             await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat),
         ]
+        self._deaf_watch = asyncio.ensure_future(_keep_workers_while_deaf(nc, router))
         self._micro = await bus.add_micro_service(nc, subjects.SERVICE_GATEWAY, VERSION, [],
                                                   description="OpenAI-compatible HTTP gateway",
                                                   metadata={"model": cfg.served_model_name})
@@ -150,6 +152,8 @@ class GatewayService(Service):
                     await asyncio.gather(self._serving, return_exceptions=True)
         if self.ctx is not None:
             await asyncio.wait_for(self.ctx.wait_background(), 2)  # cancels of aborted requests still going out
+        if self._deaf_watch is not None:
+            self._deaf_watch.cancel()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -205,3 +209,15 @@ def _speaks_for_itself(worker_id: str, subject: str) -> bool:
         return subjects.worker_from_subject(subject) == worker_id
     except ValueError:
         return False
+
+
+async def _keep_workers_while_deaf(nc, router: Router, period_s: float = 0.1) -> None:  # noqa: ANN001
+    """While the gateway's own NATS connection is down (its server died; it is reconnecting), no beat can
+    reach it: that says nothing about the workers, so none of them expires for it. Just after a reconnect
+    every worker counts as just heard from; one that really died meanwhile expires a beat period later."""
+    reconnects = nc.stats["reconnects"]
+    while True:
+        if not nc.is_connected or nc.stats["reconnects"] != reconnects:
+            reconnects = nc.stats["reconnects"]
+            router.heard_from_all()
+        await asyncio.sleep(period_s)
