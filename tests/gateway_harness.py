@@ -60,7 +60,9 @@ class Mesh:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mesh", daemon=True)
         self._thread.start()
-        settings = {"health_timeout_s": 0.5, "worker_expiry_s": 1.0, **gateway}
+        # 2 s: the gateway's own default. 1 s flaked with four engines and the event loop in one process on 2
+        # cores (a beat late by a second reads as a dead worker); tests of failover timing pass their own.
+        settings = {"health_timeout_s": 0.5, "worker_expiry_s": 2.0, **gateway}
         self.gateway = GatewayService(GatewayConfig(model_dir=str(model_dir), served_model_name=served_model_name, port=0,
                                                     api_key=api_key, **settings))
         self.tokenizer: TokenizerService | None = None
