@@ -127,24 +127,31 @@ def _healthy(url: str) -> bool:
 def start_baseline(config: BaselineConfig, ready_timeout: float = 180.0, log_path: str | Path | None = None) -> BaselineServer:
     """Start the server and return once /health answers 200; raise with the log tail if it dies or stalls."""
     assert (Path(config.model_dir) / "config.json").exists(), f"{config.model_dir}: not a model directory"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
+    return launch(config, config.command(), "transformers serve", ready_timeout, log_path, env)
+
+
+def launch(config, command: list[str], what: str, ready_timeout: float, log_path: str | Path | None = None,  # noqa: ANN001
+           env: dict[str, str] | None = None) -> BaselineServer:
+    """Start a baseline server (config: anything with base_url and model_name) in its own session, so stop()
+    reaches whatever it starts besides itself; return once /health answers 200, else raise with the log tail."""
     if _healthy(config.base_url):
         raise RuntimeError(f"something already answers on {config.base_url}")
-    path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")[1])
+    prefix = what.replace(" ", "-") + "-"
+    path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix=prefix, suffix=".log")[1])
     log = open(path, "w")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
-    # Its own session, so stop() can reach whatever transformers serve starts besides itself.
-    proc = subprocess.Popen(config.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = BaselineServer(config, proc, path, log)
     end = time.monotonic() + ready_timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
             server.stop()
-            raise RuntimeError(f"transformers serve exited with {proc.returncode}:\n{server.log_tail()}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{server.log_tail()}")
         if _healthy(config.base_url):
             return server
         time.sleep(0.5)
     server.stop()
-    raise RuntimeError(f"transformers serve not ready after {ready_timeout:g}s:\n{server.log_tail()}")
+    raise RuntimeError(f"{what} not ready after {ready_timeout:g}s:\n{server.log_tail()}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from loadtest.serve.baseline import BaselineServer, launch
 
 CACHE = Path(os.environ.get("KVMESH_LLAMACPP_DIR", Path.home() / ".cache" / "kvmesh" / "llamacpp"))
 SDIST = "llama-cpp-python"
@@ -99,61 +97,8 @@ class LlamaCppConfig:
                 "--alias", self.model_name, "--jinja", "--no-webui"]
 
 
-@dataclass
-class LlamaCppServer:
-    config: LlamaCppConfig
-    process: subprocess.Popen
-    log_path: Path
-    _log: object = field(repr=False, default=None)
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        if self._log is not None:
-            self._log.close()
-
-    def __enter__(self) -> "LlamaCppServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2.0, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def start_llamacpp(config: LlamaCppConfig, ready_timeout: float = 120.0) -> LlamaCppServer:
-    if _healthy(config.base_url):
-        raise RuntimeError(f"something already answers on {config.base_url}")
-    path = Path(tempfile.mkstemp(prefix="llama-server-", suffix=".log")[1])
-    log = open(path, "w")
-    proc = subprocess.Popen(config.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = LlamaCppServer(config, proc, path, log)
-    end = time.monotonic() + ready_timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            server.stop()
-            raise RuntimeError(f"llama-server exited with {proc.returncode}:\n{server.log_tail()}")
-        if _healthy(config.base_url):
-            return server
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"llama-server not ready after {ready_timeout:g}s:\n{server.log_tail()}")
+def start_llamacpp(config: LlamaCppConfig, ready_timeout: float = 120.0) -> BaselineServer:
+    return launch(config, config.command(), "llama-server", ready_timeout)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
