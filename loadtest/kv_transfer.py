@@ -194,7 +194,7 @@ async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random)
     from services.prefill.service import PrefillService, PrefillSettings
     from shared import bus, subjects
     from shared.sampling_params import SamplingParams
-    from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+    from shared.protocol.generate import GenerateRequest, TokenChunk
 
     # Write-through: the "kvstore" worker is timed on a prefix another worker computed once.
     cfg = dataclasses.replace(_engine_config(model, args), offload_policy="write-through")
@@ -217,7 +217,7 @@ async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random)
         for service, conn in zip([store, prefill, *workers.values()], conns[1:]):
             await service.start(conn)
         vocab = prefill.engine.model_config.vocab_size
-        params = Sampling.from_params(SamplingParams(max_tokens=1, temperature=0.0))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
 
         async def ttft(worker: str, prompt: list[int]) -> tuple[float, int]:
             req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt, sampling=params)

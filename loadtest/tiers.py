@@ -64,7 +64,7 @@ async def measure(model: str, args: argparse.Namespace) -> dict:
     from shared import bus, subjects
     from shared.block_hash import hash_blocks
     from shared.config import EngineConfig
-    from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+    from shared.protocol.generate import GenerateRequest, TokenChunk
     from shared.sampling_params import SamplingParams
 
     rng = random.Random(args.seed)
@@ -83,7 +83,7 @@ async def measure(model: str, args: argparse.Namespace) -> dict:
         await kvstore.start(conns[1])
         await decode.start(conns[2])
         vocab = decode.engine.model_config.vocab_size
-        params = Sampling.from_params(SamplingParams(max_tokens=1, temperature=0.0))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
         loop = asyncio.get_running_loop()
 
         async def ttft(prompt: list[int]) -> tuple[float, int]:
@@ -151,7 +151,7 @@ async def shared_prefix(model: str, args: argparse.Namespace, tiers: bool) -> di
     from services.kvstore.service import KVStoreService
     from shared import bus, subjects
     from shared.config import EngineConfig
-    from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+    from shared.protocol.generate import GenerateRequest, TokenChunk
     from shared.sampling_params import SamplingParams
 
     rng = random.Random(args.seed + 1)
@@ -167,7 +167,7 @@ async def shared_prefix(model: str, args: argparse.Namespace, tiers: bool) -> di
         vocab = decode.engine.model_config.vocab_size
         prefixes = [random_tokens(rng, args.prefix_len, vocab) for _ in range(args.prefixes)]
         prompts = [p + random_tokens(rng, 32, vocab) for _ in range(args.uses) for p in prefixes]  # round robin
-        params = Sampling.from_params(SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
         cached: list[int] = []
 
         async def one(prompt: list[int]) -> None:

@@ -1,18 +1,20 @@
-"""Per-request sampling settings, validated once at construction.
+"""Per-request sampling settings: one type, validated once at construction, that crosses the wire as is.
 
-It sits below both the engine (which samples with it) and the wire protocol (whose Sampling message is
-validated by it), so neither has to import the other.
+The gateway builds it from the HTTP request (services/gateway/sampling.py, the one mapping), it travels
+inside GenerateRequest / PrefillRequest as msgpack, and the engine samples with it. It sits just above
+the wire codec and below both the engine and the protocol, and never imports torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from pydantic import Field, field_serializer, field_validator, model_validator
+
+from shared.wire import WireModel
 
 MAX_TOP_LOGPROBS = 20
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
-@dataclass(frozen=True)
-class StructuredOutput:
+class StructuredOutput(WireModel):
     """A constraint on the output, enforced by token masks while decoding (shared/engine/grammar.py).
 
     kind: json_object (any JSON object), json_schema (spec: the schema as JSON text), regex (spec: the
@@ -22,29 +24,32 @@ class StructuredOutput:
     kind: str
     spec: str = ""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _valid(self) -> StructuredOutput:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"structured output {self.kind} needs a specification")
+        return self
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(WireModel):
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
+    top_k: int = 0  # 0 or -1: disabled (-1 is stored as 0)
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; n: plus top-n
     # Added to the logits before anything else, as OpenAI's logit_bias (token id -> bias in [-100, 100]).
+    # Keys are ints everywhere in Python; only the msgpack encoding writes them as strings (the wire
+    # takes string map keys only), and decoding turns them back.
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: every other token is masked out.
     allowed_token_ids: list[int] | None = None
@@ -54,37 +59,59 @@ class SamplingParams:
     # blocks have no logits) and is prefilled locally.
     prompt_logprobs: int | None = None
 
-    def __post_init__(self) -> None:
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _int_keys(cls, v: object) -> object:
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for k, b in v.items():
+            if isinstance(k, str) and k.lstrip("-").isdigit():
+                k = int(k)
+            if type(k) is not int:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            out[k] = b
+        return out
+
+    @field_serializer("logit_bias")
+    def _string_keys(self, v: dict[int, float] | None) -> dict[str, float] | None:
+        return None if v is None else {str(k): b for k, b in v.items()}
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"top_k must be -1, 0 or positive, got {v}")
+        return 0 if v == -1 else v
+
+    @model_validator(mode="after")
+    def _valid(self) -> SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {n}")
         if self.logit_bias is not None:
             bad = next((v for v in self.logit_bias.values() if not -100 <= v <= 100), None)
             if bad is not None:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bad}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
-        if self.top_k == -1:
-            self.top_k = 0
+        return self
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,7 @@ import itertools
 from shared import bus, subjects
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
-from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+from shared.protocol.generate import GenerateRequest, TokenChunk
 from services.decode.service import DecodeService, DecodeSettings
 from services.kvstore.cpu_tier import CPUTier
 from services.kvstore.service import KVStoreService
@@ -66,7 +66,7 @@ async def running(url: str, *services):
 
 async def generate(nc, prompt: list[int], params: SamplingParams, request_id: str, subject: str | None = None
                    ) -> tuple[list[int], list[TokenChunk]]:
-    req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=Sampling.from_params(params))
+    req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=params)
     chunks: list[TokenChunk] = []
     async with await bus.request_stream(nc, subject or subjects.DECODE_GENERATE, req, timeout=30,
                                         expect=TokenChunk) as stream:

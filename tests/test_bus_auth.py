@@ -249,7 +249,8 @@ def test_oversized_requests_and_long_streams_pass_with_response_permissions_only
     import subprocess
 
     from shared.launcher.local_nats import identity_passwords
-    from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+    from shared.protocol.generate import GenerateRequest, TokenChunk
+    from shared.sampling_params import SamplingParams
 
     srv = LocalNats.on_free_ports(passwords=identity_passwords(["gateway-0", "decode-0", "decode-1"]), config_dir=tmp_path)
     proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -278,7 +279,7 @@ def test_oversized_requests_and_long_streams_pass_with_response_permissions_only
                             GenerateRequest)
             await worker.flush()
             big = list(range(400_000))  # ~1.2 MB of msgpack: over the 1 MiB max_payload, so an upload
-            req = GenerateRequest(request_id="r", prompt_token_ids=big, sampling=Sampling())
+            req = GenerateRequest(request_id="r", prompt_token_ids=big, sampling=SamplingParams())
             tokens = []
             async with await bus.request_stream(gateway, subjects.decode_generate("decode-0"), req, timeout=10,
                                                 expect=TokenChunk, sender="decode-0") as stream:

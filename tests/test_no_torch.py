@@ -13,14 +13,15 @@ import services.gateway.service, services.tokenizer.service, services.kvstore.se
 from shared.models.tokenizer import load_tokenizer, encode_chat
 from shared.detokenizer import IncrementalDetokenizer
 from shared import wire
-from shared.protocol.generate import GenerateRequest, Sampling
+from shared.protocol.generate import GenerateRequest
+from shared.sampling_params import SamplingParams
 tok = load_tokenizer(sys.argv[1])
 tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
 ids = encode_chat(tok, [{"role": "user", "content": "hello"}], True, tools)
 detok = IncrementalDetokenizer(tok, ids[:3])
 text = detok.push(ids[3:]) + detok.flush()
-msg = GenerateRequest(request_id="r", prompt_token_ids=ids, sampling=Sampling(max_tokens=4, logit_bias={1: 2.0}))
-assert wire.decode(wire.encode(msg), GenerateRequest).sampling.to_params().logit_bias == {1: 2.0}
+msg = GenerateRequest(request_id="r", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=4, logit_bias={1: 2.0}))
+assert wire.decode(wire.encode(msg), GenerateRequest).sampling.logit_bias == {1: 2.0}
 assert text and len(ids) > 10
 loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
 print("TORCH" if loaded else "NO-TORCH")

@@ -8,7 +8,8 @@ import asyncio
 from shared import bus, wire
 from shared.bus import headers as H
 from shared.bus.natsd import NatsServer
-from shared.protocol.generate import GenerateRequest, Sampling, TokenChunk
+from shared.protocol.generate import GenerateRequest, TokenChunk
+from shared.sampling_params import SamplingParams
 
 
 def test_forged_chunks_from_another_sender_are_ignored(tmp_path) -> None:  # noqa: ANN001
@@ -31,7 +32,7 @@ def test_forged_chunks_from_another_sender_are_ignored(tmp_path) -> None:  # noq
         await bus.serve(worker, "kvmesh.test.gen", None, generate, GenerateRequest)
         await forger.subscribe("kvmesh.test.gen", cb=forge)
         await forger.flush()
-        req = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=Sampling())
+        req = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=SamplingParams())
         chunks = []
         async with await bus.request_stream(gateway, "kvmesh.test.gen", req, timeout=5, expect=TokenChunk,
                                             sender="w1") as stream:

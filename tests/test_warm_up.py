@@ -31,7 +31,7 @@ def test_serving_after_warm_up_compiles_nothing_new(checkpoints, arch, graphs):
         params = [SamplingParams(max_tokens=3 + i % 5, temperature=0.0, ignore_eos=True) for i in range(len(lengths))]
         params[3] = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=3, ignore_eos=True)
         params[5] = SamplingParams(max_tokens=6, temperature=0.8, seed=1, top_p=0.9, logprobs=2)
-        params[8] = SamplingParams(max_tokens=5, structured=StructuredOutput("choice", '["yes", "no"]'))
+        params[8] = SamplingParams(max_tokens=5, structured=StructuredOutput(kind="choice", spec='["yes", "no"]'))
         outs = engine.generate(random_prompts(lengths, seed=4), params, use_tqdm=False)
         assert all(o.output_token_ids for o in outs)
         assert sum(rec.variants.values()) > 100

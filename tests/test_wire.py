@@ -10,6 +10,7 @@ import torch
 from shared import protocol as p
 from shared import wire
 from shared.protocol.kvtransfer import checksum
+from shared.sampling_params import SamplingParams, StructuredOutput
 from shared.wire import Message, WireError, decode, encode, tensor_from_wire, tensor_to_wire
 
 
@@ -39,7 +40,7 @@ SAMPLES: list[Message] = [
     p.DecodeReply(texts=["a", "", "ü"]),
     p.GenerateRequest(
         request_id="r1", prompt_token_ids=[5, 6, 7], priority=2, reply_subject="_INBOX.x",
-        sampling=p.Sampling(max_tokens=8, temperature=0.7, top_k=40, seed=1234, stop_token_ids=[2], logprobs=3),
+        sampling=SamplingParams(max_tokens=8, temperature=0.7, top_k=40, seed=1234, stop_token_ids=[2], logprobs=3),
     ),  # fmt: skip
     p.TokenChunk(
         request_id="r1", seq=0, token_ids=[9],
@@ -221,14 +222,18 @@ def test_expect_restricts_kind() -> None:
     assert isinstance(decode(data, (p.TokenChunk, p.ErrorReply)), p.ErrorReply)
 
 
-def test_sampling_mirrors_engine_params() -> None:
-    from dataclasses import fields
-
-    from shared.sampling_params import SamplingParams
-
-    assert [f.name for f in fields(SamplingParams)] == list(p.Sampling.model_fields)
-    sp = SamplingParams(max_tokens=5, temperature=0.0, top_k=-1, stop_token_ids=[3], logprobs=2)
-    assert p.Sampling.from_params(sp).to_params() == sp
+def test_sampling_params_cross_the_wire_as_they_are() -> None:
+    """The engine's SamplingParams is the wire's: a round trip gives the same value, logit_bias keys stay
+    ints (strings only inside the msgpack bytes), and invalid values are a WireError at decode."""
+    sp = SamplingParams(max_tokens=5, temperature=0.0, top_k=-1, stop_token_ids=[3], logprobs=2,
+                        logit_bias={7: -3.0, 1: 100.0}, structured=StructuredOutput(kind="regex", spec="a+"))
+    req = p.GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=sp)
+    back = decode(encode(req), p.GenerateRequest).sampling
+    assert back == sp and back.top_k == 0
+    assert all(type(k) is int for k in back.logit_bias)
+    data = bytearray(encode(req.model_copy(update={"sampling": sp.model_copy(update={"max_tokens": 0})})))
+    with pytest.raises(WireError, match="max_tokens"):
+        decode(bytes(data), p.GenerateRequest)
 
 
 def test_encode_refuses_non_messages() -> None:

@@ -114,7 +114,7 @@ class Admission:
 
     async def _admit(self) -> None:
         req, rid, host = self.req, self.rid, self.host
-        params = req.sampling.to_params()
+        params = req.sampling
         with _tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(self.span)) as span:
             try:
                 res = await host.thread.run(Reserve(rid, req.prompt_token_ids, params, req.priority))

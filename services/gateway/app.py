@@ -15,7 +15,8 @@ from services.gateway import anthropic_messages
 from services.gateway.openai_responses import ResponsesFormatter, ResponsesRequest, to_chat
 from services.gateway.health import check_health
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.prepare import first_message, check_model, prepare_chat, prepare_completion
+from services.gateway.sampling import first_message
+from services.gateway.prepare import check_model, prepare_chat, prepare_completion
 from services.gateway.tokenize import detokenize_body, kvmesh_version, tokenize_body
 from services.gateway.formatters import ChatFormatter, CompletionFormatter
 from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,

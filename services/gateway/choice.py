@@ -16,7 +16,8 @@ from services.gateway.stop import StopMatcher
 from shared import bus, subjects
 from shared.detokenizer import IncrementalDetokenizer
 from shared.protocol import errors as codes
-from shared.protocol.generate import CancelRequest, GenerateRequest, Sampling, TokenChunk, TokenLogprob
+from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
+from shared.sampling_params import SamplingParams
 
 
 STRUCTURED_ERRORS = tuple(f"invalid {kind}" for kind in ("json_object", "json_schema", "regex", "choice", "grammar"))
@@ -58,7 +59,7 @@ def remote_error(e: bus.RemoteError) -> APIError:
 
 
 class Choice:
-    def __init__(self, ctx: GatewayContext, request_id: str, index: int, prompt: list[int], sampling: Sampling,
+    def __init__(self, ctx: GatewayContext, request_id: str, index: int, prompt: list[int], sampling: SamplingParams,
                  priority: int, stops: list[str], worker_id: str | None, span: trace.Span, prompt_index: int = 0) -> None:
         self.ctx, self.index, self.span = ctx, index, span
         self.prompt_index = prompt_index

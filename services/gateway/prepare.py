@@ -1,4 +1,4 @@
-"""OpenAI request -> what the workers need: prompt token ids and one Sampling per choice.
+"""OpenAI request -> what the workers need: prompt token ids and one SamplingParams per choice.
 
 Everything that can reject a request happens here, before anything is published to a worker.
 """
@@ -9,25 +9,24 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from pydantic import ValidationError
-
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, bad_request, unavailable
+from services.gateway.sampling import sampling_params
 from services.gateway.reasoning import ReasoningPlan, plan_reasoning
 from services.gateway.tools import ToolPlan, plan_tools
 from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
 from shared import bus, subjects
 from shared.protocol import errors as codes
-from shared.protocol.generate import Sampling, StructuredSpec
+from shared.sampling_params import SamplingParams
 from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest, ToolCall, ToolCallFunction
-from shared.prompt_check import PromptError, check_prompt, check_token_ids
+from shared.prompt_check import PromptError, check_prompt
 
 
 @dataclass(frozen=True)
 class Prepared:
     request_id: str
     prompts: list[list[int]]  # one or more prompts (completions take a list); each runs every sampling
-    samplings: list[Sampling]  # one per choice of each prompt (n)
+    samplings: list[SamplingParams]  # one per choice of each prompt (n)
     priority: int
     stops: list[str]
     logprobs: int | None  # None: no logprobs; else how many alternatives per token
@@ -169,60 +168,13 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
                           param="min_tokens")
-    logit_bias = _logit_bias(body.logit_bias, vocab)
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        _checked(check_token_ids, getattr(body, name) or [], vocab, name, name)
-    if body.allowed_token_ids is not None and not body.allowed_token_ids:
-        raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
-    structured = (tools.constraint() if tools is not None else None) or structured_spec(body)
-    samplings = []
-    for i in range(body.n):
-        try:
-            samplings.append(Sampling(
-                max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature, top_k=body.top_k,
-                top_p=body.top_p, min_p=body.min_p, seed=None if body.seed is None else body.seed + i,
-                repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
-                stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias,
-                allowed_token_ids=body.allowed_token_ids, structured=structured,
-                # echo with logprobs reports the prompt's tokens too.
-                prompt_logprobs=logprobs if echo is not None and logprobs is not None else None,
-            ))
-        except (ValidationError, ValueError) as e:
-            raise bad_request(first_message(e)) from None
+    structured = tools.constraint() if tools is not None else None
+    samplings = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, vocab=vocab, echo=echo is not None,
+                                structured=structured)
     return Prepared(
         request_id=uuid.uuid4().hex, prompts=prompts, samplings=samplings, priority=body.priority,
         stops=body.stop_list(), logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo, tools=tools,
     )
-
-
-def structured_spec(body: _Common) -> StructuredSpec | None:
-    """response_format / vLLM's structured_outputs -> the engine's constraint (compiled, and judged, there)."""
-    rf, so = body.response_format, body.structured_outputs
-    spec = None
-    if rf is not None and rf.type != "text":
-        if rf.type == "json_object":
-            spec = StructuredSpec(kind="json_object")
-        else:
-            if rf.json_schema is None:
-                raise bad_request("response_format of type json_schema needs a json_schema", param="response_format")
-            spec = StructuredSpec(kind="json_schema", spec=json.dumps(rf.json_schema.schema_))
-    if so is not None:
-        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                   ("grammar", so.grammar)) if v is not None}
-        if len(given) != 1 or spec is not None:
-            raise bad_request("structured_outputs takes exactly one of json, regex, choice, grammar, and not "
-                              "together with response_format", param="structured_outputs")
-        ((key, value),) = given.items()
-        if key == "json":
-            spec = StructuredSpec(kind="json_schema", spec=value if isinstance(value, str) else json.dumps(value))
-        elif key == "choice":
-            if not value:
-                raise bad_request("structured_outputs.choice must not be empty", param="structured_outputs")
-            spec = StructuredSpec(kind="choice", spec=json.dumps(value))
-        else:
-            spec = StructuredSpec(kind=key, spec=value)
-    return spec
 
 
 def _checked(check, *args) -> None:  # noqa: ANN001
@@ -233,28 +185,3 @@ def _checked(check, *args) -> None:  # noqa: ANN001
         raise bad_request(e.message, param=e.param, code=e.code) from None
 
 
-def _logit_bias(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
-    """OpenAI's logit_bias: JSON object keys are token ids as strings; values in [-100, 100]."""
-    if not raw:
-        return None
-    out = {}
-    for key, value in raw.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias: key {key!r} is not a token id", param="logit_bias",
-                              code="invalid_value") from None
-        if not 0 <= token < vocab:
-            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})",
-                              param="logit_bias", code="invalid_token_id")
-        if not -100 <= value <= 100:
-            raise bad_request(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}",
-                              param="logit_bias", code="invalid_value")
-        out[token] = float(value)
-    return out
-
-
-def first_message(e: Exception) -> str:
-    if isinstance(e, ValidationError) and e.errors():
-        return str(e.errors()[0].get("msg", e)).removeprefix("Value error, ")
-    return str(e)

@@ -20,7 +20,7 @@ from typing import Literal
 from services.gateway.call_scanner import CallDelta, CallScanner, scan_calls
 from services.gateway.errors import bad_request
 from services.gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
-from shared.protocol.generate import StructuredSpec
+from shared.sampling_params import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -136,10 +136,10 @@ class ToolPlan:
     def tools_json(self) -> str:
         return json.dumps([t.model_dump(mode="json") for t in self.tools], ensure_ascii=False)
 
-    def constraint(self) -> StructuredSpec | None:
+    def constraint(self) -> StructuredOutput | None:
         if self.mode == "named":
             fn = next(t.function for t in self.tools if t.function.name == self.name)
-            return StructuredSpec(kind="json_schema", spec=json.dumps(fn.parameters))
+            return StructuredOutput(kind="json_schema", spec=json.dumps(fn.parameters))
         if self.mode == "required":
             items = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                                   "parameters": t.function.parameters},
@@ -148,7 +148,7 @@ class ToolPlan:
             schema: dict = {"type": "array", "items": items, "minItems": 1}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return StructuredSpec(kind="json_schema", spec=json.dumps(schema))
+            return StructuredOutput(kind="json_schema", spec=json.dumps(schema))
         return None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:

@@ -97,8 +97,8 @@ class PrefillService(EngineWorker):
         if rid in self.pending:
             raise bus.RemoteError(codes.BAD_REQUEST, f"request {rid!r} is already being prefilled")
         first_block = req.num_cached_tokens // self.block_size
-        sampling = req.sampling.to_params()
-        params = dataclasses.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
+        sampling = req.sampling
+        params = sampling.model_copy(update={"max_tokens": 1, "min_tokens": min(sampling.min_tokens, 1)})
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
         # Opened before the prefill starts: the blocks of each chunk go out while the next one computes.

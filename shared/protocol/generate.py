@@ -1,72 +1,15 @@
 """gateway <-> decode: one generate request in, a stream of TokenChunks out; cancels fan out."""
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
 from shared.token_logprobs import TokenLogprobs
-from shared.sampling_params import SamplingParams, StructuredOutput
+from shared.sampling_params import SamplingParams
 from shared.wire import Message, WireModel
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
-class StructuredSpec(WireModel):
-    kind: str
-    spec: str = ""
-
-
-class Sampling(WireModel):
-    """SamplingParams on the wire, field for field; invalid values are rejected at decode time."""
-
-    max_tokens: int = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    # Token ids as string keys, as in OpenAI's JSON: our msgpack wire only takes string map keys.
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    structured: StructuredSpec | None = None
-    prompt_logprobs: int | None = None
-
-    @model_validator(mode="after")
-    def _valid(self) -> Sampling:
-        self.to_params()  # SamplingParams owns the rules; its ValueError becomes a WireError
-        return self
-
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _string_keys(cls, v: object) -> object:
-        return {str(k): b for k, b in v.items()} if isinstance(v, dict) else v
-
-    def to_params(self) -> SamplingParams:
-        fields = self.model_dump()
-        if self.logit_bias is not None:
-            try:
-                fields["logit_bias"] = {int(k): b for k, b in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError("logit_bias keys must be token ids") from None
-        if self.structured is not None:
-            fields["structured"] = StructuredOutput(self.structured.kind, self.structured.spec)
-        return SamplingParams(**fields)
-
-    @classmethod
-    def from_params(cls, params: SamplingParams) -> Sampling:
-        fields = asdict(params)
-        if params.logit_bias is not None:
-            fields["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
-        return cls(**fields)
 
 
 class GenerateRequest(Message):
@@ -74,7 +17,7 @@ class GenerateRequest(Message):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: Sampling = Field(default_factory=Sampling)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)  # the one sampling type, as is
     priority: int = 0  # higher runs first, FIFO within a priority (the engine's rule)
     # Where TokenChunks go; empty means the NATS reply subject of this request.
     reply_subject: str = ""

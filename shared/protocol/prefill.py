@@ -5,7 +5,8 @@ from typing import ClassVar
 
 from pydantic import Field, model_validator
 
-from shared.protocol.generate import Sampling, TokenLogprob
+from shared.protocol.generate import TokenLogprob
+from shared.sampling_params import SamplingParams
 from shared.wire import Message
 
 
@@ -26,7 +27,7 @@ class RemotePrefillRequest(Message):
     decode_worker_id: str
     num_dest_blocks: int
     block_size: int
-    sampling: Sampling = Field(default_factory=Sampling)  # for the first token
+    sampling: SamplingParams = Field(default_factory=SamplingParams)  # for the first token
     # The decode worker's direct KV channel (tcp://host:port; shared memory when on one host) and the
     # token a push on it must carry. None: push over NATS.
     kv_endpoint: str | None = None

@@ -1,0 +1,107 @@
+"""The one mapping from an OpenAI/vLLM request body to the engine's SamplingParams.
+
+Every HTTP sampling field is read here and nowhere else; the result crosses the wire and reaches the
+engine as is (shared/sampling_params.py). Token ids are judged against the vocabulary here so a bad
+one is the caller's 400 rather than a worker's error.
+"""
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+
+from services.gateway.errors import bad_request
+from services.gateway.schemas import _Common
+from shared.prompt_check import PromptError, check_token_ids
+from shared.sampling_params import SamplingParams, StructuredOutput
+
+
+def sampling_params(body: _Common, *, max_tokens: int, logprobs: int | None, vocab: int, echo: bool = False,
+                    structured: StructuredOutput | None = None) -> list[SamplingParams]:
+    """One SamplingParams per choice (body.n); choice i is seeded seed + i. `structured` (a tool
+    constraint) wins over the body's own response_format / structured_outputs."""
+    logit_bias = logit_bias_ids(body.logit_bias, vocab)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        try:
+            check_token_ids(getattr(body, name) or [], vocab, name, name)
+        except PromptError as e:
+            raise bad_request(e.message, param=e.param, code=e.code) from None
+    if body.allowed_token_ids is not None and not body.allowed_token_ids:
+        raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
+    structured = structured or structured_output(body)
+    out = []
+    for i in range(body.n):
+        try:
+            out.append(SamplingParams(
+                max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=body.temperature, top_k=body.top_k,
+                top_p=body.top_p, min_p=body.min_p, seed=None if body.seed is None else body.seed + i,
+                repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias,
+                allowed_token_ids=body.allowed_token_ids, structured=structured,
+                # echo with logprobs reports the prompt's tokens too.
+                prompt_logprobs=logprobs if echo and logprobs is not None else None,
+            ))
+        except (ValidationError, ValueError) as e:
+            raise bad_request(first_message(e)) from None
+    return out
+
+
+def structured_output(body: _Common) -> StructuredOutput | None:
+    """response_format / vLLM's structured_outputs -> the engine's constraint (compiled, and judged, there)."""
+    rf, so = body.response_format, body.structured_outputs
+    spec = None
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            spec = StructuredOutput(kind="json_object")
+        else:
+            if rf.json_schema is None:
+                raise bad_request("response_format of type json_schema needs a json_schema", param="response_format")
+            spec = StructuredOutput(kind="json_schema", spec=json.dumps(rf.json_schema.schema_))
+    if so is not None:
+        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar)) if v is not None}
+        if len(given) != 1 or spec is not None:
+            raise bad_request("structured_outputs takes exactly one of json, regex, choice, grammar, and not "
+                              "together with response_format", param="structured_outputs")
+        ((key, value),) = given.items()
+        if key == "json":
+            spec = StructuredOutput(kind="json_schema", spec=value if isinstance(value, str) else json.dumps(value))
+        elif key == "choice":
+            if not value:
+                raise bad_request("structured_outputs.choice must not be empty", param="structured_outputs")
+            spec = StructuredOutput(kind="choice", spec=json.dumps(value))
+        else:
+            try:
+                spec = StructuredOutput(kind=key, spec=value)
+            except (ValidationError, ValueError) as e:
+                raise bad_request(first_message(e), param="structured_outputs") from None
+    return spec
+
+
+def logit_bias_ids(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: JSON object keys are token ids as strings (the only place they are strings);
+    values in [-100, 100]."""
+    if not raw:
+        return None
+    out = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias: key {key!r} is not a token id", param="logit_bias",
+                              code="invalid_value") from None
+        if not 0 <= token < vocab:
+            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})",
+                              param="logit_bias", code="invalid_token_id")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}",
+                              param="logit_bias", code="invalid_value")
+        out[token] = float(value)
+    return out
+
+
+def first_message(e: Exception) -> str:
+    if isinstance(e, ValidationError) and e.errors():
+        return str(e.errors()[0].get("msg", e)).removeprefix("Value error, ")
+    return str(e)
