@@ -25,6 +25,7 @@ import torch
 from loadtest.offline import model_dir
 from loadtest.shapes import SHAPES
 from shared.bus.natsd import NatsServer
+from shared.kv_blocks import KVBlocks
 from loadtest.workload import machine_info, random_tokens, read_shape, warn_if_busy, write_result
 
 
@@ -93,13 +94,13 @@ async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Ran
                 k, v = _prefill_kv(src)
                 res = dst.reserve(rid, prompt, params)
 
-                async def write(block, kk, vv, layer, rid=rid):  # noqa: ANN001
-                    dst.write_blocks(rid, block, kk, vv, layer)
+                async def write(blocks, rid=rid):  # noqa: ANN001
+                    dst.write_blocks(rid, blocks)
 
                 tid, token = uuid.uuid4().hex, secrets.token_bytes(16)
                 done = receiver.expect(tid, res.num_blocks, write, 120, token=token)
                 t0 = time.perf_counter()
-                sent = await sender.send("bench", tid, 0, k, v, 120, endpoint=receiver.endpoint, token=token)
+                sent = await sender.send("bench", tid, KVBlocks(k, v), 120, endpoint=receiver.endpoint, token=token)
                 await done
                 seconds = time.perf_counter() - t0
                 copy_s = _memcpy_seconds(k, v)
@@ -181,8 +182,8 @@ def _prefill_kv(engine) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
             if out.kv_blocks is not None:
                 pieces.append(out.kv_blocks)
             if out.finished:
-                return tuple(torch.cat([p[i] for p in pieces], dim=1) if len(pieces) > 1 else pieces[0][i]
-                             for i in (0, 1))
+                joined = KVBlocks.concat(pieces)
+                return joined.k, joined.v
     raise RuntimeError("request did not finish")
 
 

@@ -1,6 +1,6 @@
 """What decode and prefill workers share: the engine on its own thread, the kvstore client and the
 offloader (what to send is the engine's KV tiers' call: shared/engine/kv_tiers.py), the KV transport,
-load beats, and loading a reserved prompt's prefix down the chain host tier -> kvstore."""
+load beats; a reserved prompt's prefix is loaded by the tiers' lookup chain (shared/engine/kv_lookup.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,24 +8,22 @@ import os
 import socket
 
 from nats.aio.client import Client
-from opentelemetry import trace
 
 from shared import bus
 from shared.config import EngineConfig
-from shared.engine.commands import EvictAll, Stats, WriteBlocks
+from shared.engine.commands import EvictAll, Stats
 from shared.engine.engine_thread import EngineThread
+from shared.engine.kv_lookup import KVLookup
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.offload import Offloader
 from shared.kv_transport import MeshKVTransport, NatsKVTransport
 from shared.kv_transport.outgoing import PushStats
 from shared.kvstore_client import KVStoreClient
-from shared.prefix_fetch import PrefixFetches
 from shared.protocol.events import LoadBeat
 from shared.protocol.generate import RequestTimings
 from shared.service_runner import Service
 from services.load_beats import LoadBeats, load_beat
 
-_tracer = trace.get_tracer("kvmesh.worker")
 STATS_WAIT_S = 0.2  # how long a beat waits for the engine to be between steps
 
 
@@ -41,8 +39,6 @@ class EngineWorker(Service):
         self.use_kvstore = use_kvstore
         self.worker_id = worker_id
         self.beat_interval_s = beat_interval_s
-        self.kvstore_hit_tokens = 0  # prompt tokens loaded from the kvstore (prefix-cache hits beyond our own)
-        self.host_hit_tokens = 0  # prompt tokens loaded from this worker's host tier
         self.kv_push = PushStats()  # KV this worker pushed to others (a prefill worker's)
         self._stats_pending: asyncio.Future | None = None
         self._last_stats: EngineStats | None = None
@@ -52,13 +48,14 @@ class EngineWorker(Service):
         self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
         self.block_size = self.engine.config.block_size
         self.kvstore = KVStoreClient(nc) if self.use_kvstore else None
-        self.prefix_fetches = PrefixFetches(self.kvstore.get_chain) if self.kvstore else None
         self.offloader = Offloader(self.kvstore) if self.kvstore else None
         if self.kvstore and self.engine.config.offload_policy == "eviction":
             self.engine.tiers.offload_by_eviction()
         self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
                                    self._post_step if self.kvstore else None)
         self.thread.start()
+        self.lookup = KVLookup(self.engine.tiers, self.thread.run, self.block_size,
+                               self.kvstore.get_chain if self.kvstore else None)
         if self.transport_class is not None:
             self.transport = self.transport_class(nc)
         elif self.direct_kv:
@@ -133,28 +130,17 @@ class EngineWorker(Service):
         return engine.tiers.collect(events, self.kvstore, engine.config.offload_policy)
 
     async def load_prefix(self, rid: str, res: Reservation) -> int:
-        """Write the longest run of a held request's uncached blocks found in this worker's host tier,
-        then in the kvstore; returns the request's cached tokens."""
-        own = res.num_cached_tokens // self.block_size
-        if len(res.block_hashes) > own:
-            got = self.engine.tiers.host_chain(res.block_hashes[own:])
-            if got is not None:
-                if not await self.thread.run(WriteBlocks(rid, own, *got)):  # cancelled meanwhile
-                    return own * self.block_size
-                self.host_hit_tokens += got[0].shape[1] * self.block_size
-                own += got[0].shape[1]
-        if self.kvstore is None or len(res.block_hashes) <= own:
-            return max(res.num_cached_tokens, own * self.block_size)
-        with _tracer.start_as_current_span("kvstore.get", attributes={"kvmesh.blocks_wanted": len(res.block_hashes) - own}) as span:
-            got = await self.prefix_fetches.get(res.block_hashes[own:])
-            if got is None:
-                return max(res.num_cached_tokens, own * self.block_size)
-            k, v = got
-            if not await self.thread.run(WriteBlocks(rid, own, k, v)):  # cancelled meanwhile
-                return own * self.block_size
-            span.set_attribute("kvmesh.blocks_loaded", k.shape[1])
-        self.kvstore_hit_tokens += k.shape[1] * self.block_size
-        return (own + k.shape[1]) * self.block_size
+        """A held request's uncached blocks from the tiers below the device (host, then kvstore); returns
+        its cached tokens."""
+        return await self.lookup.load(rid, res)
+
+    @property
+    def host_hit_tokens(self) -> int:
+        return self.lookup.host_hit_tokens
+
+    @property
+    def kvstore_hit_tokens(self) -> int:
+        return self.lookup.kvstore_hit_tokens
 
 
 def request_timings(out) -> RequestTimings | None:  # noqa: ANN001 - a RequestOutput

@@ -8,12 +8,11 @@ import logging
 from collections import OrderedDict
 
 import nats.errors
-import torch
 from nats.aio.client import Client
 
 from shared import bus, subjects
-from shared.protocol.kvstore import GetReply, GetRequest, PutReply, PutRequest, StoredBlock
-from shared.wire import tensor_from_wire, tensor_to_wire
+from shared.protocol.kvstore import GetReply, GetRequest, PutReply, PutRequest
+from shared.kv_blocks import KVBlocks
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +25,8 @@ class KVStoreClient:
         self._offloaded: OrderedDict[bytes, None] = OrderedDict()
         self._remember = remember
 
-    async def get_chain(self, hashes: list[bytes], max_blocks: int | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K, V [layers, n, block_size, kv_heads, head_dim] of the longest stored prefix of hashes."""
+    async def get_chain(self, hashes: list[bytes], max_blocks: int | None = None) -> KVBlocks | None:
+        """The longest stored prefix of hashes (numbered from 0: the caller knows where its chain starts)."""
         if not hashes:
             return None
         try:
@@ -43,24 +41,24 @@ class KVStoreClient:
         if [b.hash for b in blocks] != hashes[: len(blocks)]:
             log.warning("kvstore answered blocks that are not a prefix of the asked chain; ignoring them")
             return None
-        k = torch.stack([tensor_from_wire(b.k) for b in blocks], dim=1)
-        v = torch.stack([tensor_from_wire(b.v) for b in blocks], dim=1)
-        return k, v
+        try:
+            return KVBlocks.from_stored(blocks)
+        except ValueError as e:
+            log.warning("kvstore answered blocks of mixed shapes; ignoring them: %s", e)
+            return None
 
     def needs_offload(self, block_hash: bytes) -> bool:
         return block_hash not in self._offloaded
 
-    async def put(self, hashes: list[bytes], parents: list[bytes | None], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Offload blocks; k, v [layers, n, ...] in the order of hashes."""
-        blocks = [StoredBlock(hash=h, parent=p, k=tensor_to_wire(k[:, i].contiguous()),
-                              v=tensor_to_wire(v[:, i].contiguous())) for i, (h, p) in enumerate(zip(hashes, parents))]
+    async def put(self, blocks: KVBlocks, parents: list[bytes | None]) -> None:
+        """Offload named blocks; parents[i] is block i's parent hash where known."""
         try:
-            await bus.request(self.nc, subjects.KVSTORE_PUT, PutRequest(blocks=blocks), timeout=self.timeout_s,
-                              expect=PutReply)
+            await bus.request(self.nc, subjects.KVSTORE_PUT, PutRequest(blocks=blocks.to_stored(parents)),
+                              timeout=self.timeout_s, expect=PutReply)
         except (bus.BusError, nats.errors.Error) as e:  # the connection may be closing: best effort
-            log.info("kvstore put of %d blocks failed: %s", len(blocks), e)
+            log.info("kvstore put of %d blocks failed: %s", blocks.num_blocks, e)
             return
-        for h in hashes:
+        for h in blocks.hashes:
             self._offloaded[h] = None
             self._offloaded.move_to_end(h)
         while len(self._offloaded) > self._remember:

@@ -11,17 +11,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from shared.engine.kv_cache import KV
+from shared.kv_blocks import KVBlocks
 
 
 class PrefixFetches:
-    def __init__(self, fetch: Callable[[list[bytes]], Awaitable[KV | None]]) -> None:
+    def __init__(self, fetch: Callable[[list[bytes]], Awaitable[KVBlocks | None]]) -> None:
         self._fetch = fetch
-        self._in_flight: dict[bytes, tuple[list[bytes], asyncio.Future[KV | None]]] = {}
+        self._in_flight: dict[bytes, tuple[list[bytes], asyncio.Future[KVBlocks | None]]] = {}
         self.joined = 0  # fetches served by another request's fetch (a metric and a test hook)
 
-    async def get(self, hashes: list[bytes]) -> KV | None:
-        """K, V of the longest stored prefix of `hashes` (possibly shorter when joining another fetch)."""
+    async def get(self, hashes: list[bytes]) -> KVBlocks | None:
+        """The longest stored prefix of `hashes`, numbered from 0 (possibly shorter when joining another fetch)."""
         if not hashes:
             return None
         running = self._in_flight.get(hashes[0])
@@ -32,9 +32,9 @@ class PrefixFetches:
             if got is None:
                 return None
             common = next((i for i, (a, b) in enumerate(zip(theirs, hashes)) if a != b), min(len(theirs), len(hashes)))
-            n = min(common, got[0].shape[1])
-            return (got[0][:, :n], got[1][:, :n]) if n else None
-        fut: asyncio.Future[KV | None] = asyncio.get_running_loop().create_future()
+            n = min(common, got.num_blocks)
+            return got.blocks(0, n) if n else None
+        fut: asyncio.Future[KVBlocks | None] = asyncio.get_running_loop().create_future()
         self._in_flight[hashes[0]] = (hashes, fut)
         try:
             got = await self._fetch(hashes)

@@ -2,6 +2,7 @@
 the output of a local run."""
 from __future__ import annotations
 
+from shared.kv_blocks import KVBlocks
 from shared.sampling_params import SamplingParams
 from tests.engine_helpers import assert_all_free, assert_matches_hf, greedy, make_engine, random_prompts, \
     run_to_completion
@@ -18,8 +19,8 @@ def remote_prefill(decode, prefill, rid, prompt, params):
     while out is None:
         for o in prefill.step():
             if o.request_id == rid and o.kv_blocks is not None:
-                pieces.append((o.kv_first_block, o.kv_blocks[0].shape[1]))
-                decode.write_blocks(rid, o.kv_first_block, *o.kv_blocks)
+                pieces.append((o.kv_blocks.first_block, o.kv_blocks.num_blocks))
+                decode.write_blocks(rid, o.kv_blocks)
             if o.request_id == rid and o.finished:
                 out = o
     # Every block exactly once, in order, however the prompt was chunked.
@@ -78,7 +79,7 @@ def test_blocks_from_another_engine_then_local_prefill(checkpoints, hf_reference
     hits = [source.block_manager.cached[h] for h in res.block_hashes]
     assert len(hits) == 4  # 70 tokens: 4 full blocks
     k, v = source.read_blocks(hits)
-    decode.write_blocks("y", 0, k, v)
+    decode.write_blocks("y", KVBlocks(k, v, 0))
     decode.commit_held("y", len(hits) * 16)
     out = run_to_completion(decode)["y"]
     assert_matches_hf(ckpt, hf_reference, [prompt], [out], 10)

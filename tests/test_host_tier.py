@@ -8,26 +8,30 @@ import pytest
 import torch
 
 from shared.engine.host_tier import HostTier
+from shared.kv_blocks import KVBlocks
 from tests.engine_helpers import greedy, random_prompts
 from tests.mesh_helpers import decode_service, generate, kvstore_service, running, wait_idle
 from tests.nats_fixtures import nats_server  # noqa: F401
 
 
-def blocks(n: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def blocks(hashes: list[bytes], start: int = 0) -> KVBlocks:
+    n = len(hashes)
     k = torch.arange(start, start + n, dtype=torch.float32).view(1, n, 1, 1, 1).expand(2, n, 4, 1, 2).contiguous()
-    return k, -k
+    return KVBlocks(k, -k, hashes=hashes)
 
 
 def test_longest_run_lru_and_byte_cap() -> None:
-    k, v = blocks(4)
+    first = blocks([b"a", b"b", b"c", b"d"])
+    k, v = first.k, first.v
     per_block = 2 * k[:, 0].numel() * 4
     tier = HostTier(capacity_bytes=5 * per_block)
-    tier.put([b"a", b"b", b"c", b"d"], k, v)
-    got = tier.get_chain([b"a", b"b", b"x", b"d"])  # stops at the first miss
-    assert got is not None and got[0].shape[1] == 2 and torch.equal(got[0], k[:, :2]) and torch.equal(got[1], v[:, :2])
+    tier.put(first)
+    got = tier.get_chain([b"a", b"b", b"x", b"d"], first_block=3)  # stops at the first miss
+    assert got is not None and got.num_blocks == 2 and torch.equal(got.k, k[:, :2]) and torch.equal(got.v, v[:, :2])
+    assert got.first_block == 3 and got.hashes == [b"a", b"b"]
     assert tier.get_chain([b"x"]) is None
-    k2, v2 = blocks(2, 10)
-    tier.put([b"e", b"f"], k2, v2)  # 6 blocks do not fit in 5: the least recently used (c) goes
+    _, dropped = tier.put(blocks([b"e", b"f"], 10))  # 6 blocks do not fit in 5: the least recently used (c) goes
+    assert dropped is not None and dropped.hashes == [b"c"] and torch.equal(dropped.k, k[:, 2:3])
     assert b"c" not in tier and all(h in tier for h in (b"a", b"b", b"d", b"e", b"f"))
     assert tier.stats.blocks == 5 and tier.stats.bytes == 5 * per_block and tier.stats.evicted_blocks == 1
     assert tier.stats.hit_blocks == 2

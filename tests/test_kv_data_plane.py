@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shared import bus
+from shared.kv_blocks import KVBlocks
 from shared.kv_transport import MeshKVTransport, TransferError
 from shared.kv_transport import shm_ring
 from shared.kv_transport.direct import DirectSender, DirectServer, DirectSettings, DirectUnavailable
@@ -35,11 +36,10 @@ def sink(k: torch.Tensor, first_block: int = 0):  # noqa: ANN201
     dv = torch.cat([torch.zeros_like(k[:, :first_block]), dv], dim=1) if first_block else dv
     writes = []
 
-    async def write(block_start: int, kk: torch.Tensor, vv: torch.Tensor, first_layer: int) -> None:
-        layers, n = kk.shape[0], kk.shape[1]
-        dk[first_layer:first_layer + layers, block_start:block_start + n] = kk
-        dv[first_layer:first_layer + layers, block_start:block_start + n] = vv
-        writes.append((block_start, first_layer))
+    async def write(b: KVBlocks) -> None:
+        dk[b.first_layer:b.first_layer + b.num_layers, b.first_block:b.end_block] = b.k
+        dv[b.first_layer:b.first_layer + b.num_layers, b.first_block:b.end_block] = b.v
+        writes.append((b.first_block, b.first_layer))
 
     return dk, dv, write, writes
 
@@ -91,7 +91,7 @@ def test_each_direct_path_moves_blocks_bit_exactly(path: str, dtype: torch.dtype
                 dk, dv, write, writes = sink(k, first_block)
                 token = secrets.token_bytes(16)
                 done = registry.expect(f"t{first_block}", first_block + k.shape[1], write, 10.0, token)
-                sent = await sender.send(server.endpoint, token, f"t{first_block}", first_block, k, v, 10.0)
+                sent = await sender.send(server.endpoint, token, f"t{first_block}", KVBlocks(k, v, first_block), 10.0)
                 await asyncio.wait_for(done, 5)
                 assert sent == 2 * k.numel() * k.element_size()
                 assert torch.equal(dk[:, first_block:].view(torch.uint8), k.view(torch.uint8))
@@ -111,17 +111,17 @@ def test_a_strangers_frames_are_refused_and_the_transfer_goes_on() -> None:
             dk, dv, write, _ = sink(k)
             done = registry.expect("t", k.shape[1], write, 10.0, token=b"right-token-0123")
             with pytest.raises(TransferError, match="wrong transfer token"):
-                await sender.send(server.endpoint, b"wrong-token-0123", "t", 0, k, v, 5.0)
+                await sender.send(server.endpoint, b"wrong-token-0123", "t", KVBlocks(k, v), 5.0)
             with pytest.raises(TransferError, match="unknown transfer"):
-                await sender.send(server.endpoint, b"right-token-0123", "nobody", 0, k, v, 5.0)
+                await sender.send(server.endpoint, b"right-token-0123", "nobody", KVBlocks(k, v), 5.0)
             assert not done.done()  # neither could end the real transfer
-            await sender.send(server.endpoint, b"right-token-0123", "t", 0, k, v, 5.0)
+            await sender.send(server.endpoint, b"right-token-0123", "t", KVBlocks(k, v), 5.0)
             await asyncio.wait_for(done, 5)
             assert torch.equal(dk, k) and torch.equal(dv, v)
             # A frame past the reserved blocks ends the transfer it names.
             done = registry.expect("short", 2, write, 10.0, token=b"tok")
             with pytest.raises(TransferError, match="only 2 were reserved"):
-                await sender.send(server.endpoint, b"tok", "short", 0, k, v, 5.0)
+                await sender.send(server.endpoint, b"tok", "short", KVBlocks(k, v), 5.0)
             with pytest.raises(TransferError):
                 await done
 
@@ -138,7 +138,7 @@ def test_a_transfer_cut_off_halfway_fails_on_both_sides() -> None:
         calls = [0]
         stopping: list[asyncio.Task] = []
 
-        async def write(block_start: int, kk: torch.Tensor, vv: torch.Tensor, first_layer: int) -> None:
+        async def write(b: KVBlocks) -> None:
             calls[0] += 1
             if calls[0] == 2:  # the receiving process goes away in the middle of the transfer
                 stopping.append(asyncio.ensure_future(server.stop()))
@@ -146,7 +146,7 @@ def test_a_transfer_cut_off_halfway_fails_on_both_sides() -> None:
 
         done = registry.expect("t", k.shape[1], write, 10.0, token=b"tok")
         with pytest.raises(TransferError):
-            await sender.send(server.endpoint, b"tok", "t", 0, k, v, 5.0)
+            await sender.send(server.endpoint, b"tok", "t", KVBlocks(k, v), 5.0)
         await asyncio.gather(*stopping)
         registry.fail_all("receiver stopped")  # what the decode worker's transport does when it stops
         with pytest.raises(TransferError):
@@ -161,9 +161,9 @@ def test_an_unreachable_endpoint_is_unavailable() -> None:
         sender = DirectSender(SMALL, connect_timeout_s=1.0)
         k, v = kv(torch.float32)
         with pytest.raises(DirectUnavailable):
-            await sender.send(f"tcp://127.0.0.1:{free_port()}", b"tok", "t", 0, k, v, 5.0)
+            await sender.send(f"tcp://127.0.0.1:{free_port()}", b"tok", "t", KVBlocks(k, v), 5.0)
         with pytest.raises(DirectUnavailable):
-            await sender.send("http://nowhere", b"tok", "t", 0, k, v, 5.0)
+            await sender.send("http://nowhere", b"tok", "t", KVBlocks(k, v), 5.0)
 
     asyncio.run(go())
 
@@ -178,7 +178,7 @@ def test_the_mesh_transport_goes_direct_and_falls_back_to_nats(nats_server) -> N
                 dk, dv, write, _ = sink(k)
                 token = secrets.token_bytes(16)
                 done = receiver.expect("t" + endpoint, k.shape[1], write, 10.0, token=token)
-                await sender.send("d0", "t" + endpoint, 0, k, v, 10.0, endpoint=endpoint, token=token)
+                await sender.send("d0", "t" + endpoint, KVBlocks(k, v), 10.0, endpoint=endpoint, token=token)
                 await asyncio.wait_for(done, 5)
                 assert torch.equal(dk.view(torch.uint8), k.view(torch.uint8))
                 assert torch.equal(dv.view(torch.uint8), v.view(torch.uint8))
@@ -202,14 +202,14 @@ def test_a_transfer_in_pieces_lands_while_later_pieces_are_computed(nats_server,
             endpoint = receiver.endpoint if reachable else f"tcp://127.0.0.1:{free_port()}"
             tx = sender.open_transfer("d0", "t", 10.0, endpoint=endpoint, token=token)
             for b0, b1 in ((0, 3), (3, 7)):  # blocks 2..4, then 5..8 of the request
-                tx.push(2 + b0, k[:, b0:b1], v[:, b0:b1])
+                tx.push(KVBlocks(k[:, b0:b1], v[:, b0:b1], 2 + b0))
                 if reachable:  # written before the next piece exists
                     await asyncio.wait_for(_until(lambda: torch.equal(dk[:, 2 + b0:2 + b1], k[:, b0:b1])), 5)
                 else:
                     await asyncio.sleep(0.05)
                     assert not writes  # kept for the bus
                 assert not done.done()
-            sent = await tx.finish(9, k[:, 7:], v[:, 7:])
+            sent = await tx.finish(KVBlocks(k[:, 7:], v[:, 7:], 9))
             await asyncio.wait_for(done, 5)
             assert sent == 2 * k.numel() * k.element_size()
             assert torch.equal(dk[:, 2:], k) and torch.equal(dv[:, 2:], v)
@@ -227,18 +227,18 @@ def test_a_frame_numbered_past_the_known_total_is_refused() -> None:
         done = registry.expect("t", 2, write, 10.0, token=b"tok")
         inc, err = registry.check("t", 0, 0, 1)  # a piece before the total is known
         assert err is None
-        assert await registry.accept("t", inc, 0, 0, 0, k[:, :1], v[:, :1], 0) is None
+        assert await registry.accept("t", inc, 0, 0, KVBlocks(k[:, :1], v[:, :1], 0)) is None
         assert not done.done()
         inc, err = registry.check("t", 1, 2, 2)  # the last frame says there are two
-        assert await registry.accept("t", inc, 1, 2, 1, k[:, 1:], v[:, 1:], 0) is None
+        assert await registry.accept("t", inc, 1, 2, KVBlocks(k[:, 1:], v[:, 1:], 1)) is None
         await asyncio.wait_for(done, 1)
         registry.expect("u", 2, write, 10.0)
         inc, _ = registry.check("u", 0, 1, 1)
-        await registry.accept("u", inc, 0, 1, 0, k[:, :1], v[:, :1], 0)
+        await registry.accept("u", inc, 0, 1, KVBlocks(k[:, :1], v[:, :1], 0))
         assert registry.check("u", 3, 0, 2) == (None, "unknown transfer")  # complete: gone
         registry.expect("w", 2, write, 10.0)
         inc, _ = registry.check("w", 1, 2, 1)
-        await registry.accept("w", inc, 1, 2, 0, k[:, :1], v[:, :1], 0)
+        await registry.accept("w", inc, 1, 2, KVBlocks(k[:, :1], v[:, :1], 0))
         assert registry.check("w", 2, 0, 2)[1] == "chunk 2 of 2"  # past the total a final frame gave
         assert registry.check("w", 0, 3, 2)[1] == "chunk count changed mid-transfer"
 

@@ -8,6 +8,7 @@ from shared.engine.errors import MemoryBudgetError
 from shared.engine.kv_cache import bytes_per_block
 from shared.engine.memory_budget import GIB, MemoryProfile, plan_kv_pool
 from shared.engine.profile_run import profile_run
+from shared.kv_blocks import KVBlocks
 from tests.engine_helpers import greedy, make_engine, random_prompts
 
 H100 = 80 * GIB
@@ -73,13 +74,13 @@ def test_fp8_blocks_round_trip_and_refuse_other_dtypes(checkpoints):
     k, v = engine.read_blocks([0, 1])
     assert k.dtype == torch.float8_e4m3fn
     engine.reserve("r", prompt, greedy(2))
-    engine.write_blocks("r", 0, k, v)
+    engine.write_blocks("r", KVBlocks(k, v, 0))
     table = engine.scheduler.held["r"].block_table[:2]
     back_k, back_v = engine.read_blocks(table)
     assert torch.equal(back_k.view(torch.uint8), k.view(torch.uint8))
     assert torch.equal(back_v.view(torch.uint8), v.view(torch.uint8))
     with pytest.raises(ValueError, match="cannot be written into a torch.float8_e4m3fn cache"):
-        engine.write_blocks("r", 0, k.float(), v.float())
+        engine.write_blocks("r", KVBlocks(k.float(), v.float(), 0))
 
 
 class FakeMemory:

@@ -8,6 +8,7 @@ import asyncio
 import torch
 
 from shared.engine.offload import OffloadBatch, Offloader
+from shared.kv_blocks import KVBlocks
 
 
 class Store:
@@ -18,16 +19,16 @@ class Store:
     def needs_offload(self, block_hash: bytes) -> bool:
         return True
 
-    async def put(self, hashes, parents, k, v) -> None:  # noqa: ANN001
-        assert k.shape[1] == v.shape[1] == len(hashes) == len(parents)
-        self.puts.append(len(hashes))
+    async def put(self, blocks: KVBlocks, parents: list[bytes | None]) -> None:
+        assert blocks.num_blocks == len(blocks.hashes) == len(parents)
+        self.puts.append(blocks.num_blocks)
         await self.release.wait()
 
 
 def blocks(n: int) -> OffloadBatch:
     """n blocks of 128 bytes each (K and V: 2 layers x 4 tokens x 1 head x 2 dims of float32)."""
     k = torch.zeros(2, n, 4, 1, 2)
-    return OffloadBatch([bytes([i]) * 16 for i in range(n)], [None] * n, k, k.clone())
+    return OffloadBatch(KVBlocks(k, k.clone(), hashes=[bytes([i]) * 16 for i in range(n)]), [None] * n)
 
 
 def test_big_batches_split_and_backpressure_drops() -> None:

@@ -5,6 +5,7 @@ import asyncio
 
 import torch
 
+from shared.kv_blocks import KVBlocks
 from shared.prefix_fetch import PrefixFetches
 
 
@@ -20,8 +21,8 @@ def test_concurrent_loads_of_one_prefix_share_one_fetch() -> None:
         calls.append(hashes)
         await asyncio.sleep(0.05)
         n = next((i for i, h in enumerate(hashes) if h not in stored), len(hashes))
-        k = torch.tensor([[stored[h] for h in hashes[:n]]], dtype=torch.float32)
-        return (k, -k) if n else None
+        k = torch.tensor([[stored[h] for h in hashes[:n]]], dtype=torch.float32).view(1, n, 1, 1, 1)
+        return KVBlocks(k, -k, hashes=hashes[:n]) if n else None
 
     chain = list(stored)
     other_tail = chain[:4] + [b"\xee" * 16, b"\xef" * 16]  # shares 4 blocks, then diverges
@@ -35,9 +36,9 @@ def test_concurrent_loads_of_one_prefix_share_one_fetch() -> None:
     f, (a, b, c, d, unrelated) = asyncio.run(go())
     assert len(calls) == 2, "one fetch for the shared chain, one for the unrelated one"
     assert f.joined == 3
-    assert a[0].tolist() == b[0].tolist() == [[0, 1, 2, 3, 4, 5]]
-    assert c[0].tolist() == [[0, 1, 2]] and d[0].tolist() == [[0, 1, 2, 3]]
-    assert torch.equal(d[1], -d[0]) and unrelated is None
+    assert a.k.flatten().tolist() == b.k.flatten().tolist() == [0, 1, 2, 3, 4, 5] and a.hashes == chain
+    assert c.k.flatten().tolist() == [0, 1, 2] and d.k.flatten().tolist() == [0, 1, 2, 3]
+    assert d.hashes == chain[:4] and torch.equal(d.v, -d.k) and unrelated is None
 
 
 def test_a_failed_fetch_makes_joiners_compute_and_the_next_request_fetches_again() -> None:
@@ -48,7 +49,7 @@ def test_a_failed_fetch_makes_joiners_compute_and_the_next_request_fetches_again
         await asyncio.sleep(0.02)
         if len(attempts) == 1:
             raise ConnectionError("kvstore gone")
-        return torch.ones(1, 1), torch.ones(1, 1)
+        return KVBlocks(torch.ones(1, 1, 1, 1, 1), torch.ones(1, 1, 1, 1, 1))
 
     async def go():
         f = PrefixFetches(fetch)

@@ -32,6 +32,7 @@ from shared.engine.commands import Abort, Commit, Enqueue, Reserve, WriteBlocks
 from shared.engine.engine_thread import EngineStopped, EngineThread
 from shared.engine.llm_engine import Reservation
 from shared.kv_transport import NatsKVTransport, TransferError
+from shared.kv_blocks import KVBlocks
 from shared.protocol.generate import CancelRequest, GenerateRequest
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 
@@ -152,8 +153,8 @@ class Admission:
         self.transfer_id = transfer_id = uuid.uuid4().hex
         self.state, self.went_remote = State.REMOTE, True
 
-        async def write(block_start: int, k, v, first_layer: int) -> None:  # noqa: ANN001
-            if not await host.thread.run(WriteBlocks(rid, block_start, k, v, first_layer)):
+        async def write(blocks: KVBlocks) -> None:
+            if not await host.thread.run(WriteBlocks(rid, blocks)):
                 raise TransferError("request is no longer waiting for KV")
 
         endpoint = host.transport.endpoint

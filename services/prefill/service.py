@@ -116,13 +116,12 @@ class PrefillService(EngineWorker):
                 span.set_attribute("kvmesh.kv.pieces", tx.pieces + 1)
             if out.finish_reason == "abort" or out.kv_blocks is None:
                 return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error="cancelled")
-            k, v = out.kv_blocks
-            computed = out.kv_first_block + k.shape[1] - first_block
+            computed = out.kv_blocks.end_block - first_block
             if computed != req.num_dest_blocks:
                 return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id,
                                           error=f"computed {computed} blocks, decode reserved {req.num_dest_blocks}")
             t0 = time.perf_counter()
-            sent = await tx.finish(out.kv_first_block, k, v)
+            sent = await tx.finish(out.kv_blocks)
             self.kv_push.record(sent, time.perf_counter() - t0)
         except ValueError as e:
             raise bus.RemoteError(codes.BAD_REQUEST, str(e)) from None
@@ -153,7 +152,7 @@ class PrefillService(EngineWorker):
             if out.finished and fut is not None and not fut.done():
                 fut.set_result(out)
             elif not out.finished and out.kv_blocks is not None and out.request_id in self.outgoing:
-                self.outgoing[out.request_id].push(out.kv_first_block, *out.kv_blocks)
+                self.outgoing[out.request_id].push(out.kv_blocks)
                 self.kv_pieces += 1
         super()._on_step(outputs, events, offload)
 

@@ -12,11 +12,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-import torch
-
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.offload import BlockStore, OffloadBatch
 from shared.engine.outputs import RequestOutput, TokenLogprobs
+from shared.kv_blocks import KVBlocks
 from shared.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -64,15 +63,12 @@ class WriteBlocks(Command[bool]):
     """K/V of a held request's logical blocks; False when it is no longer held."""
 
     request_id: str
-    first_block: int
-    k: torch.Tensor
-    v: torch.Tensor
-    first_layer: int = 0
+    blocks: KVBlocks
 
     def run(self, engine: LLMEngine) -> bool:
         if not engine.is_held(self.request_id):
             return False
-        engine.write_blocks(self.request_id, self.first_block, self.k, self.v, self.first_layer)
+        engine.write_blocks(self.request_id, self.blocks)
         return True
 
 

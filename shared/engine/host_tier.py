@@ -14,9 +14,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
-from shared.engine.kv_cache import KV
+from shared.kv_blocks import KVBlocks
 
 
 @dataclass
@@ -32,40 +30,37 @@ class HostTier:
     def __init__(self, capacity_bytes: int) -> None:
         assert capacity_bytes > 0, "a host tier needs a positive byte cap"
         self.capacity = capacity_bytes
-        self._blocks: OrderedDict[bytes, KV] = OrderedDict()  # hash -> K, V [layers, block_size, heads, dim]
+        self._blocks: OrderedDict[bytes, KVBlocks] = OrderedDict()  # hash -> that one block, all layers
         self._lock = threading.Lock()
         self.stats = HostTierStats()
 
-    def put(self, hashes: list[bytes], k: torch.Tensor, v: torch.Tensor
-            ) -> tuple[list[bytes], list[tuple[bytes, torch.Tensor, torch.Tensor]]]:
-        """k, v [layers, n, block_size, heads, dim] (host copies the caller gives up) of blocks `hashes`.
-        Returns the hashes newly held and the blocks dropped for room, with their KV (what routers are
-        told, and what may flow on down to the kvstore)."""
-        per_block = 2 * k[:, 0].numel() * k.element_size() if k.shape[1] else 0
-        stored: list[bytes] = []
-        dropped: list[tuple[bytes, torch.Tensor, torch.Tensor]] = []
+    def put(self, blocks: KVBlocks) -> tuple[list[bytes], KVBlocks | None]:
+        """Named blocks (host copies the caller gives up). Returns the hashes newly held and the blocks
+        dropped for room (what routers are told, and what may flow on down to the kvstore)."""
+        per_block = blocks.bytes_per_block if blocks.num_blocks else 0
         if per_block > self.capacity:  # nothing fits: every block goes straight on down
-            return stored, [(h, k[:, i], v[:, i]) for i, h in enumerate(hashes)]
+            return [], blocks
+        stored: list[bytes] = []
+        dropped: list[KVBlocks] = []
         with self._lock:
-            for i, h in enumerate(hashes):
+            for i, h in enumerate(blocks.hashes):
                 if h in self._blocks:
                     self._blocks.move_to_end(h)
                     continue
                 while self.stats.bytes + per_block > self.capacity:
-                    h_old, (k_old, v_old) = self._blocks.popitem(last=False)
-                    dropped.append((h_old, k_old, v_old))
+                    dropped.append(self._blocks.popitem(last=False)[1])
                     self.stats.bytes -= per_block
                     self.stats.blocks -= 1
                     self.stats.evicted_blocks += 1
-                self._blocks[h] = (k[:, i], v[:, i])
+                self._blocks[h] = blocks.blocks(i, i + 1)
                 self.stats.bytes += per_block
                 self.stats.blocks += 1
                 self.stats.stored_blocks += 1
                 stored.append(h)
-        return stored, dropped
+        return stored, KVBlocks.gather(dropped) if dropped else None
 
-    def get_chain(self, hashes: list[bytes]) -> KV | None:
-        """K, V [layers, n, ...] of the longest run of `hashes` from the start held here (fresh tensors)."""
+    def get_chain(self, hashes: list[bytes], first_block: int = 0) -> KVBlocks | None:
+        """The longest run of `hashes` from the start held here (fresh tensors), numbered from first_block."""
         with self._lock:
             found = []
             for h in hashes:
@@ -77,15 +72,18 @@ class HostTier:
             self.stats.hit_blocks += len(found)
         if not found:
             return None
-        return torch.stack([k for k, _ in found], dim=1), torch.stack([v for _, v in found], dim=1)
+        got = KVBlocks.gather(found)
+        if len(found) == 1:
+            got = KVBlocks(got.k.clone(), got.v.clone(), hashes=got.hashes)  # fresh, as a stack would be
+        return KVBlocks(got.k, got.v, first_block, 0, got.hashes)
 
-    def take_all(self) -> list[tuple[bytes, torch.Tensor, torch.Tensor]]:
+    def take_all(self) -> KVBlocks | None:
         """Empties the tier, oldest first, handing its blocks over (a worker leaving the mesh)."""
         with self._lock:
-            blocks = [(h, k, v) for h, (k, v) in self._blocks.items()]
+            blocks = list(self._blocks.values())
             self._blocks.clear()
             self.stats.blocks = self.stats.bytes = 0
-        return blocks
+        return KVBlocks.gather(blocks) if blocks else None
 
     def clear(self) -> None:
         self.take_all()

@@ -40,8 +40,9 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
             for _ in range(cfg.num_layers)]
 
 
-KV = tuple[torch.Tensor, torch.Tensor]  # K and V of some blocks, [layers, n, block_size, kv_heads, head_dim] each
-KVCaches = list[KV]  # the pool: per layer K and V [num_blocks, block_size, kv_heads, head_dim]
+# The pool: per layer K and V [num_blocks, block_size, kv_heads, head_dim]. KV that leaves it is a
+# KVBlocks (shared/kv_blocks.py).
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def gather_blocks(caches: KVCaches, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,12 +25,11 @@ from shared.engine.block_listener import BlockListener
 from shared.engine.block_manager import BlockManager
 from shared.engine.host_tier import HostTier
 from shared.engine.offload import BlockStore, OffloadBatch
+from shared.kv_blocks import KVBlocks
 from shared.protocol.events import BlockEvent, BlockRemoved, BlockStored
 
 # Gathers physical blocks into K, V [layers, n, block_size, kv_heads, head_dim] on the cache's device.
 Gather = Callable[[Seq[int]], tuple[torch.Tensor, torch.Tensor]]
-# A block on its way down: hash, K, V [layers, block_size, heads, dim] host copies.
-HostBlock = tuple[bytes, torch.Tensor, torch.Tensor]
 
 
 class KVTiers(BlockListener):
@@ -40,7 +39,7 @@ class KVTiers(BlockListener):
         self._gather = gather
         self.host = HostTier(host_kv_bytes) if host_kv_bytes > 0 else None
         # Blocks on their way to the kvstore under the eviction policy; None: this engine does not offload.
-        self._offload: list[HostBlock] | None = None
+        self._offload: list[KVBlocks] | None = None
         self._evicted: list[tuple[BlockHash, int]] = []  # reported, not yet copied down
         self._reused: list[tuple[BlockHash, int]] = []  # reported shared prefixes, not yet offered to the store
         # Spilled blocks whose device-to-host copies may still run: hashes, K, V, the copies' event (or None).
@@ -89,16 +88,17 @@ class KVTiers(BlockListener):
             if ready is not None:
                 ready.synchronize()
                 k, v = k.clone(), v.clone()  # pinned staging -> ordinary memory: the tier can be large
+            blocks = KVBlocks(k, v, hashes=hashes)
             if self.host is None:
                 assert self._offload is not None
-                self._offload.extend((h, k[:, i], v[:, i]) for i, h in enumerate(hashes))
+                self._offload.append(blocks)
                 continue
-            stored, dropped = self.host.put(hashes, k, v)
-            if self._offload is not None:
-                self._offload.extend(dropped)  # out of the host tier: on down to the kvstore
+            stored, dropped = self.host.put(blocks)
+            if dropped is not None and self._offload is not None:
+                self._offload.append(dropped)  # out of the host tier: on down to the kvstore
             # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
-            if dropped:
-                self._bm.events.append(BlockRemoved(hashes=[h for h, _, _ in dropped], tier="host"))
+            if dropped is not None:
+                self._bm.events.append(BlockRemoved(hashes=dropped.hashes, tier="host"))
             if stored:
                 self._bm.events.append(BlockStored(hashes=stored, tier="host"))
 
@@ -122,7 +122,9 @@ class KVTiers(BlockListener):
         self._bm.reset_prefix_cache()
         self.spill()
         if self.host is not None and self._offload is not None:
-            self._offload.extend(self.host.take_all())
+            held = self.host.take_all()
+            if held is not None:
+                self._offload.append(held)
 
     # --- to the kvstore -------------------------------------------------------------------------
 
@@ -135,20 +137,16 @@ class KVTiers(BlockListener):
     def _collect_evicted(self, store: BlockStore) -> OffloadBatch | None:
         out, self._offload = self._offload or [], ([] if self._offload is not None else None)
         reused, self._reused = self._reused, []
-        items = {h: (k, v) for h, k, v in out if store.needs_offload(h)}
+        items = {h: part.blocks(i, i + 1) for part in out for i, h in enumerate(part.hashes) if store.needs_offload(h)}
         fresh: dict[bytes, int] = {}
         for h, block_id in reused:  # in use by the request that reused them: their KV is intact
             if h not in items and store.needs_offload(h):
                 fresh[h] = block_id
         if fresh:
-            k, v = self._read(list(fresh.values()))
-            items.update({h: (k[:, i], v[:, i]) for i, h in enumerate(fresh)})
+            items.update({h: b for h, b in zip(fresh, self._read(list(fresh.values()), list(fresh)).split_every(1))})
         if not items:
             return None
-        hashes = list(items)
-        k = torch.stack([items[h][0] for h in hashes], dim=1)
-        v = torch.stack([items[h][1] for h in hashes], dim=1)
-        return OffloadBatch(hashes, [None] * len(hashes), k, v)
+        return OffloadBatch(KVBlocks.gather(list(items.values())), [None] * len(items))
 
     def _collect_stored(self, events: list[BlockEvent], store: BlockStore) -> OffloadBatch | None:
         """Copy out the KV of blocks stored by this step that the store lacks (write-through)."""
@@ -165,18 +163,17 @@ class KVTiers(BlockListener):
                     block_ids.append(block_id)
         if not hashes:
             return None
-        k, v = self._read(block_ids)
-        return OffloadBatch(hashes, parents, k, v)
+        return OffloadBatch(self._read(block_ids, hashes), parents)
 
-    def _read(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, block_ids: Seq[int], hashes: list[bytes]) -> KVBlocks:
         k, v = self._gather(block_ids)
-        return k.cpu(), v.cpu()
+        return KVBlocks(k.cpu(), v.cpu(), hashes=hashes)
 
     # --- up the tiers ---------------------------------------------------------------------------
 
-    def host_chain(self, hashes: list[bytes]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K, V of the longest run of `hashes` from the start held in the host tier (any thread)."""
-        return self.host.get_chain(hashes) if self.host is not None else None
+    def host_chain(self, hashes: list[bytes], first_block: int = 0) -> KVBlocks | None:
+        """The longest run of `hashes` from the start held in the host tier (any thread)."""
+        return self.host.get_chain(hashes, first_block) if self.host is not None else None
 
     @property
     def host_bytes(self) -> int:

@@ -28,6 +28,7 @@ from shared.engine.memory_budget import snapshot
 from shared.engine.model_runner import ModelRunner
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprobs
+from shared.kv_blocks import KVBlocks
 from shared.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
@@ -112,16 +113,15 @@ class LLMEngine:
             self._track(seq, capture_kv_from_block)
         return res
 
-    def write_blocks(self, request_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
-                     first_layer: int = 0) -> None:
-        """Write K/V ([layers, n, block_size, kv_heads, head_dim], layers from first_layer on) into a held
-        request's logical blocks."""
+    def write_blocks(self, request_id: str, blocks: KVBlocks) -> None:
+        """Write KV (its layer range) into a held request's logical blocks [first_block, end_block)."""
         self.tiers.spill()  # the blocks about to be written may be ones just given up by the cache
         seq = self.scheduler.held[request_id]
-        n = k.shape[1]
-        if first_block < 0 or first_block + n > len(seq.block_table):
-            raise ValueError(f"blocks [{first_block}, {first_block + n}) outside the {len(seq.block_table)} reserved")
-        self.runner.write_blocks(seq.block_table[first_block : first_block + n], k, v, first_layer)
+        if blocks.end_block > len(seq.block_table):
+            raise ValueError(f"blocks [{blocks.first_block}, {blocks.end_block}) outside the "
+                             f"{len(seq.block_table)} reserved")
+        self.runner.write_blocks(seq.block_table[blocks.first_block : blocks.end_block], blocks.k, blocks.v,
+                                 blocks.first_layer)
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of physical blocks: [layers, n, block_size, kv_heads, head_dim] each, on CPU."""

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+from shared.kv_blocks import KVBlocks
 
 log = logging.getLogger(__name__)
 
@@ -23,19 +23,23 @@ class BlockStore(Protocol):
 
     def needs_offload(self, block_hash: bytes) -> bool: ...
 
-    async def put(self, hashes: list[bytes], parents: list[bytes | None], k: torch.Tensor, v: torch.Tensor) -> None: ...
+    async def put(self, blocks: KVBlocks, parents: list[bytes | None]) -> None: ...
 
 
 @dataclass
 class OffloadBatch:
-    hashes: list[bytes]
+    """Named blocks (host copies) for the kvstore, with each block's parent hash where known."""
+
+    blocks: KVBlocks
     parents: list[bytes | None]
-    k: torch.Tensor
-    v: torch.Tensor
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return self.blocks.hashes
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return self.blocks.nbytes
 
 
 POLICIES = ("eviction", "write-through")
@@ -64,13 +68,12 @@ class Offloader:
 
     def _puts(self, batch: OffloadBatch) -> list[OffloadBatch]:
         """batch cut into puts of at most max_put_bytes (a put is one bus upload)."""
-        n = len(batch.hashes)
-        per_block = 2 * batch.k[:, 0].numel() * batch.k.element_size() if n else 0
+        n = batch.blocks.num_blocks
+        per_block = batch.blocks.bytes_per_block if n else 0
         step = max(1, self.max_put_bytes // per_block) if per_block else max(n, 1)
         if n <= step:
             return [batch]
-        return [OffloadBatch(batch.hashes[i:i + step], batch.parents[i:i + step], batch.k[:, i:i + step],
-                             batch.v[:, i:i + step]) for i in range(0, n, step)]
+        return [OffloadBatch(batch.blocks.blocks(i, i + step), batch.parents[i:i + step]) for i in range(0, n, step)]
 
     def _room(self, put: OffloadBatch) -> bool:
         if not self._tasks:
@@ -108,7 +111,7 @@ class Offloader:
 
     def _start(self, put: OffloadBatch) -> None:
         self.submitted += len(put.hashes)
-        task = asyncio.ensure_future(self.client.put(put.hashes, put.parents, put.k, put.v))
+        task = asyncio.ensure_future(self.client.put(put.blocks, put.parents))
         self._tasks[task] = put
         task.add_done_callback(self._done)
 

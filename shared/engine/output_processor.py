@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from shared.engine.outputs import RequestOutput, TokenLogprobs
+from shared.kv_blocks import KVBlocks
 from shared.engine.sequence import Sequence
 
 ReadBlocks = Callable[[Seq[int]], tuple[torch.Tensor, torch.Tensor]]
@@ -49,13 +50,13 @@ class OutputProcessor:
             return "length"
         return None
 
-    def take_prompt_kv(self, seq: Sequence) -> tuple[tuple[torch.Tensor, torch.Tensor], int] | None:
+    def take_prompt_kv(self, seq: Sequence) -> KVBlocks | None:
         """A finishing prefill-only request's prompt KV not yet handed out (read before its blocks are freed)."""
         first = self.capture_kv.pop(seq.request_id, None)
         if first is None:
             return None
         last = -(-seq.num_prompt_tokens // self.block_size)
-        return self._read_blocks(seq.block_table[first:last]), first
+        return KVBlocks(*self._read_blocks(seq.block_table[first:last]), first_block=first)
 
     def captured_pieces(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """For prefill-only requests still computing their prompt: the K/V of the blocks this step
@@ -70,8 +71,7 @@ class OutputProcessor:
             if done <= start:
                 continue
             out = self.output(seq, [])
-            out.kv_blocks = self._read_blocks(seq.block_table[start:done])
-            out.kv_first_block = start
+            out.kv_blocks = KVBlocks(*self._read_blocks(seq.block_table[start:done]), first_block=start)
             self.capture_kv[seq.request_id] = done
             pieces.append(out)
         return pieces

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from shared.kv_blocks import KVBlocks
 from shared.token_logprobs import TokenLogprobs
 
 __all__ = ["RequestOutput", "TokenLogprobs"]
@@ -27,8 +26,7 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # first step that computed any of its tokens
     first_token_time: float | None = None
     finished_time: float | None = None
-    # Prefill-only requests (capture_kv_from_block): K and V of prompt blocks from kv_first_block on,
+    # Prefill-only requests (capture_kv_from_block): K and V of prompt blocks from capture_kv_from_block on,
     # each [layers, blocks, block_size, kv_heads, head_dim], on CPU. An unfinished output carries the
     # blocks a prefill chunk completed; the finished one the rest (the last partial block included).
-    kv_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
-    kv_first_block: int = 0
+    kv_blocks: KVBlocks | None = None

@@ -131,7 +131,7 @@ class Scheduler:
             del self.requests[seq.request_id]
         out = self.outputs.output(seq, [token])
         if kv is not None:
-            out.kv_blocks, out.kv_first_block = kv
+            out.kv_blocks = kv
         return out
 
     def abort(self, request_id: str) -> Sequence | None:

@@ -10,11 +10,11 @@ import abc
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-import torch
+from shared.kv_blocks import KVBlocks
 
-# write(first_logical_block, k, v, first_layer) with k, v [layers, blocks, block_size, kv_heads, head_dim];
-# a chunk may carry a range of layers when one block of all layers does not fit in a message.
-BlockWriter = Callable[[int, torch.Tensor, torch.Tensor, int], Awaitable[None]]
+# write(blocks): blocks numbered by their logical index in the request; a chunk may carry a range of
+# layers when one block of all layers does not fit in a message.
+BlockWriter = Callable[[KVBlocks], Awaitable[None]]
 
 
 class TransferError(Exception):
@@ -28,9 +28,9 @@ class DirectUnavailable(TransferError):
 class PiecewiseSend(Protocol):
     """A transfer sent in pieces as they are computed (outgoing.py's OutgoingTransfer is the one)."""
 
-    def push(self, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def push(self, blocks: KVBlocks) -> None: ...
 
-    async def finish(self, first_block: int, k: torch.Tensor, v: torch.Tensor) -> int: ...
+    async def finish(self, blocks: KVBlocks) -> int: ...
 
     def add_done_callback(self, fn: Callable[[bool], None]) -> None: ...
 
@@ -45,9 +45,9 @@ class KVTransport(abc.ABC):
         """Start receiving for worker_id (decode workers); None for send-only (prefill workers)."""
 
     @abc.abstractmethod
-    async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
-                   deadline_s: float, endpoint: str | None = None, token: bytes = b"") -> int:
-        """Push blocks [first_block, first_block + k.shape[1]) of a transfer; returns bytes sent.
+    async def send(self, dest_worker: str, transfer_id: str, blocks: KVBlocks, deadline_s: float,
+                   endpoint: str | None = None, token: bytes = b"") -> int:
+        """Push blocks [first_block, end_block) of a transfer; returns bytes sent.
         endpoint, token: the receiver's direct channel and this transfer's token, when it has one."""
 
     @abc.abstractmethod

@@ -28,6 +28,7 @@ from shared.kv_transport.base import DirectUnavailable, TransferError
 from shared.kv_transport.frames import (FrameError, as_bytes, digest, discard, header, kv_views, recv_header,
                                         recv_into, send_all)
 from shared.kv_transport.incoming import TransferRegistry
+from shared.kv_blocks import KVBlocks
 from shared.kv_transport.plan import plan_chunks
 
 log = logging.getLogger(__name__)
@@ -205,14 +206,14 @@ class DirectServer:
             inc, error = None, f"checksum mismatch on chunk {seq}"
         if inc is not None:
             try:
-                k, v = kv_views(payload, h.get("dtype"), shape)
-            except FrameError as e:
+                blocks = KVBlocks(*kv_views(payload, h.get("dtype"), shape), first_block=b0, first_layer=l0)
+            except (FrameError, ValueError) as e:
                 inc, error = None, str(e)
         if inc is None:
             if error not in ("unknown transfer", "wrong transfer token"):  # strangers cannot end transfers
                 self.registry.refuse(tid, error or "refused")
             return error
-        return await self.registry.accept(tid, inc, seq, total, b0, k, v, l0)
+        return await self.registry.accept(tid, inc, seq, total, blocks)
 
 
 # --------------------------------------------------------------------------- sending (prefill side)
@@ -344,26 +345,26 @@ class DirectSender:
         finally:
             conn.release()
 
-    def num_frames(self, k: torch.Tensor) -> int:
-        return len(self._plan(k))
+    def num_frames(self, blocks: KVBlocks) -> int:
+        return len(self._plan(blocks))
 
-    def _plan(self, k: torch.Tensor) -> list[tuple[int, int, int, int]]:
-        per_block_layer = 2 * k[0, 0].numel() * k.element_size()
-        return plan_chunks(k.shape[0], k.shape[1], per_block_layer, self.settings.frame_bytes, headroom=0)
+    def _plan(self, blocks: KVBlocks) -> list[tuple[int, int, int, int]]:
+        per_block_layer = blocks.bytes_per_block // blocks.num_layers
+        return plan_chunks(blocks.num_layers, blocks.num_blocks, per_block_layer, self.settings.frame_bytes, headroom=0)
 
     async def connect(self, endpoint: str) -> None:
         """Opens (or reuses) the connection to endpoint; DirectUnavailable when it cannot be reached."""
         await self._conn(endpoint)
 
-    async def send(self, endpoint: str, token: bytes, transfer_id: str, first_block: int, k: torch.Tensor,
-                   v: torch.Tensor, deadline_s: float, first_seq: int = 0, final: bool = True) -> int:
-        """Push blocks [first_block, first_block + k.shape[1]) as frames first_seq, first_seq + 1, ...;
+    async def send(self, endpoint: str, token: bytes, transfer_id: str, blocks: KVBlocks, deadline_s: float,
+                   first_seq: int = 0, final: bool = True) -> int:
+        """Push blocks [first_block, end_block) as frames first_seq, first_seq + 1, ...;
         returns payload bytes sent. final=False: a piece of a transfer whose size is not known yet (its
         frames say total 0; the final piece's frames carry the transfer's frame count)."""
         conn = await self._conn(endpoint)
         loop = asyncio.get_running_loop()
-        n = k.shape[1]
-        chunks = self._plan(k)
+        n, first_block, k, v = blocks.num_blocks, blocks.first_block, blocks.k, blocks.v
+        chunks = self._plan(blocks)
         total = first_seq + len(chunks) if final else 0
         deadline = time.monotonic() + deadline_s
         dtype = str(k.dtype).removeprefix("torch.")

@@ -8,7 +8,7 @@ import hmac
 import time
 from dataclasses import dataclass, field
 
-import torch
+from shared.kv_blocks import KVBlocks
 
 from shared.kv_transport.base import BlockWriter, TransferError
 
@@ -81,11 +81,10 @@ class TransferRegistry:
             return None, f"blocks up to {block_end} but only {inc.num_blocks} were reserved"
         return inc, None
 
-    async def accept(self, transfer_id: str, inc: Incoming, seq: int, total: int, block_start: int,
-                     k: torch.Tensor, v: torch.Tensor, layer_start: int) -> str | None:
+    async def accept(self, transfer_id: str, inc: Incoming, seq: int, total: int, blocks: KVBlocks) -> str | None:
         """Writes a checked chunk into the reserved blocks; the error that failed the transfer, if any."""
         try:
-            await inc.write(block_start, k, v, layer_start)
+            await inc.write(blocks)
         except Exception as e:  # noqa: BLE001 - any failure to place blocks fails the transfer
             error = f"could not write blocks: {e}"
             self.fail(transfer_id, error)

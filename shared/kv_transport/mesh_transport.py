@@ -11,7 +11,7 @@ import asyncio
 import logging
 import socket
 
-import torch
+from shared.kv_blocks import KVBlocks
 from nats.aio.client import Client
 
 from shared.kv_transport.base import BlockWriter
@@ -81,7 +81,7 @@ class MeshKVTransport(NatsKVTransport):
             self.fallbacks += 1
             log.info("direct KV channel to %s unavailable, pushed over NATS: %s", dest_worker, tx.fell_back)
 
-    async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
-                   deadline_s: float, endpoint: str | None = None, token: bytes = b"") -> int:
+    async def send(self, dest_worker: str, transfer_id: str, blocks: KVBlocks, deadline_s: float,
+                   endpoint: str | None = None, token: bytes = b"") -> int:
         """The whole transfer at once: one piece."""
-        return await self.open_transfer(dest_worker, transfer_id, deadline_s, endpoint, token).finish(first_block, k, v)
+        return await self.open_transfer(dest_worker, transfer_id, deadline_s, endpoint, token).finish(blocks)

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 
-import torch
 from nats.aio.client import Client
 from opentelemetry import trace
 
@@ -22,7 +21,7 @@ from shared.kv_transport.incoming import TransferRegistry
 from shared.kv_transport.outgoing import BusSend, OutgoingTransfer
 from shared.kv_transport.plan import plan_chunks
 from shared.protocol.kvtransfer import KVBlockChunk, KVChunkAck, checksum
-from shared.wire import tensor_from_wire, tensor_to_wire
+from shared.kv_blocks import KVBlocks
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.kv_transport")
@@ -56,18 +55,18 @@ class NatsKVTransport(KVTransport):
         return OutgoingTransfer(transfer_id, deadline_s, self._bus_send(dest_worker, transfer_id))
 
     def _bus_send(self, dest_worker: str, transfer_id: str) -> BusSend:
-        async def send(first_block: int, k: torch.Tensor, v: torch.Tensor, deadline_s: float) -> int:
-            return await NatsKVTransport.send(self, dest_worker, transfer_id, first_block, k, v, deadline_s)
+        async def send(blocks: KVBlocks, deadline_s: float) -> int:
+            return await NatsKVTransport.send(self, dest_worker, transfer_id, blocks, deadline_s)
         return send
 
     def outgoing(self, chunk: KVBlockChunk) -> KVBlockChunk | None:
         """The chunk as it goes on the wire (a seam for network test doubles; None: not sent)."""
         return chunk
 
-    async def send(self, dest_worker: str, transfer_id: str, first_block: int, k: torch.Tensor, v: torch.Tensor,
-                   deadline_s: float, endpoint: str | None = None, token: bytes = b"") -> int:
-        layers, n = k.shape[0], k.shape[1]
-        per_block_layer = 2 * k[0, 0].numel() * k.element_size()
+    async def send(self, dest_worker: str, transfer_id: str, blocks: KVBlocks, deadline_s: float,
+                   endpoint: str | None = None, token: bytes = b"") -> int:
+        layers, n = blocks.num_layers, blocks.num_blocks
+        per_block_layer = blocks.bytes_per_block // layers
         chunks = plan_chunks(layers, n, per_block_layer, self.nc.max_payload)
         subject = subjects.decode_kv_push(dest_worker)
         window = asyncio.Semaphore(self.window)
@@ -76,12 +75,12 @@ class NatsKVTransport(KVTransport):
 
         async def one(seq: int, l0: int, l1: int, b0: int, b1: int) -> None:
             nonlocal sent
-            tensors = []
-            for layer in range(l0, l1):
-                tensors += [tensor_to_wire(k[layer, b0:b1].contiguous()), tensor_to_wire(v[layer, b0:b1].contiguous())]
+            part = blocks.blocks(b0, b1).layers(l0, l1)
+            tensors = part.to_layer_tensors()
             chunk = self.outgoing(KVBlockChunk(
-                transfer_id=transfer_id, seq=seq, total=len(chunks), layer_start=l0, layer_end=l1,
-                block_start=first_block + b0, block_end=first_block + b1, tensors=tensors, checksum=checksum(tensors)))
+                transfer_id=transfer_id, seq=seq, total=len(chunks), layer_start=part.first_layer,
+                layer_end=part.first_layer + part.num_layers, block_start=part.first_block, block_end=part.end_block,
+                tensors=tensors, checksum=checksum(tensors)))
             if chunk is None:
                 return
             async with window:
@@ -121,10 +120,15 @@ class NatsKVTransport(KVTransport):
             if inc is not None and not chunk.verify():
                 inc, error = None, f"checksum mismatch on chunk {chunk.seq}"
             if inc is not None:
-                k = torch.stack([tensor_from_wire(t) for t in chunk.tensors[0::2]])
-                v = torch.stack([tensor_from_wire(t) for t in chunk.tensors[1::2]])
-                error = await self.registry.accept(chunk.transfer_id, inc, chunk.seq, chunk.total, chunk.block_start,
-                                                   k, v, chunk.layer_start)
+                try:
+                    got = KVBlocks.from_layer_tensors(chunk.tensors, chunk.block_start, chunk.layer_start)
+                    if got.num_blocks != chunk.block_end - chunk.block_start:
+                        raise ValueError(f"{got.num_blocks} blocks in a chunk of [{chunk.block_start}, {chunk.block_end})")
+                except ValueError as e:
+                    got, error = None, f"bad chunk {chunk.seq}: {e}"
+                    self.registry.refuse(chunk.transfer_id, error)
+                if got is not None:
+                    error = await self.registry.accept(chunk.transfer_id, inc, chunk.seq, chunk.total, got)
             elif error != "unknown transfer":
                 self.registry.refuse(chunk.transfer_id, error or "refused")
             if error is not None:

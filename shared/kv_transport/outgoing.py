@@ -17,12 +17,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
+from shared.kv_blocks import KVBlocks
 from shared.kv_transport.base import DirectUnavailable, TransferError
 
-# send(first_block, k, v, deadline_s) over the bus: every block at once (the fallback)
-BusSend = Callable[[int, torch.Tensor, torch.Tensor, float], Awaitable[int]]
+# send(blocks, deadline_s) over the bus: every block at once (the fallback)
+BusSend = Callable[[KVBlocks, float], Awaitable[int]]
 
 
 class DirectChannel(Protocol):
@@ -31,10 +30,10 @@ class DirectChannel(Protocol):
 
     async def connect(self, endpoint: str) -> None: ...
 
-    async def send(self, endpoint: str, token: bytes, transfer_id: str, first_block: int, k: torch.Tensor,
-                   v: torch.Tensor, deadline_s: float, first_seq: int = 0, final: bool = True) -> int: ...
+    async def send(self, endpoint: str, token: bytes, transfer_id: str, blocks: KVBlocks, deadline_s: float,
+                   first_seq: int = 0, final: bool = True) -> int: ...
 
-    def num_frames(self, k: torch.Tensor) -> int: ...
+    def num_frames(self, blocks: KVBlocks) -> int: ...
 
 
 @dataclass
@@ -52,9 +51,7 @@ class PushStats:
 
 @dataclass
 class _Piece:
-    first_block: int
-    k: torch.Tensor
-    v: torch.Tensor
+    blocks: KVBlocks
     final: bool
 
 
@@ -77,14 +74,14 @@ class OutgoingTransfer:
         """Whether the receiver has a direct endpoint to try."""
         return self._direct is not None
 
-    def push(self, first_block: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def push(self, blocks: KVBlocks) -> None:
         """Hand over the blocks a chunk completed; they go out in order while the caller goes on."""
-        self._put(_Piece(first_block, k, v, final=False))
+        self._put(_Piece(blocks, final=False))
 
-    async def finish(self, first_block: int, k: torch.Tensor, v: torch.Tensor) -> int:
+    async def finish(self, blocks: KVBlocks) -> int:
         """Hand over the last blocks and wait until every piece is written at the receiver; returns the
         bytes sent. Raises TransferError (or DirectUnavailable's cousins) when any piece failed."""
-        self._put(_Piece(first_block, k, v, final=True))
+        self._put(_Piece(blocks, final=True))
         return await asyncio.shield(self._worker)
 
     def add_done_callback(self, fn: Callable[[bool], None]) -> None:
@@ -120,9 +117,9 @@ class OutgoingTransfer:
                     return await self._send_kept(kept)
                 continue
             assert self._direct is not None
-            sent += await self._direct.send(self._endpoint, self._token, self.transfer_id, piece.first_block,
-                                            piece.k, piece.v, self._left(), first_seq=seq, final=piece.final)
-            seq += self._direct.num_frames(piece.k)
+            sent += await self._direct.send(self._endpoint, self._token, self.transfer_id, piece.blocks,
+                                            self._left(), first_seq=seq, final=piece.final)
+            seq += self._direct.num_frames(piece.blocks)
             if piece.final:
                 return sent
 
@@ -138,9 +135,8 @@ class OutgoingTransfer:
             return False
 
     async def _send_kept(self, kept: list[_Piece]) -> int:
-        for a, b in zip(kept, kept[1:]):
-            if b.first_block != a.first_block + a.k.shape[1]:
-                raise TransferError(f"pieces of {self.transfer_id} are not contiguous")
-        k = kept[0].k if len(kept) == 1 else torch.cat([p.k for p in kept], dim=1)
-        v = kept[0].v if len(kept) == 1 else torch.cat([p.v for p in kept], dim=1)
-        return await self._bus_send(kept[0].first_block, k, v, self._left())
+        try:
+            blocks = KVBlocks.concat([p.blocks for p in kept])
+        except ValueError as e:
+            raise TransferError(f"pieces of {self.transfer_id}: {e}") from None
+        return await self._bus_send(blocks, self._left())
