@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from shared.kv_blocks import KVBlocks
 from shared.kv_transport.direct import DirectServer
 from shared.kv_transport.frames import DTYPES
 from shared.kv_transport.incoming import TransferRegistry
@@ -24,10 +25,9 @@ async def serve(shape: list[int], dtype: torch.dtype, transfers: int, token: byt
     registry = TransferRegistry()
     dst_k, dst_v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
 
-    async def write(block_start: int, k: torch.Tensor, v: torch.Tensor, first_layer: int) -> None:
-        layers, n = k.shape[0], k.shape[1]
-        dst_k[first_layer:first_layer + layers, block_start:block_start + n].copy_(k)
-        dst_v[first_layer:first_layer + layers, block_start:block_start + n].copy_(v)
+    async def write(b: KVBlocks) -> None:
+        dst_k[b.first_layer:b.first_layer + b.num_layers, b.first_block:b.end_block].copy_(b.k)
+        dst_v[b.first_layer:b.first_layer + b.num_layers, b.first_block:b.end_block].copy_(b.v)
 
     for i in range(transfers):
         registry.expect(f"t{i}", shape[1], write, 600.0, token)

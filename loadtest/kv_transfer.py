@@ -151,7 +151,7 @@ async def _two_process_runs(k: torch.Tensor, v: torch.Tensor, repeats: int, shm:
         seconds = []
         for i in range(repeats + 1):
             t0 = time.perf_counter()
-            await sender.send(endpoint, token, f"t{i}", 0, k, v, 120)
+            await sender.send(endpoint, token, f"t{i}", KVBlocks(k, v), 120)
             seconds.append(time.perf_counter() - t0)
         assert sender.uses_shared_memory(endpoint) == shm
         # The copies are timed after the transfers, not between them: torch's copy runs on its intra-op

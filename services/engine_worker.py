@@ -19,7 +19,8 @@ from shared.engine.offload import Offloader
 from shared.kv_transport import MeshKVTransport, NatsKVTransport
 from shared.kv_transport.outgoing import PushStats
 from shared.kvstore_client import KVStoreClient
-from shared.protocol.events import LoadBeat
+from shared.engine.block_events import BlockEvent, BlocksStored
+from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 from shared.protocol.generate import RequestTimings
 from shared.service_runner import Service
 from services.load_beats import LoadBeats, load_beat
@@ -141,6 +142,13 @@ class EngineWorker(Service):
     @property
     def kvstore_hit_tokens(self) -> int:
         return self.lookup.kvstore_hit_tokens
+
+
+def to_wire(event: BlockEvent, worker_id: str) -> BlockStored | BlockRemoved:
+    """An engine's block event as the mesh's message: with this worker's id, without its block ids."""
+    if isinstance(event, BlocksStored):
+        return BlockStored(worker_id=worker_id, hashes=event.hashes, parent=event.parent, tier=event.tier)
+    return BlockRemoved(worker_id=worker_id, hashes=event.hashes, tier=event.tier)
 
 
 def request_timings(out) -> RequestTimings | None:  # noqa: ANN001 - a RequestOutput

@@ -6,7 +6,9 @@ import sys
 
 from shared.block_hash import hash_blocks, root_hash
 from shared import wire
-from shared.protocol.events import BlockRemoved, BlockStored
+from services.engine_worker import to_wire
+from shared.engine.block_events import BlocksRemoved, BlocksStored
+from shared.protocol.events import BlockStored
 from shared.engine.block_manager import BlockManager
 from shared.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
@@ -84,7 +86,7 @@ def test_uncached_blocks_are_used_before_evicting_and_eviction_is_lru():
     bm.drain_events()
     b = seq("b", [50 + i for i in range(20)])  # needs 5 blocks: 4 uncached free, then one eviction
     admit(bm, b)
-    removed = [e for e in bm.drain_events() if isinstance(e, BlockRemoved)]
+    removed = [e for e in bm.drain_events() if isinstance(e, BlocksRemoved)]
     assert len(removed) == 1 and len(removed[0].hashes) == 1 == len(removed[0].block_ids)
     # The chain's tail (A1) goes before its head (A0).
     assert removed[0].hashes[0] == hash_blocks(ROOT, list(range(8)), BS)[1]
@@ -102,11 +104,12 @@ def test_events_and_duplicate_blocks():
         s.num_computed_tokens = s.num_tokens
         bm.cache_full_blocks(s)
     (stored,) = bm.drain_events()  # one chain of two blocks, a's; b's copy is private
-    assert isinstance(stored, BlockStored) and stored.parent is None
+    assert isinstance(stored, BlocksStored) and stored.parent is None
     assert stored.hashes == hash_blocks(ROOT, list(range(8)), BS) and stored.block_ids == a.block_table[:2]
-    # block_ids are this process's: they never go on the wire.
-    sent = wire.decode(wire.encode(stored.model_copy(update={"worker_id": "w"})), BlockStored)
-    assert sent.hashes == stored.hashes and sent.worker_id == "w" and sent.block_ids == []
+    # block_ids are this process's: the worker's edge sends the event without them.
+    sent = wire.decode(wire.encode(to_wire(stored, "w")), BlockStored)
+    assert sent.hashes == stored.hashes and sent.worker_id == "w" and sent.parent is None
+    assert "block_ids" not in BlockStored.model_fields
     bm.check_integrity([a, b])
     bm.free_blocks(a)
     bm.free_blocks(b)

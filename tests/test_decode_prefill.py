@@ -179,8 +179,7 @@ def test_cancel_midstream_frees_everything(nats_server, checkpoints):
 
     async def main():
         async with running(nats_server, decode) as nc:
-            params = greedy(400, None)
-            params.ignore_eos = True
+            params = greedy(400, None).model_copy(update={"ignore_eos": True})
             req_task = asyncio.ensure_future(generate(nc, prompt, params, "c1"))
             await asyncio.sleep(0.5)
             await bus.publish(nc, subjects.DECODE_CANCEL, CancelRequest(request_id="c1", reason="client gone"))
@@ -287,8 +286,7 @@ def test_cancel_that_overtakes_its_request_still_cancels_it(nats_server, checkpo
             await bus.publish(nc, subjects.DECODE_CANCEL, CancelRequest(request_id="early", reason="client gone"))
             await nc.flush()
             await asyncio.sleep(0.2)  # the cancel is handled before the request arrives
-            params = greedy(400, None)
-            params.ignore_eos = True
+            params = greedy(400, None).model_copy(update={"ignore_eos": True})
             tokens, chunks = await asyncio.wait_for(generate(nc, [1, 2, 3], params, "early"), 5)
             assert tokens == [] and chunks[-1].finish_reason == "abort"
             assert decode.num_received == 1

@@ -20,6 +20,7 @@ from services.kvstore.disk_tier import DiskTier
 from services.kvstore.service import KVStoreService
 from services.kvstore.tiered import TieredStore
 from shared.bus.natsd import NatsServer
+from shared.kv_blocks import KVBlocks
 from shared.kvstore_client import KVStoreClient
 from shared.protocol.kvstore import StoredBlock
 from shared.wire import tensor_to_wire
@@ -243,7 +244,7 @@ def test_a_restarted_kvstore_serves_from_disk_over_the_bus(tmp_path) -> None:  #
             await nc.close()
 
     async def put_and_read(client: KVStoreClient):
-        await client.put(hashes, [b.parent for b in chain], k, v)
+        await client.put(KVBlocks(k, v, hashes=hashes), [b.parent for b in chain])
         return await client.get_chain(hashes)  # a second use: admitted to disk when evicted
 
     def service(capacity: int) -> KVStoreService:
@@ -264,7 +265,7 @@ def test_a_restarted_kvstore_serves_from_disk_over_the_bus(tmp_path) -> None:  #
             return None
 
         got = asyncio.run(run(service(1 << 20), read_back))  # a fresh process, same disk
-    assert got is not None and torch.equal(got[0], k) and torch.equal(got[1], v)
+    assert got is not None and torch.equal(got.k, k) and torch.equal(got.v, v) and got.hashes == hashes
 
 
 def test_kill_9_in_the_middle_of_disk_writes_serves_nothing_corrupted(tmp_path) -> None:  # noqa: ANN001
@@ -301,7 +302,7 @@ def test_kill_9_in_the_middle_of_disk_writes_serves_nothing_corrupted(tmp_path) 
             if i == len(chains) // 2:
                 proc.send_signal(signal.SIGKILL)  # mid-stream: some files are being written right now
             k, v = tensors(chain)
-            await client.put([b.hash for b in chain], [b.parent for b in chain], k, v)
+            await client.put(KVBlocks(k, v, hashes=[b.hash for b in chain]), [b.parent for b in chain])
             sent += 1
         await nc.close()
         return sent
@@ -334,8 +335,8 @@ def test_kill_9_in_the_middle_of_disk_writes_serves_nothing_corrupted(tmp_path) 
         if kv is None:
             continue
         k, v = tensors(chain)
-        n = kv[0].shape[1]
-        assert torch.equal(kv[0], k[:, :n]) and torch.equal(kv[1], v[:, :n])  # never a corrupted block
+        n = kv.num_blocks
+        assert torch.equal(kv.k, k[:, :n]) and torch.equal(kv.v, v[:, :n])  # never a corrupted block
         served += n
     assert on_disk > 0 and served > 0, (on_disk, served)  # the restart found blocks written before the kill
     assert not list(disk.rglob("*.tmp"))  # a write cut off by the kill was cleaned up at start

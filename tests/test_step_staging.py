@@ -115,9 +115,9 @@ def test_spilled_blocks_reach_the_host_tier_after_their_copy_at_the_end_of_the_s
     engine.tiers._read_async = read_async
     put = engine.tiers.host.put
 
-    def put_logged(hashes, k, v):
-        log.append(f"tier {len(hashes)}")
-        return put(hashes, k, v)
+    def put_logged(blocks):
+        log.append(f"tier {blocks.num_blocks}")
+        return put(blocks)
 
     engine.tiers.host.put = put_logged
     step = engine._step

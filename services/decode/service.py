@@ -26,7 +26,7 @@ from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk,
 from services.decode.admission import Admission, AdmissionSettings, State
 from services.decode.outbox import Delivery, Outbox
 from services.decode.requests import DecodeRequest, RequestTable
-from services.engine_worker import EngineWorker, default_worker_id, request_timings
+from services.engine_worker import EngineWorker, default_worker_id, request_timings, to_wire
 from services.engine_args import add_engine_arguments, engine_config_from_args
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class DecodeService(EngineWorker):
         for out in outputs:
             self._emit(out)
         for event in events:
-            self.outbox.put(Delivery(None, None, event.model_copy(update={"worker_id": self.settings.worker_id}), False))
+            self.outbox.put(Delivery(None, None, to_wire(event, self.settings.worker_id), False))
         super()._on_step(outputs, events, offload)
 
     def _emit(self, out: RequestOutput) -> None:

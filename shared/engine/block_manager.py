@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from shared.block_hash import BlockHash, hash_blocks
-from shared.protocol.events import BlockEvent, BlockRemoved, BlockStored
+from shared.engine.block_events import BlockEvent, BlocksRemoved, BlocksStored
 from shared.engine.block_listener import BlockListener
 from shared.engine.sequence import Sequence
 
@@ -151,20 +151,20 @@ class BlockManager:
     def _stored(self, h: BlockHash, parent: BlockHash | None, block_id: int) -> None:
         # A block that extends the chain of the event before it joins that event: one message per chain.
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and last.tier == "device" and parent is not None and last.hashes[-1] == parent:
+        if isinstance(last, BlocksStored) and last.tier == "device" and parent is not None and last.hashes[-1] == parent:
             last.hashes.append(h)
             last.block_ids.append(block_id)
         else:
-            self.events.append(BlockStored(hashes=[h], parent=parent, block_ids=[block_id]))
+            self.events.append(BlocksStored(hashes=[h], parent=parent, block_ids=[block_id]))
 
     def _removed(self, h: BlockHash, block_id: int) -> None:
         self.listener.on_evicted(h, block_id)
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved) and last.tier == "device":
+        if isinstance(last, BlocksRemoved) and last.tier == "device":
             last.hashes.append(h)
             last.block_ids.append(block_id)
         else:
-            self.events.append(BlockRemoved(hashes=[h], block_ids=[block_id]))
+            self.events.append(BlocksRemoved(hashes=[h], block_ids=[block_id]))
 
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []

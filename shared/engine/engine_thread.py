@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from shared.protocol.events import BlockEvent
+from shared.engine.block_events import BlockEvent
 from shared.engine.commands import Command
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput

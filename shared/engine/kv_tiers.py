@@ -26,7 +26,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.host_tier import HostTier
 from shared.engine.offload import BlockStore, OffloadBatch
 from shared.kv_blocks import KVBlocks
-from shared.protocol.events import BlockEvent, BlockRemoved, BlockStored
+from shared.engine.block_events import BlockEvent, BlocksRemoved, BlocksStored
 
 # Gathers physical blocks into K, V [layers, n, block_size, kv_heads, head_dim] on the cache's device.
 Gather = Callable[[Seq[int]], tuple[torch.Tensor, torch.Tensor]]
@@ -98,9 +98,9 @@ class KVTiers(BlockListener):
                 self._offload.append(dropped)  # out of the host tier: on down to the kvstore
             # Routers learn what moved: a worker's host tier makes it a better home for those prompts.
             if dropped is not None:
-                self._bm.events.append(BlockRemoved(hashes=dropped.hashes, tier="host"))
+                self._bm.events.append(BlocksRemoved(hashes=dropped.hashes, tier="host"))
             if stored:
-                self._bm.events.append(BlockStored(hashes=stored, tier="host"))
+                self._bm.events.append(BlocksStored(hashes=stored, tier="host"))
 
     def _read_async(self, block_ids: Seq[int]):
         """(K, V, event): host copies of physical blocks, on CUDA pinned and still in flight until the event
@@ -154,7 +154,7 @@ class KVTiers(BlockListener):
         parents: list[bytes | None] = []
         block_ids: list[int] = []
         for e in events:
-            if not isinstance(e, BlockStored):
+            if not isinstance(e, BlocksStored):
                 continue
             for i, (h, block_id) in enumerate(zip(e.hashes, e.block_ids)):
                 if store.needs_offload(h):

@@ -11,30 +11,26 @@ from shared.wire import Message
 class BlockStored(Message):
     """Full blocks newly cached, as a chain: hashes[0]'s parent is `parent` (None at the root).
 
-    The one block-event pair of the mesh: the engine's block manager makes these (worker_id empty)
-    and the worker publishes them with its id. `block_ids` says where the engine holds each block's KV
-    (what offload copies out): meaningful in that process only, so it never goes on the wire."""
+    The one block-event pair of the mesh: a worker publishes its engine's events
+    (shared/engine/block_events.py) as these, with its id; the kvstore publishes its own."""
 
     KIND: ClassVar[str] = "event.block_stored"
 
     worker_id: str = ""
     hashes: list[bytes]
     parent: bytes | None = None
-    block_ids: list[int] = Field(default_factory=list, exclude=True)
     # Where the blocks now are: "device" (the worker's KV pool), "host" (its host tier) or "kvstore"
     # (published by the kvstore, worker_id "kvstore"). Host and kvstore events carry no chain (parent None).
     tier: str = "device"
 
 
 class BlockRemoved(Message):
-    """Cached blocks about to be overwritten; in the engine, `block_ids` still hold their KV until the
-    next model run (never on the wire)."""
+    """Cached blocks given up (a worker's device pool or host tier, or the kvstore)."""
 
     KIND: ClassVar[str] = "event.block_removed"
 
     worker_id: str = ""
     hashes: list[bytes]
-    block_ids: list[int] = Field(default_factory=list, exclude=True)
     tier: str = "device"
 
 
