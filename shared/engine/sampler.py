@@ -138,11 +138,11 @@ class Sampler:
         [len(seqs), ceil(vocab / 32)] in xgrammar's layout (structured outputs; rows of -1 are free)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [{len(seqs)}, vocab], got {tuple(logits.shape)}")
+        if token_bitmask is None and all(s.plain_greedy and s.num_output_tokens >= s.min_tokens for s in seqs):
+            # Greedy rows need no float32 copy of the vocabulary: the argmax of the model-dtype logits is the same.
+            return [(t, None) for t in logits.argmax(-1).tolist()]
         params = [s.params for s in seqs]
         top_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        if token_bitmask is None and top_n is None and all(p.greedy for p in params) and not self._processes(seqs):
-            # Greedy rows need no float32 copy of the vocabulary: the argmax of the model-dtype logits is the same.
-            return self._to_host(logits.argmax(-1), None, None, params)
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1) if top_n is not None else None
         if token_bitmask is not None:

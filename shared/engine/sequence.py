@@ -33,6 +33,12 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # Read once (params are frozen): the sampler asks this of every row every step, and a pydantic
+        # model's attribute reads cost about three times a plain object's (its __getattr__ keeps CPython
+        # from specializing them): ~50 us a step at 256 greedy rows otherwise.
+        self.plain_greedy = (params.greedy and params.logprobs is None and not params.uses_penalties
+                             and not params.logit_bias and params.allowed_token_ids is None)
+        self.min_tokens = params.min_tokens
         self.priority = priority
         self.arrival_order = next(_arrivals)  # FIFO tie-break that survives preemption
         self.arrival_time = time.time() if arrival_time is None else arrival_time
