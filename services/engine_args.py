@@ -45,6 +45,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="weight-only quantized linear layers on CPU (int8 per row, int4 in groups of 32)")
+    parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
+                        help="bf16 on CPU: plain F.linear instead of oneDNN pre-packed weights (same results, slower)")
     parser.add_argument("--served-model-name", default=None, help="model id folded into block hashes")
     # Not a flag (it would show in `ps`): the mesh's secret, folded into every block hash so nobody can
     # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
@@ -64,4 +66,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
-                        model_id=args.served_model_name, cache_salt=args.cache_salt, quantization=args.quantization)
+                        model_id=args.served_model_name, cache_salt=args.cache_salt, quantization=args.quantization,
+                        cpu_weight_packing=getattr(args, "cpu_weight_packing", True))

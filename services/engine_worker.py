@@ -46,15 +46,12 @@ class EngineWorker(Service):
 
     async def start_engine(self, nc: Client) -> None:
         self.nc = nc
-        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self.block_size = self.engine.config.block_size
         self.kvstore = KVStoreClient(nc) if self.use_kvstore else None
         self.offloader = Offloader(self.kvstore) if self.kvstore else None
-        if self.kvstore and self.engine.config.offload_policy == "eviction":
-            self.engine.tiers.offload_by_eviction()
-        self.thread = EngineThread(self.engine, asyncio.get_running_loop(), self._on_step,
-                                   self._post_step if self.kvstore else None)
-        self.thread.start()
+        self.thread = EngineThread(asyncio.get_running_loop(), self._on_step, self._post_step if self.kvstore else None)
+        # The engine is built on the thread that will step it: no torch op of this worker runs elsewhere.
+        self.engine = await self.thread.start(self._build_engine)
+        self.block_size = self.engine.config.block_size
         self.lookup = KVLookup(self.engine.tiers, self.thread.run, self.block_size,
                                self.kvstore.get_chain if self.kvstore else None)
         if self.transport_class is not None:
@@ -64,6 +61,12 @@ class EngineWorker(Service):
         else:
             self.transport = NatsKVTransport(nc)
         self.beats = LoadBeats(self.beat_interval_s, self._load_snapshot, self._publish_load)
+
+    def _build_engine(self) -> LLMEngine:
+        engine = LLMEngine(self.engine_config)
+        if self.use_kvstore and engine.config.offload_policy == "eviction":
+            engine.tiers.offload_by_eviction()
+        return engine
 
     def load_subject(self) -> str:
         raise NotImplementedError

@@ -47,6 +47,9 @@ class EngineConfig:
     gpu_capability: tuple[int, int] | None = None
     # Weight-only quantization of the linear layers at load (shared/models/quant_linear.py): None, int8, int4.
     quantization: str | None = None
+    # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
+    # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).
+    cpu_weight_packing: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):

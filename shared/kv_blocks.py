@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.protocol.kvstore import StoredBlock
-from shared.wire import WireTensor, tensor_from_wire, tensor_to_wire
+from shared.wire import WireTensor, stacked_from_wire, tensor_to_wire
 
 
 @dataclass(frozen=True)
@@ -125,11 +125,8 @@ class KVBlocks:
 
     @staticmethod
     def from_stored(blocks: Seq[StoredBlock], first_block: int = 0) -> KVBlocks:
-        ks = [tensor_from_wire(b.k) for b in blocks]
-        vs = [tensor_from_wire(b.v) for b in blocks]
-        if not ks or any(t.dim() != 4 or t.shape != ks[0].shape or t.dtype != ks[0].dtype for t in ks + vs):
-            raise ValueError("stored blocks need K and V of one shape [layers, block_size, heads, dim]")
-        return KVBlocks(torch.stack(ks, dim=1), torch.stack(vs, dim=1), first_block, 0, [b.hash for b in blocks])
+        return KVBlocks(*_stacked([b.k for b in blocks], [b.v for b in blocks], 1), first_block, 0,
+                        [b.hash for b in blocks])
 
     def to_layer_tensors(self) -> list[WireTensor]:
         """[k(first_layer), v(first_layer), k(first_layer + 1), ...], each [blocks, block_size, heads, dim]:
@@ -141,14 +138,9 @@ class KVBlocks:
 
     @staticmethod
     def from_layer_tensors(tensors: Seq[WireTensor], first_block: int, first_layer: int) -> KVBlocks:
-        if not tensors or len(tensors) % 2:
+        if len(tensors) % 2:
             raise ValueError("expected one K and one V tensor per layer")
-        k = [tensor_from_wire(t) for t in tensors[0::2]]
-        v = [tensor_from_wire(t) for t in tensors[1::2]]
-        if any(t.dim() != 4 or t.shape != k[0].shape or t.dtype != k[0].dtype for t in k + v):
-            raise ValueError("chunk tensors need one shape [blocks, block_size, heads, dim]")
-        return KVBlocks(torch.stack(k), torch.stack(v), first_block, first_layer)
-
+        return KVBlocks(*_stacked(list(tensors[0::2]), list(tensors[1::2]), 0), first_block, first_layer)
 
 def _renumbered(parts: Seq[KVBlocks]) -> list[KVBlocks]:
     out, at = [], 0
@@ -156,3 +148,11 @@ def _renumbered(parts: Seq[KVBlocks]) -> list[KVBlocks]:
         out.append(KVBlocks(p.k, p.v, at, p.first_layer, p.hashes))
         at += p.num_blocks
     return out
+
+
+def _stacked(ks: list[WireTensor], vs: list[WireTensor], dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V stacked from wire tensors of one shape [.., block_size, heads, dim] (by numpy, on one thread:
+    this runs on event loops; see shared/wire.py stacked_from_wire)."""
+    if not ks or len(ks) != len(vs) or len(ks[0].shape) != 4:
+        raise ValueError("K and V need one tensor each per block or layer, each [n, block_size, heads, dim]")
+    return stacked_from_wire(ks + vs, dim).split(len(ks), dim)

@@ -58,6 +58,10 @@ class SamplingParams(WireModel):
     # completions' echo with logprobs reports them. Such a request skips the prefix cache (cached
     # blocks have no logits) and is prefilled locally.
     prompt_logprobs: int | None = None
+    # A reasoning model's end-of-thinking marker (`</think>`) as token ids: `structured` applies only after the
+    # output has written them, so the model reasons freely first (vLLM's reasoning-aware structured outputs).
+    # None: the constraint applies from the first token.
+    reasoning_end_ids: list[int] | None = None
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -120,7 +124,8 @@ class SamplingParams(WireModel):
     @property
     def token_ids_named(self) -> list[int]:
         """Every token id these settings name (the engine checks them against the vocabulary)."""
-        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or []),
+                *(self.reasoning_end_ids or [])]
 
     @property
     def uses_penalties(self) -> bool:

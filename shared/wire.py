@@ -179,9 +179,12 @@ def tensor_to_wire(t: torch.Tensor) -> WireTensor:
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPE_SIZES:
         raise WireError(f"dtype {t.dtype} cannot travel on the wire")
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    # Viewing as bytes works for every dtype, bfloat16 included (numpy has no bfloat16).
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    t = t.detach().to("cpu")
+    # numpy makes the C-order copy, on one thread: this runs on event loops, and a torch copy of a KV block
+    # would start an OpenMP team on the loop's thread, which slows the engine thread's every step down
+    # (shared/engine/engine_thread.py). Viewed as a same-width integer: numpy has no bfloat16.
+    same_width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    data = t.view(same_width).numpy().tobytes() if t.numel() else b""
     return WireTensor(dtype=name, shape=list(t.shape), data=data)
 
 
@@ -200,3 +203,25 @@ def tensor_from_wire(w: WireTensor | dict[str, Any]) -> torch.Tensor:
     if not w.data:
         return torch.empty(w.shape, dtype=dtype)
     return torch.frombuffer(bytearray(w.data), dtype=torch.uint8).view(dtype).reshape(w.shape)
+
+
+def stacked_from_wire(ws: list[WireTensor], dim: int) -> torch.Tensor:
+    """torch.stack(map(tensor_from_wire, ws), dim), with the copy made by numpy on one thread (it runs on
+    event loops: see tensor_to_wire). The tensors must agree in dtype and shape."""
+    import numpy as np
+    import torch
+
+    first = ws[0]
+    if any(w.dtype != first.dtype or w.shape != first.shape for w in ws):
+        raise WireError("tensors to stack differ in dtype or shape")
+    dtype = getattr(torch, first.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WireError(f"dtype {first.dtype} is not available in this torch build")
+    width = DTYPE_SIZES[first.dtype]
+    if any(len(w.data) != math.prod(first.shape) * width for w in ws):
+        raise WireError("tensor data does not match its shape")
+    if not first.shape:
+        raise WireError("cannot stack 0-d tensors")
+    # Bytes keep the last dimension times the width; viewing the result as the dtype folds it back.
+    parts = [np.frombuffer(w.data, dtype=np.uint8).reshape(*first.shape[:-1], first.shape[-1] * width) for w in ws]
+    return torch.from_numpy(np.stack(parts, axis=dim)).view(dtype)

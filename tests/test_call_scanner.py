@@ -49,7 +49,7 @@ def test_pieces_add_up_to_the_whole(text, depth, want) -> None:  # noqa: ANN001
         assert [tuple(got[k]) for k in sorted(got)] == want
 
 
-@pytest.mark.parametrize("parser", ["hermes", "mistral", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "llama3_json", "qwen3_coder", "pythonic"])
 def test_a_tool_stream_in_pieces_equals_the_one_shot_parse(parser: str) -> None:
     """Through ToolStream (content before the calls, the marker held back while it may still be forming)."""
     from services.gateway.schemas import Tool
@@ -58,9 +58,14 @@ def test_a_tool_stream_in_pieces_equals_the_one_shot_parse(parser: str) -> None:
     body = {"hermes": 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
                       '<tool_call>{"name": "g", "arguments": {"b": "x"}}</tool_call>',
             "mistral": 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "x"}}]',
-            "llama3_json": '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": "x"}}'}[parser]
-    tools = [Tool.model_validate({"type": "function", "function": {"name": n}}) for n in "fg"]
-    plan = ToolPlan("auto", tools, parser=PARSERS[parser]())
+            "llama3_json": '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": "x"}}',
+            "qwen3_coder": 'Sure. <tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>\n'
+                           '<tool_call>\n<function=g>\n<parameter=b>\nx\n</parameter>\n</function>\n</tool_call>',
+            "pythonic": ' [f(a=1), g(b="x")]'}[parser]
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+                 "type": "object", "properties": {"a": {"type": "integer"}}}}}),
+             Tool.model_validate({"type": "function", "function": {"name": "g"}})]
+    plan = ToolPlan("auto", tools, parser=PARSERS[parser](tools))
     content, calls = plan.parse(body)
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}'), ("g", '{"b": "x"}')]
     for seed in range(20):

@@ -84,7 +84,7 @@ def test_bad_shapes_are_refused_where_made() -> None:
         make(2).layers(1, 2).to_stored()
     stored = make(2).to_stored()
     odd = stored[1].model_copy(update={"k": wire.tensor_to_wire(torch.zeros(L, BS + 1, H, D))})
-    with pytest.raises(ValueError, match="one shape"):
+    with pytest.raises(ValueError, match="differ in dtype or shape"):
         KVBlocks.from_stored([stored[0], odd])
     with pytest.raises(ValueError, match="per layer"):
         KVBlocks.from_layer_tensors(make(1).to_layer_tensors()[:1], 0, 0)

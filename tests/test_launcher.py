@@ -426,5 +426,7 @@ def test_up_passes_the_gateway_parsers_only_when_asked() -> None:
         return " ".join(next(s.args for s in mesh_services(MeshOptions(**kw)) if s.service == "gateway"))
 
     assert "--tool-call-parser" not in gateway_args() and "--reasoning-parser" not in gateway_args()
-    args = gateway_args(tool_call_parser="mistral", reasoning_parser="qwen3")
+    assert "--structured-outputs-in-reasoning" not in gateway_args()
+    args = gateway_args(tool_call_parser="mistral", reasoning_parser="qwen3", structured_outputs_in_reasoning=True)
     assert "--tool-call-parser mistral" in args and "--reasoning-parser qwen3" in args
+    assert "--structured-outputs-in-reasoning" in args

@@ -1,8 +1,10 @@
 """Reasoning kept apart from the answer (issue 26) through the real openai client against a real mesh: a tiny
 checkpoint with a Qwen3-style thinking template (the template opens `<think>` unless enable_thinking is false,
 when it writes an empty block), the model's text forced by a regex so it goes through the real engine and
-gateway; reasoning_content in messages and streamed deltas, reasoning_tokens in usage, tool calls only after
-the reasoning; and the block-splitting stream itself fed in random pieces."""
+gateway (the mesh runs with --structured-outputs-in-reasoning, so the forcing regex covers the reasoning too;
+by default constraints start after it: tests/test_reasoning_constraints.py); reasoning_content in messages
+and streamed deltas, reasoning_tokens in usage, tool calls only after the reasoning; and the block-splitting
+stream itself fed in random pieces."""
 from __future__ import annotations
 
 import json
@@ -36,7 +38,7 @@ def test_the_template_edit_took() -> None:
 def client(tmp_path_factory):  # noqa: ANN001, ANN201
     d = build_checkpoint("qwen3", tmp_path_factory.mktemp("think") / "qwen3", max_position_embeddings=2048).path
     write_tokenizer_files(cached_byte_bpe(VOCAB), d, chat_template=THINKING)
-    m = Mesh(tmp_path_factory.mktemp("nats"), d)
+    m = Mesh(tmp_path_factory.mktemp("nats"), d, structured_outputs_in_reasoning=True)
     try:
         m.start_tokenizer()
         m.start_decoder("d0")
@@ -121,7 +123,8 @@ def test_the_split_in_pieces_equals_the_whole(inside: bool, text: str) -> None:
 def test_the_plan_follows_the_template_and_the_flag() -> None:
     assert plan_reasoning("no thinking here", "<|im_start|>assistant\n", None) is None
     assert plan_reasoning(THINKING, "assistant\n<think>\n", None) == ReasoningPlan(starts_inside=True)
-    assert plan_reasoning(THINKING, "<think>\n\n</think>\n\n", None) == ReasoningPlan(starts_inside=False)
+    closed = plan_reasoning(THINKING, "<think>\n\n</think>\n\n", None)
+    assert closed == ReasoningPlan(starts_inside=False, closed_in_prompt=True) and not closed.may_reason
     assert plan_reasoning(None, "x", "deepseek_r1") == ReasoningPlan(starts_inside=False)
     json.dumps(CASES)
 

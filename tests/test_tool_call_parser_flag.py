@@ -52,6 +52,8 @@ def test_the_flag_names_a_known_parser() -> None:
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert p.parse_args(["--model", "m", "--tool-call-parser", "mistral"]).tool_call_parser == "mistral"
+    for name in ("mistral", "qwen3_coder", "pythonic", "llama4_pythonic"):
+        assert p.parse_args(["--model", "m", "--tool-call-parser", name]).tool_call_parser == name
+    assert p.parse_args(["--model", "m", "--structured-outputs-in-reasoning"]).structured_outputs_in_reasoning
     with pytest.raises(SystemExit):
         p.parse_args(["--model", "m", "--tool-call-parser", "nope"])

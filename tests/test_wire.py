@@ -11,7 +11,7 @@ from shared import protocol as p
 from shared import wire
 from shared.protocol.kvtransfer import checksum
 from shared.sampling_params import SamplingParams, StructuredOutput
-from shared.wire import Message, WireError, decode, encode, tensor_from_wire, tensor_to_wire
+from shared.wire import Message, WireError, decode, encode, stacked_from_wire, tensor_from_wire, tensor_to_wire
 
 
 def _tensor(*shape: int, dtype: torch.dtype = torch.float32) -> wire.WireTensor:
@@ -105,6 +105,16 @@ def test_tensor_round_trip_all_dtypes() -> None:
     out = tensor_from_wire(w)
     out += 1
     assert tensor_from_wire(w).tolist() == [1.0, 1.0]
+
+
+def test_stacked_from_wire_equals_torch_stack() -> None:
+    """KV blocks fetched from the kvstore are stacked by numpy (one thread) into [layers, n, ...]."""
+    kv = torch.randn(3, 4, 2, 5, 8).to(torch.bfloat16)  # [layers, blocks, block size, heads, head dim]
+    parts = [tensor_to_wire(kv[:, i]) for i in range(4)]  # non-contiguous slices, as offload sends them
+    assert torch.equal(stacked_from_wire(parts, 1), kv)
+    assert torch.equal(stacked_from_wire(parts[:1], 0), kv[:, 0][None])
+    with pytest.raises(WireError, match="differ"):
+        stacked_from_wire([parts[0], tensor_to_wire(kv[:, 1].float())], 1)
 
 
 def test_tensor_size_mismatch_rejected() -> None:

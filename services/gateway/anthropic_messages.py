@@ -1,6 +1,8 @@
 """Anthropic's Messages API (`POST /v1/messages`), as SGLang's compatibility layer serves it, so Anthropic SDK
 clients work unchanged: text and system prompts, tools (tool_use / tool_result blocks), stop sequences,
-streaming events, stop reasons and usage (cache reads included).
+streaming events, stop reasons and usage (cache reads included), and a reasoning model's <think> text as
+`thinking` blocks (`thinking_delta` events while it streams; the request's `thinking` switches the chat
+template's enable_thinking).
 
 Like /v1/responses, a request is translated into the chat completion that computes it (`to_chat`) and runs
 through the same path (tokenizer, router, workers); only the request and the output's shape differ here.
@@ -12,7 +14,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field, StrictBool
+from pydantic import Field, StrictBool, model_validator
 
 from services.gateway.choice import Delta
 from services.gateway.errors import bad_request
@@ -68,6 +70,19 @@ class ToolChoice(_Request):
     disable_parallel_tool_use: StrictBool = False
 
 
+class ThinkingParam(_Request):
+    """Anthropic's extended thinking switch. budget_tokens is checked as Anthropic checks it (at least 1024) but
+    bounds nothing here beyond max_tokens: the engine has no thinking budget of its own."""
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1024, le=INT32_MAX)
+
+    @model_validator(mode="after")
+    def _budget(self) -> ThinkingParam:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking of type enabled needs budget_tokens")
+        return self
+
+
 class MessagesRequest(_Request):
     model: str | None = None
     max_tokens: int = Field(ge=1, le=INT32_MAX)  # required, as in Anthropic's API
@@ -80,6 +95,7 @@ class MessagesRequest(_Request):
     top_k: int = Field(0, ge=0, le=INT32_MAX)
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingParam | None = None
     metadata: dict[str, Any] | None = None
 
 
@@ -113,6 +129,9 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
         "model": body.model, "messages": messages, "max_tokens": body.max_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "top_k": body.top_k or 0, "stop": body.stop_sequences, "stream": body.stream,
     }
+    if body.thinking is not None:
+        # Reasoning templates (Qwen3's) switch their <think> block on this; others ignore it, as with vLLM.
+        chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
     if body.stream:
         chat["stream_options"] = {"include_usage": True}  # message_delta carries the output tokens
     if body.tools:
@@ -131,7 +150,8 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
 
 
 class MessagesFormatter(Formatter):
-    """One choice as an Anthropic message: a text block, then tool_use blocks."""
+    """One choice as an Anthropic message: a thinking block when the model reasoned, a text block, then tool_use
+    blocks; streamed, each block's index is its place in that order."""
 
     prefix = "msg"
 
@@ -143,6 +163,8 @@ class MessagesFormatter(Formatter):
         self._stream = ToolStream(self.tools) if self.tools else None
         self._prompt_tokens = len(prompts[0]) if prompts else 0
         self._text_open = False
+        self._text_index = 0
+        self._thinking = "none"  # none, open, done: the thinking block, when the model reasons
         self._blocks = 0  # content blocks started so far
         self._calls = False
         self._errored = False
@@ -171,8 +193,11 @@ class MessagesFormatter(Formatter):
 
     def final(self, u: Usage) -> dict[str, Any]:
         a = self._acc[0]
-        content, calls = self.tools.parse(a.text) if self.tools else (a.text, [])
-        blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content or not calls else []
+        reasoning, text = self.reasoning.split(a.text) if self.reasoning is not None else (None, a.text)
+        content, calls = self.tools.parse(text) if self.tools else (text, [])
+        # No signature: nothing here signs thinking (a client passing the block back is not checked either).
+        blocks: list[dict[str, Any]] = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+        blocks += [{"type": "text", "text": content}] if content or not (calls or blocks) else []
         blocks += [self._tool_block(c) for c in calls]
         reason, sequence = self._stop(a.finish_reason, a.stop_reason, bool(calls))
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": blocks,
@@ -193,23 +218,40 @@ class MessagesFormatter(Formatter):
                    "usage": {"input_tokens": self._prompt_tokens, "output_tokens": 0}}
         return [{"type": "message_start", "message": message}]
 
+    def _thinking_events(self, delta: str, done: bool) -> list[dict[str, Any]]:
+        """The reasoning as a thinking block (block 0), closed before the answer's blocks begin."""
+        events: list[dict[str, Any]] = []
+        if delta and self._thinking == "none":
+            self._thinking = "open"
+            self._blocks += 1
+            events.append({"type": "content_block_start", "index": 0,
+                           "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+        if delta:
+            events.append({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": delta}})
+        if done and self._thinking == "open":
+            self._thinking = "done"
+            events.append({"type": "content_block_stop", "index": 0})
+        return events
+
     def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
-        self.add(d)
-        text = self._stream.feed(d.text) if self._stream else d.text
+        reasoning, answer = self.add(d)
+        text = self._stream.feed(answer) if self._stream else answer
         calls: list[ParsedCall] = []
         if d.finish_reason and self._stream:
             rest, calls = self._stream.finish()
             text += rest
-        events: list[dict[str, Any]] = []
+        events = self._thinking_events(reasoning, done=bool(answer or d.finish_reason))
         if text:
             if not self._text_open:
-                self._text_open = True
+                self._text_open, self._text_index = True, self._blocks
                 self._blocks += 1
-                events.append({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-            events.append({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
+                events.append({"type": "content_block_start", "index": self._text_index,
+                               "content_block": {"type": "text", "text": ""}})
+            events.append({"type": "content_block_delta", "index": self._text_index,
+                           "delta": {"type": "text_delta", "text": text}})
         if d.finish_reason:
             if self._text_open:
-                events.append({"type": "content_block_stop", "index": 0})
+                events.append({"type": "content_block_stop", "index": self._text_index})
             for c in calls:
                 block = self._tool_block(c)
                 index = self._blocks

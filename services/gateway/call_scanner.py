@@ -9,6 +9,7 @@ so their concatenation is the arguments of the same text scanned whole (`scan_ca
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ARGS_KEYS = ("arguments", "parameters")
@@ -196,3 +197,36 @@ def scan_calls(text: str, depth: int, args_keys: tuple[str, ...] = ARGS_KEYS) ->
     s = CallScanner(depth, args_keys)
     s.feed(text)
     return s.calls
+
+
+class SettledScanner:
+    """Streaming for formats read by re-scanning the whole text (XML, pythonic): `scan(text)` gives each call's
+    name and its arguments as far as they are settled (they only grow by appending as the text grows); what
+    each feed added is passed on as deltas, like CallScanner's. A scan that raises ValueError means the
+    text is not calls after all: nothing more streams."""
+
+    def __init__(self, scan: Callable[[str], list[ScannedCall]]) -> None:
+        self._scan = scan
+        self._text = ""
+        self._sent: list[str] = []  # arguments text streamed, per announced call
+        self.calls: list[ScannedCall] = []
+        self.failed = False
+
+    def feed(self, text: str) -> list[CallDelta]:
+        self._text += text
+        if self.failed:
+            return []
+        try:
+            self.calls = self._scan(self._text)
+        except ValueError:
+            self.failed = True
+            return []
+        out = []
+        for i, c in enumerate(self.calls):
+            if i == len(self._sent):
+                self._sent.append(c.arguments)
+                out.append(CallDelta(i, name=c.name, arguments=c.arguments))
+            elif len(c.arguments) > len(self._sent[i]) and c.arguments.startswith(self._sent[i]):
+                out.append(CallDelta(i, arguments=c.arguments[len(self._sent[i]):]))
+                self._sent[i] = c.arguments
+        return out

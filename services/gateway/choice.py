@@ -212,9 +212,12 @@ class Choice:
             self.migrations += 1
             self.ctx.metrics.migrations.labels(self.ctx.metrics.model).inc()
             o, n = self._origin, len(self._generated)
+            end = o.sampling.reasoning_end_ids
             sampling = o.sampling.model_copy(update={
                 "max_tokens": o.sampling.max_tokens - n, "min_tokens": max(0, o.sampling.min_tokens - n),
-                "prompt_logprobs": None})
+                "prompt_logprobs": None,
+                # Reasoning that ended before the move is in the continuation's prompt: no marker to wait for.
+                "reasoning_end_ids": None if end and _contains(self._generated, end) else end})
             self.request_id = f"{o.request_id}-m{self.migrations}"
             self._req = GenerateRequest(request_id=self.request_id, prompt_token_ids=o.prompt_token_ids + self._generated,
                                         sampling=sampling, priority=o.priority)
@@ -300,3 +303,7 @@ class Choice:
         # Unknown ids are ignored by the workers, so a cancel racing the last token is harmless.
         with trace.use_span(self.span, end_on_exit=False):
             await bus.publish(self.ctx.nc, subjects.DECODE_CANCEL, CancelRequest(request_id=request_id, reason=reason))
+
+
+def _contains(tokens: list[int], part: list[int]) -> bool:
+    return any(tokens[i:i + len(part)] == part for i in range(len(tokens) - len(part) + 1))

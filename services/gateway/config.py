@@ -26,6 +26,9 @@ class GatewayConfig:
     migration_limit: int = 3
     reasoning_parser: str | None = None  # a reasoning.PARSERS name; None: <think> blocks when the template knows them
     tool_call_parser: str | None = None  # a tools.PARSERS name; None: read from the chat template
+    # vLLM's structured_outputs_config.enable_in_reasoning: constraints (structured outputs, forced tool calls)
+    # cover a reasoning model's <think> text too, instead of starting after it.
+    structured_outputs_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         assert self.max_waiting > 0, "max_waiting must be positive"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, bad_request, unavailable
 from services.gateway.sampling import sampling_params
-from services.gateway.reasoning import ReasoningPlan, plan_reasoning
+from services.gateway.reasoning import END as REASONING_END, ReasoningPlan, plan_reasoning
 from services.gateway.tools import ToolPlan, plan_tools
 from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
 from shared import bus, subjects
@@ -89,20 +89,26 @@ async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prep
                                           template_kwargs_json=kwargs))
     # Where the prompt ends tells whether the template opened a <think> block the output starts inside.
     reasoning = plan_reasoning(template, ctx.tokenizer.decode(ids[-8:]), ctx.config.reasoning_parser)
-    constrained = (tools is not None and tools.mode in ("named", "required")) or (
-        body.response_format is not None and body.response_format.type != "text")
-    if constrained:
-        # Forced calls and JSON answers are constrained from the first token, so they hold no reasoning to split
-        # off (starting the constraint where reasoning ends, as vLLM does, is not done yet). A raw
-        # structured_outputs pattern covers the whole text, reasoning included, and is split as usual.
-        reasoning = None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prepared = _finish(ctx, body, model, [ids], max_tokens, logprobs, max_tokens_param=param, tools=tools)
-    return dataclasses.replace(prepared, reasoning=reasoning)
+    samplings = prepared.samplings
+    if reasoning is not None and samplings[0].structured is not None:
+        if ctx.config.structured_outputs_in_reasoning:
+            # The constraint covers the whole output, reasoning included. A forced call or a JSON answer then
+            # leaves no room for a <think> block: there is none to split off. A raw structured_outputs
+            # pattern may write one itself, and is split as usual.
+            if tools is not None and tools.mode in ("named", "required") or (
+                    body.response_format is not None and body.response_format.type != "text"):
+                reasoning = None
+        elif reasoning.may_reason:
+            # As vLLM: the model reasons freely; forced calls and structured outputs start after </think>.
+            end = ctx.tokenizer.encode(REASONING_END, add_special_tokens=False)
+            samplings = [s.model_copy(update={"reasoning_end_ids": end}) for s in samplings]
+    return dataclasses.replace(prepared, reasoning=reasoning, samplings=samplings)
 
 
 def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:

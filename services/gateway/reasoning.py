@@ -18,6 +18,12 @@ PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names; both read <think> blocks
 @dataclass(frozen=True)
 class ReasoningPlan:
     starts_inside: bool  # the prompt ends inside an open block
+    closed_in_prompt: bool = False  # the prompt ends after a closed block (enable_thinking false): no reasoning
+
+    @property
+    def may_reason(self) -> bool:
+        """Whether the output may hold reasoning: structured outputs then wait for its end (prepare.py)."""
+        return not self.closed_in_prompt
 
     def split(self, text: str) -> tuple[str | None, str]:
         """The whole output -> (reasoning, content); the same cut a stream makes."""
@@ -32,7 +38,7 @@ def plan_reasoning(template: str | None, prompt_tail: str, name: str | None) -> 
     if name is None and (not template or START not in template):
         return None
     tail = prompt_tail.rstrip()
-    return ReasoningPlan(starts_inside=tail.endswith(START))
+    return ReasoningPlan(starts_inside=tail.endswith(START), closed_in_prompt=tail.endswith(END))
 
 
 def _held(text: str, marker: str) -> int:

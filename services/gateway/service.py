@@ -186,6 +186,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split reasoning from the answer (default: when the chat template writes <think> blocks)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                         help="how the model writes tool calls under tool_choice auto (default: read from the chat template)")
+    parser.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                        help="apply structured outputs and forced tool calls to a reasoning model's <think> text too "
+                             "(default: they start after it, as vLLM)")
 
 
 def build(args: argparse.Namespace) -> GatewayService:
@@ -196,7 +199,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
     ))
 
 

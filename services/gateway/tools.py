@@ -7,17 +7,21 @@ and the parsers that find tool calls in a model's own text (for `auto`), chosen 
 - `auto`: the model decides; its text is parsed in the format its chat template teaches: Hermes-style
   `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Qwen2/Qwen3, and the demo template) or
   Llama 3.x's JSON form (`{"name": ..., "parameters": ...}`, optionally after `<|python_tag|>`) or Mistral's
-  `[TOOL_CALLS][...]`; the gateway's --tool-call-parser overrides the choice.
+  `[TOOL_CALLS][...]` or Qwen3-Coder's XML `<tool_call><function=...><parameter=...>` (xml_calls.py) or a
+  pythonic call list `[f(a=1)]` (pythonic_calls.py); the gateway's --tool-call-parser overrides the choice.
 """
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from services.gateway.call_scanner import CallDelta, CallScanner, scan_calls
+from services.gateway.call_scanner import CallDelta, CallScanner, SettledScanner, scan_calls
+from services.gateway.pythonic_calls import WRAP_START, NotCalls, scan_pythonic_calls
+from services.gateway.xml_calls import FUNCTION, scan_xml_calls
 from services.gateway.errors import bad_request
 from services.gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
 from shared.sampling_params import StructuredOutput
@@ -36,6 +40,14 @@ class ToolParser:
     start: str = ""
     depth: int = 0  # where call objects sit in the text (call_scanner.py)
 
+    def __init__(self, tools: Sequence[Tool] = ()) -> None:
+        # Each tool's parameters schema, by name: formats that write values as text are typed by it.
+        self.schemas: dict[str, dict[str, Any]] = {t.function.name: t.function.parameters or {} for t in tools}
+
+    def scanner(self) -> CallScanner | SettledScanner:
+        """What streams the calls once they begin."""
+        return CallScanner(self.depth)
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
 
@@ -46,7 +58,7 @@ class ToolParser:
 
     def holdback(self, text: str) -> int:
         """How many trailing characters of `text` could still turn out to be the start of the calls."""
-        return next((k for k in range(min(len(text), len(self.start) - 1), 0, -1) if self.start.startswith(text[-k:])), 0)
+        return _held(text, self.start)
 
 
 class HermesParser(ToolParser):
@@ -90,9 +102,74 @@ class MistralParser(HermesParser):
     depth = 1
 
 
-# vLLM's --tool-call-parser names for the formats kvmesh reads.
+class Qwen3CoderParser(ToolParser):
+    """Qwen3-Coder's `<tool_call><function=name><parameter=key>value</parameter></function></tool_call>`, values
+    typed by the tools' schemas (xml_calls.py). As vLLM, a bare `<function=` without the `<tool_call>` wrapper
+    counts too."""
+
+    start = "<tool_call>"
+    markers = ("<tool_call>", FUNCTION)
+
+    def begins_calls(self, text: str) -> int | None:
+        found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(found) if found else None
+
+    def holdback(self, text: str) -> int:
+        return max(_held(text, m) for m in self.markers)
+
+    def scanner(self) -> SettledScanner:
+        return SettledScanner(lambda text: scan_xml_calls(text, self.schemas))
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        begin = self.begins_calls(text)
+        calls = [ParsedCall(c.name or "", c.arguments) for c in scan_xml_calls(text[begin:], self.schemas)
+                 if c.complete] if begin is not None else []
+        if not calls:
+            return text, []
+        return text[:begin].strip() or None, calls
+
+
+class PythonicParser(ToolParser):
+    """A Python list of calls with literal keyword arguments as the whole answer (pythonic_calls.py), optionally
+    in Llama 4's `<|python_start|>...<|python_end|>`."""
+
+    start = WRAP_START
+
+    def begins_calls(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith(self.start) or stripped.startswith("["):
+            return len(text) - len(stripped)
+        return None
+
+    def holdback(self, text: str) -> int:
+        stripped = text.lstrip()
+        return len(text) if not stripped or self.start.startswith(stripped) else 0
+
+    def scanner(self) -> SettledScanner:
+        return SettledScanner(lambda text: scan_pythonic_calls(text)[0])
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        try:
+            calls, closed = scan_pythonic_calls(text)
+        except NotCalls:
+            return text, []
+        if not closed:
+            return text, []
+        return None, [ParsedCall(c.name or "", c.arguments) for c in calls]
+
+
+def _held(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could still be the start of `marker`."""
+    return next((k for k in range(min(len(text), len(marker) - 1), 0, -1) if marker.startswith(text[-k:])), 0)
+
+
+# vLLM's --tool-call-parser names for the formats kvmesh reads (llama4_json, qwen3_xml and llama4_pythonic are
+# vLLM's other names or parsers for the same formats).
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                        "mistral": MistralParser}
+                                        "llama4_json": Llama3JsonParser,
+                                        "mistral": MistralParser, "qwen3_coder": Qwen3CoderParser,
+                                        "qwen3_xml": Qwen3CoderParser, "pythonic": PythonicParser,
+                                        "llama4_pythonic": PythonicParser}
 
 
 def _complete_calls(text: str, depth: int) -> list[ParsedCall]:
@@ -109,18 +186,24 @@ def _complete_calls(text: str, depth: int) -> list[ParsedCall]:
     return calls
 
 
-def parser_for_template(template: str | None, name: str | None = None) -> ToolParser | None:
+def parser_for_template(template: str | None, name: str | None = None, tools: Sequence[Tool] = ()) -> ToolParser | None:
     """The format the chat template teaches, or the one `name` (the gateway's --tool-call-parser) names."""
     if name:
-        return PARSERS[name]()
+        return PARSERS[name](tools)
     if not template:
         return None
+    if FUNCTION in template and "<parameter=" in template:  # before Hermes: Qwen3-Coder wraps calls in <tool_call>
+        return Qwen3CoderParser(tools)
     if "<tool_call>" in template:
-        return HermesParser()
+        return HermesParser(tools)
     if "[TOOL_CALLS]" in template:
-        return MistralParser()
+        return MistralParser(tools)
+    # vLLM's pythonic templates show the form ("[func_name1(params_name1=...), func_name2(params)]"); Llama 4
+    # wraps calls in <|python_start|>.
+    if "[func_name1(" in template or WRAP_START in template:
+        return PythonicParser(tools)
     if "<|python_tag|>" in template or '"parameters"' in template:
-        return Llama3JsonParser()
+        return Llama3JsonParser(tools)
     return None
 
 
@@ -154,7 +237,8 @@ class ToolPlan:
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """The final text of a choice -> (content, calls)."""
         if self.mode == "named":
-            return None, [ParsedCall(self.name or "", text)]
+            # No answer text (a reasoning model cut by max_tokens before it answered): no call, as streamed.
+            return None, [ParsedCall(self.name or "", text)] if text else []
         if self.mode == "required":
             # The arguments as written (a constrained array, cut short only by max_tokens): the same text a
             # stream sends (call_scanner.py).
@@ -191,10 +275,11 @@ def plan_tools(body: ChatCompletionRequest, chat_template: str | None, parser_na
         return ToolPlan("named", body.tools, body.parallel_tool_calls, name=choice.function.name)
     if choice == "required":
         return ToolPlan("required", body.tools, body.parallel_tool_calls)
-    parser = parser_for_template(chat_template, parser_name)
+    parser = parser_for_template(chat_template, parser_name, body.tools)
     if parser is None:
-        raise bad_request("tool_choice auto needs a chat template with a tool-call format (Hermes <tool_call> or "
-                          "Llama 3 JSON); use tool_choice required or a named function", param="tool_choice")
+        raise bad_request("tool_choice auto needs a chat template with a tool-call format (Hermes <tool_call>, "
+                          "Llama 3 JSON, Mistral [TOOL_CALLS], Qwen3-Coder XML or pythonic) or the gateway's "
+                          "--tool-call-parser; use tool_choice required or a named function", param="tool_choice")
     return ToolPlan("auto", body.tools, body.parallel_tool_calls, parser=parser)
 
 
@@ -209,7 +294,7 @@ class ToolStream:
         self.sent = 0  # characters of text already passed on as content
         self.holding = plan.mode in ("named", "required")  # constrained output is all calls
         self.calls_from = 0 if self.holding else None  # where the calls begin in text
-        self.scanner: CallScanner | None = CallScanner(1) if plan.mode == "required" else None
+        self.scanner: CallScanner | SettledScanner | None = CallScanner(1) if plan.mode == "required" else None
         self.streamed: list[str | None] = []  # names of the calls already announced, by index
         self.ids: list[str] = []  # their ids
 
@@ -224,7 +309,7 @@ class ToolStream:
         begin = parser.begins_calls(self.text)
         if begin is not None:
             self.holding, self.calls_from = True, begin
-            self.scanner = CallScanner(parser.depth)
+            self.scanner = parser.scanner()
             out, self.sent = self.text[self.sent:begin], max(self.sent, begin)
             return out
         end = max(len(self.text) - parser.holdback(self.text), self.sent)
@@ -238,6 +323,8 @@ class ToolStream:
         content = self.feed(delta)
         if self.plan.mode == "named":
             first = not self.streamed
+            if first and not delta:  # announced with its first argument text (none while a model reasons)
+                return "", []
             if first:
                 self.streamed.append(self.plan.name)
                 self.ids.append(_new_id())

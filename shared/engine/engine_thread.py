@@ -1,8 +1,14 @@
 """The engine's compute loop in its own thread, behind a command queue, with an asyncio face.
 
-Everything that touches the engine runs on this thread: commands from the event loop are queued
-and executed between steps, so the engine itself needs no locks. Step results are handed back to
-the event loop through a callback scheduled with call_soon_threadsafe.
+Everything that touches the engine runs on this thread, for the engine's whole life: the thread builds it
+(weights, warm-up, memory profile) and then steps it; commands from the event loop are queued and executed
+between steps, so the engine itself needs no locks. Step results are handed back to the event loop through a
+callback scheduled with call_soon_threadsafe.
+
+Why one thread from the start: torch's CPU ops run in an OpenMP team per calling thread, and on a small CPU
+two teams slow each other down. Measured on this project's 2-core CPU (SmolLM2 bf16, batch 1): 31 tok/s when
+one thread builds and steps the engine, 21 tok/s once another thread has run a single parallel op
+(loadtest/engine_thread.py keeps that figure). So the event loop's thread must never compute with torch.
 """
 from __future__ import annotations
 
@@ -33,20 +39,25 @@ class EngineStopped(RuntimeError):
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, on_step: StepCallback,
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_step: StepCallback,
                  post_step: PostStep | None = None) -> None:
-        self.engine = engine
+        self.engine: LLMEngine | None = None  # built by the thread itself (start)
         self.loop = loop
         self.on_step = on_step
         self.post_step = post_step
         self.crashed = asyncio.Event()  # set on the loop if a step raised; the thread is gone then
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
 
-    def start(self) -> None:
+    async def start(self, build: Callable[[], LLMEngine]) -> LLMEngine:
+        """Start the thread: it calls build() (load, warm-up, profile) and then runs the step loop. Returns the
+        engine once built; a build that raised raises here, and the thread is gone."""
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(build, ready), name="engine", daemon=True)
         self._thread.start()
+        return await asyncio.wrap_future(ready)
 
     async def run(self, command: Command[T]) -> T:
         """Run a typed command on the engine thread between steps and return its result."""
@@ -74,7 +85,8 @@ class EngineThread:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._commands.put(None)
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _run_command(self, item) -> bool:
         if item is None:
@@ -89,7 +101,14 @@ class EngineThread:
             fut.set_result(result)
         return True
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine], ready: Future) -> None:
+        try:
+            self.engine = build()
+        except BaseException as e:  # noqa: BLE001 - the starter gets the error
+            self._stopped.set()
+            ready.set_exception(e)
+            return
+        ready.set_result(self.engine)
         try:
             while True:
                 # Block for commands when idle; otherwise drain what arrived and step.

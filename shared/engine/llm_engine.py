@@ -50,7 +50,7 @@ class LLMEngine:
         start = snapshot(c.device) if c.device.startswith("cuda") else None
         self.model, self.model_config = load_model(c.model, dtype=c.dtype, device=c.device, load_format=c.load_format,
                                                    seed=c.seed, max_positions=c.max_model_len,
-                                                   quantization=c.quantization)
+                                                   quantization=c.quantization, pack_weights=c.cpu_weight_packing)
         mc = self.model_config
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
         self.dtype = next(self.model.parameters()).dtype
@@ -214,7 +214,7 @@ class LLMEngine:
             logits = self.runner.execute(plan.scheduled, rows)
         # On CUDA the forward is still running here: the grammar masks are filled on the host meanwhile.
         seqs = [s for _, s in sampling]
-        matchers = [s.matcher for s in seqs]
+        matchers = [s.matcher if s.reasoning_over else None for s in seqs]  # none while a model still reasons
         bitmask = self.grammar().token_bitmask(matchers) if any(m is not None for m in matchers) else None
         samples = self.sampler.sample(logits, seqs, token_bitmask=bitmask) if rows else []
         sampled = [(seq, token, lp) for seq, (token, lp) in zip(seqs, samples)]

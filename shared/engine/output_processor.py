@@ -32,7 +32,11 @@ class OutputProcessor:
     def append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> str | None:
         """Record a sampled token; returns the finish reason it brings (None: the request goes on)."""
         seq.token_ids.append(token)
-        if seq.matcher is not None and not seq.matcher.is_terminated():
+        if seq.matcher is not None and not seq.reasoning_over:
+            # Reasoning: the grammar starts with the token after its end marker (the marker is not its text).
+            end = seq.params.reasoning_end_ids or []
+            seq.reasoning_over = seq.num_output_tokens >= len(end) and seq.token_ids[-len(end):] == end
+        elif seq.matcher is not None and not seq.matcher.is_terminated():
             seq.matcher.accept_token(token)
         if lp is not None:
             seq.logprobs.append(lp)
@@ -42,7 +46,7 @@ class OutputProcessor:
 
     def finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if seq.matcher is not None and seq.matcher.is_terminated():
+        if seq.matcher is not None and seq.reasoning_over and seq.matcher.is_terminated():
             return "stop"  # the grammar is complete (it accepted a stop token)
         if seq.num_output_tokens >= p.min_tokens and token in self._stop_ids(seq):
             return "stop"

@@ -58,6 +58,8 @@ class Sequence:
         # sampler creates it on its device the first time the request samples.
         self.generator: torch.Generator | None = None
         self.matcher: Any = None  # xgrammar GrammarMatcher of a structured-output request
+        # Whether the structured constraint is on: at once, or once the output wrote params.reasoning_end_ids.
+        self.reasoning_over = not params.reasoning_end_ids
 
     @property
     def num_tokens(self) -> int:

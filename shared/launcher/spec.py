@@ -48,6 +48,7 @@ class MeshOptions:
     quantization: str | None = None  # engine workers' weight-only quantization on CPU (int8, int4)
     tool_call_parser: str | None = None  # the gateway's tool-call format (None: from the chat template)
     reasoning_parser: str | None = None  # the gateway's reasoning parser (None: from the chat template)
+    structured_outputs_in_reasoning: bool = False  # the gateway's constraints cover <think> text too
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -167,6 +168,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--tool-call-parser", opts.tool_call_parser]
         if opts.reasoning_parser:
             args += ["--reasoning-parser", opts.reasoning_parser]
+        if opts.structured_outputs_in_reasoning:
+            args.append("--structured-outputs-in-reasoning")
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
     if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name:

@@ -69,10 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the GPU plan and the processes that would start, then exit")
     parser.add_argument("--tool-call-parser", default=None,
-                        help="the gateway's tool-call format for tool_choice auto (hermes, llama3_json, mistral; "
-                             "default: from the chat template)")
+                        help="the gateway's tool-call format for tool_choice auto (hermes, llama3_json, mistral, "
+                             "qwen3_coder, pythonic; default: from the chat template)")
     parser.add_argument("--reasoning-parser", default=None,
                         help="the gateway's reasoning parser (qwen3, deepseek_r1; default: from the chat template)")
+    parser.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                        help="the gateway applies structured outputs and forced tool calls to <think> text too "
+                             "(default: they start after it)")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
                              "(groups of 32): 2-4x fewer bytes a decode step than bf16")
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
             quantization=args.quantization, tool_call_parser=args.tool_call_parser,
-            reasoning_parser=args.reasoning_parser,
+            reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)

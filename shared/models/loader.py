@@ -144,6 +144,7 @@ def load_model(
     seed: int = 0,
     max_positions: int | None = None,
     quantization: str | None = None,
+    pack_weights: bool = False,
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
@@ -177,6 +178,14 @@ def load_model(
 
         n = quantize_model(model, quantization)
         log.info("%s weight-only quantization: %.1f M weights quantized", quantization, n / 1e6)
+    if pack_weights and device == "cpu" and torch_dtype == torch.bfloat16:
+        from shared.models.packed_linear import pack_model, packing_available
+
+        if packing_available():
+            n = pack_model(model)
+            log.info("bf16 linears packed for oneDNN: %.1f M weights", n / 1e6)
+        else:
+            log.info("bf16 linears not packed: this torch/CPU has no oneDNN bf16")
     model.eval()
     return model, cfg
 

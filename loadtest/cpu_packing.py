@@ -1,0 +1,60 @@
+"""bf16 decode on CPU with and without oneDNN pre-packed weights (shared/models/packed_linear.py), in one process.
+
+`python -m loadtest.cpu_packing [--json PATH] [--rounds 2] [--batches 1,8,32]`: SmolLM2-135M-Instruct in
+bfloat16, prompts of ~50 tokens, 64 output tokens each (ignore_eos), engine in process; the two engines are
+built once and measured in turns (A, B, A, B, ...) so drift on a shared machine hits both. Prints decode tok/s
+per batch size and the packed/plain ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from shared.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.sampling_params import SamplingParams
+
+
+def _tok_s(engine: LLMEngine, batch: int, out_len: int = 64) -> float:
+    prompts = [[100 + (i * 7 + j) % 4000 for j in range(50)] for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    t = time.perf_counter()
+    engine.generate(prompts, params, use_tqdm=False)
+    return batch * out_len / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", default="1,8,32")
+    args = ap.parse_args()
+    from shared.models.smollm2 import smollm2_checkpoint
+
+    model = str(smollm2_checkpoint())
+    engines = {name: LLMEngine(EngineConfig(model=model, dtype="bfloat16", cpu_weight_packing=packed))
+               for name, packed in (("packed", True), ("plain", False))}
+    batches = [int(b) for b in args.batches.split(",")]
+    runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in engines}
+    for _ in range(args.rounds):
+        for b in batches:
+            for name, engine in engines.items():
+                runs[name][b].append(_tok_s(engine, b))
+    best = {n: {b: round(max(v), 2) for b, v in per.items()} for n, per in runs.items()}
+    report = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "threads": torch.get_num_threads(),
+              "loadavg_1m_after": os.getloadavg()[0], "decode_tok_s_best": best,
+              "ratio_packed_vs_plain": {b: round(best["packed"][b] / best["plain"][b], 3) for b in batches},
+              "runs": runs}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
