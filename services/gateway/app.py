@@ -14,6 +14,7 @@ from services.gateway.errors import bad_request, install_error_handlers
 from services.gateway import anthropic_messages
 from services.gateway.openai_responses import ResponsesFormatter, ResponsesRequest, to_chat
 from services.gateway.health import check_health
+from services.gateway.load_info import get_load, server_info
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.prepare import first_message, check_model, prepare_chat, prepare_completion
 from services.gateway.tokenize import detokenize_body, kvmesh_version, tokenize_body
@@ -87,6 +88,14 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     async def health() -> JSONResponse:
         ok, status = await check_health(ctx)
         return JSONResponse(status, status_code=200 if ok else 503)
+
+    @app.get("/get_load")
+    async def load() -> JSONResponse:
+        return JSONResponse(get_load(ctx))
+
+    @app.get("/get_server_info")
+    async def info() -> JSONResponse:
+        return JSONResponse(server_info(ctx))
 
     @app.get("/metrics")
     async def metrics() -> Response:

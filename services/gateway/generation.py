@@ -43,12 +43,19 @@ class Generation:
         per_prompt = len(p.samplings)
         self.choices = []
         for k, prompt in enumerate(p.prompts):
-            try:
-                route = self.ctx.router.pick(prompt)
-            except NoWorkerError:
-                raise unavailable("no decode worker is alive", code="no_decode_worker") from None
-            except OverloadedError as e:
-                raise unavailable(str(e), code="overloaded") from None
+            # The routing decision as its own span: which worker, and what each cache tier holds for it.
+            with self.ctx.tracer.start_as_current_span("route", context=trace.set_span_in_context(self.span),
+                                                       attributes={"kvmesh.prompt_index": k}) as route_span:
+                try:
+                    route = self.ctx.router.pick(prompt)
+                except NoWorkerError:
+                    raise unavailable("no decode worker is alive", code="no_decode_worker") from None
+                except OverloadedError as e:
+                    raise unavailable(str(e), code="overloaded") from None
+                route_span.set_attributes({"kvmesh.decode.worker": route.worker_id,
+                                           "kvmesh.route.cached_blocks": route.cached_blocks,
+                                           "kvmesh.route.host_blocks": route.host_blocks,
+                                           "kvmesh.route.kvstore_blocks": route.kvstore_blocks})
             if k == 0:
                 self.span.set_attribute("kvmesh.decode.worker", route.worker_id)
                 self.span.set_attribute("kvmesh.route.cached_blocks", route.cached_blocks)
