@@ -4,6 +4,7 @@ from __future__ import annotations
 from functools import partial
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -39,6 +40,28 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve_generation(ctx, request, body, "/v1/chat/completions", prepare_chat, ChatFormatter)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        # vLLM's SageMaker-style entry point: one route, the body says which API it speaks.
+        try:
+            raw = await request.json()
+        except ValueError:
+            raise bad_request("invalid JSON body", code="invalid_json") from None
+        if not isinstance(raw, dict):
+            raise bad_request("the body must be a JSON object", code="invalid_json")
+        if "messages" in raw:
+            schema, route, prepare, formatter = ChatCompletionRequest, "/v1/chat/completions", prepare_chat, ChatFormatter
+        elif "prompt" in raw:
+            schema, route, prepare, formatter = CompletionRequest, "/v1/completions", prepare_completion, CompletionFormatter
+        else:
+            raise bad_request("/invocations takes a chat completions body (with messages) or a completions body "
+                              "(with prompt)", param="messages")
+        try:
+            body = schema.model_validate(raw)
+        except ValidationError as e:  # the same 400 as the API's own route would give
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        return await serve_generation(ctx, request, body, route, prepare, formatter)
 
     def card() -> ModelCard:
         # root is the served name, never the model's path on the server's disk.

@@ -83,7 +83,17 @@ async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prep
     model = check_model(ctx, body.model)
     template = getattr(ctx.tokenizer, "chat_template", None)
     tools = plan_tools(body, template, ctx.config.tool_call_parser)
-    kwargs = json.dumps(body.chat_template_kwargs, ensure_ascii=False) if body.chat_template_kwargs else None
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
+                          "add_generation_prompt to false to continue the final message)", param="continue_final_message")
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message continues the final message, which must be an assistant message",
+                          param="continue_final_message")
+    # Both are apply_chat_template arguments: they travel with the template's other variables.
+    extra = {**({"continue_final_message": True} if body.continue_final_message else {}),
+             **({"documents": body.documents} if body.documents is not None else {})}
+    template_vars = {**(body.chat_template_kwargs or {}), **extra}
+    kwargs = json.dumps(template_vars, ensure_ascii=False) if template_vars else None
     ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
                                           add_generation_prompt=body.add_generation_prompt,
                                           tools_json=tools.tools_json if tools is not None else None,
@@ -110,6 +120,8 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     # Templates know system/user/assistant/tool; OpenAI's "developer" is the new name for system.
     out = []
     for m in messages:
+        if m.role == "tool" and m.tool_calls:
+            raise bad_request("only an assistant message may carry tool_calls", param="messages")
         calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.function.name, arguments=c.function.arguments))
                  for c in m.tool_calls or []] or None
         if m.role == "tool" and not m.tool_call_id:
@@ -234,23 +246,35 @@ def _checked(check, *args) -> None:  # noqa: ANN001
 
 
 def _logit_bias(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
-    """OpenAI's logit_bias: JSON object keys are token ids as strings; values in [-100, 100]."""
+    """OpenAI's logit_bias: JSON object keys are token ids as strings; values in [-100, 100].
+
+    Every bad key is named in one error (a client fixing them one 400 at a time would need as many calls)."""
     if not raw:
         return None
-    out = {}
+    out: dict[int, float] = {}
+    not_ids, outside, out_of_range = [], [], []
     for key, value in raw.items():
         try:
             token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias: key {key!r} is not a token id", param="logit_bias",
-                              code="invalid_value") from None
+            not_ids.append(key)
+            continue
         if not 0 <= token < vocab:
-            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})",
-                              param="logit_bias", code="invalid_token_id")
-        if not -100 <= value <= 100:
-            raise bad_request(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}",
-                              param="logit_bias", code="invalid_value")
-        out[token] = float(value)
+            outside.append(token)
+        elif not -100 <= value <= 100:
+            out_of_range.append(f"{token} ({value:g})")
+        else:
+            out[token] = float(value)
+    problems = []
+    if not_ids:
+        problems.append("keys that are not token ids: " + ", ".join(repr(k) for k in not_ids))
+    if outside:
+        problems.append(f"token ids outside the vocabulary [0, {vocab}): " + ", ".join(map(str, outside)))
+    if out_of_range:
+        problems.append("biases outside [-100, 100] for tokens " + ", ".join(out_of_range))
+    if problems:
+        code = "invalid_token_id" if outside and not not_ids and not out_of_range else "invalid_value"
+        raise bad_request("logit_bias: " + "; ".join(problems), param="logit_bias", code=code)
     return out
 
 

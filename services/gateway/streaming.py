@@ -25,8 +25,7 @@ async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, in
     tokens or a finish reason (OpenTelemetry keeps the first 128 events of a span; the count attribute
     holds them all), so a trace shows when each chunk left.
     """
-    stream_span = ctx.tracer.start_span("stream", context=trace.set_span_in_context(gen.span),
-                                        attributes={"gen_ai.operation.name": gen.span.name.split(" ")[0]})
+    stream_span = ctx.tracer.start_span("stream", context=trace.set_span_in_context(gen.span))
     sent = 0
     try:
         try:
