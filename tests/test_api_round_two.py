@@ -405,3 +405,39 @@ def test_metrics_have_vllm_names_and_count_a_known_set_of_requests(client, mesh)
     assert delta(f"{p}time_per_output_token_seconds_count") == delta(f"{p}inter_token_latency_seconds_count") > 0
     assert delta(f"{p}time_to_first_token_seconds_count") == 3
     assert delta(f"{p}e2e_request_latency_seconds_count") == 3
+
+
+# ---------------------------------------------------------------------------------- score
+
+
+def test_score_gives_label_probabilities_after_query_and_item(client, mesh, tok) -> None:  # noqa: ANN001
+    url = f"{mesh.url}/v1/score"
+    labels = [tok.encode(" yes", add_special_tokens=False)[-1], tok.encode(" no", add_special_tokens=False)[-1], 7]
+    body = {"query": "Is Paris in France? Answer:", "items": [" Paris", " Rome is not"], "label_token_ids": labels}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "scoring" and len(out["scores"]) == 2 and all(len(row) == 3 for row in out["scores"])
+    # Each score is the label's probability after query + item: what echo's prompt logprobs give for that token.
+    for item, row in zip(body["items"], out["scores"]):
+        ids = tok.encode(body["query"] + item)
+        for label, p in zip(labels, row):
+            echo = completion(client, prompt=ids + [label], max_tokens=1, echo=True, logprobs=0)
+            expected = echo.choices[0].logprobs.token_logprobs[len(ids)]
+            assert abs(p - 2.718281828459045 ** expected) < 1e-4 * max(1.0, p), (item, label)
+    soft = httpx.post(url, json=body | {"apply_softmax": True}, timeout=60).json()["scores"]
+    for raw, norm in zip(out["scores"], soft):
+        assert abs(sum(norm) - 1) < 1e-6 and all(abs(n - r / sum(raw)) < 1e-6 for r, n in zip(raw, norm))
+    # Token ids and item_first.
+    q, items = tok.encode("Answer:", add_special_tokens=False), [tok.encode(" A", add_special_tokens=False)]
+    first = httpx.post(url, json={"query": q, "items": items, "label_token_ids": labels, "item_first": True},
+                       timeout=60).json()["scores"][0]
+    echo = completion(client, prompt=items[0] + q + [labels[0]], max_tokens=1, echo=True, logprobs=0)
+    assert abs(first[0] - 2.718281828459045 ** echo.choices[0].logprobs.token_logprobs[len(q) + 1]) < 1e-4
+    vocab = mesh.gateway.ctx.vocab_size
+    for bad, param in (({"label_token_ids": []}, "label_token_ids"), ({"label_token_ids": [vocab]}, "label_token_ids"),
+                       ({"label_token_ids": ["3"]}, "label_token_ids.0"), ({"items": []}, "items"),
+                       ({"items": [[1, 2]]}, None), ({"apply_softmax": "yes"}, "apply_softmax"),
+                       ({"model": "other"}, "model")):
+        r = httpx.post(url, json=body | bad, timeout=30)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (bad, r.text)

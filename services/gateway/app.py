@@ -16,6 +16,7 @@ from services.gateway import anthropic_messages
 from services.gateway.openai_responses import ResponsesFormatter, ResponsesRequest, to_chat
 from services.gateway.health import check_health
 from services.gateway.load_info import get_load, server_info
+from services.gateway.score import ScoreRequest, serve_score
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.prepare import first_message, check_model, prepare_chat, prepare_completion
 from services.gateway.tokenize import detokenize_body, kvmesh_version, tokenize_body
@@ -111,6 +112,10 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     async def health() -> JSONResponse:
         ok, status = await check_health(ctx)
         return JSONResponse(status, status_code=200 if ok else 503)
+
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest) -> JSONResponse:
+        return await serve_score(ctx, body)
 
     @app.get("/get_load")
     async def load() -> JSONResponse:
