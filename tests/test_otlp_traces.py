@@ -61,10 +61,14 @@ def mesh(demo_model: Path, tmp_path_factory) -> Iterator[UpMesh]:
             out = Lines(proc.stdout)
             base = out.wait_for(rf"{READY} (http://\S+)/v1", timeout=180)[1]
             m = UpMesh(proc, out, base, receiver)
-            # Both decode workers beat before any test routes (the migration test needs a second one).
-            deadline = time.monotonic() + 30
-            while httpx.get(f"{base}/get_load", timeout=5).json().get("num_decode_workers", 0) < 2:
-                assert time.monotonic() < deadline, "two decode workers never showed up"
+            # Both decode workers and the prefill worker beat before any test routes (/health waits only for a
+            # decode worker; the migration test needs a second one, every test the prefill worker).
+            deadline = time.monotonic() + 60
+            while True:
+                load = httpx.get(f"{base}/get_load", timeout=5).json()
+                if load["num_decode_workers"] == 2 and load["num_prefill_workers"] == 1:
+                    break
+                assert time.monotonic() < deadline, f"the workers never all showed up: {load}"
                 time.sleep(0.2)
             yield m
         finally:
