@@ -441,3 +441,43 @@ def test_score_gives_label_probabilities_after_query_and_item(client, mesh, tok)
                        ({"model": "other"}, "model")):
         r = httpx.post(url, json=body | bad, timeout=30)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+# ------------------------------------------------------- SGLang's constraints, token ids as tokens
+
+
+def test_sglang_top_level_constraints(client) -> None:  # noqa: ANN001
+    for stream in (False, True):
+        got = completion(client, prompt="Phone:", max_tokens=20, temperature=1.0, seed=3, stream=stream,
+                         extra_body={"regex": r"\d{3}-\d{2}"})
+        text = "".join(c.choices[0].text for c in got if c.choices) if stream else got.choices[0].text
+        assert re.fullmatch(r"\d{3}-\d{2}", text), text
+    r = chat(client, max_tokens=20, temperature=1.0, seed=4, extra_body={"ebnf": 'root ::= "yes" | "no"'})
+    assert r.choices[0].message.content in ("yes", "no")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = chat(client, max_tokens=30, extra_body={"json_schema": json.dumps(schema)})
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+    for body, param in (({"regex": "a", "ebnf": 'root ::= "a"'}, "regex"),
+                        ({"json_schema": "{", }, "json_schema"),
+                        ({"regex": "a", "response_format": {"type": "json_object"}}, "regex"),
+                        ({"ebnf": 3}, "ebnf")):
+        for stream in (False, True):
+            expect_error(openai.BadRequestError, lambda: chat(client, stream=stream, max_tokens=2, extra_body=body),
+                         400, param)
+    msg = expect_error(openai.BadRequestError, lambda: chat(client, max_tokens=2, extra_body={"regex": "(unclosed"}), 400)
+    assert "regex" in msg
+
+
+def test_return_tokens_as_token_ids(client) -> None:  # noqa: ANN001
+    force = {"structured_outputs": {"choice": [EMOJI]}, "return_tokens_as_token_ids": True}
+    r = completion(client, prompt="x", max_tokens=20, logprobs=2, extra_body=force)
+    lp = r.choices[0].logprobs
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in lp.tokens)
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in lp.top_logprobs for k in top)
+    assert len({t for t in lp.tokens}) >= 3  # split bytes no longer collapse into one text
+    r = chat(client, max_tokens=20, logprobs=True, top_logprobs=2, extra_body=force)
+    content = r.choices[0].logprobs.content
+    assert all(re.fullmatch(r"token_id:\d+", t.token) for t in content)
+    assert b"".join(bytes(t.bytes) for t in content).startswith(EMOJI.encode())  # bytes stay the token's own
+    expect_error(openai.BadRequestError, lambda: chat(client, max_tokens=2, extra_body={"return_tokens_as_token_ids": "yes"}),
+                 400, "return_tokens_as_token_ids")

@@ -91,7 +91,11 @@ class Formatter:
             a.finish_reason, a.stop_reason, a.matched_stop = d.finish_reason, d.stop_reason, d.matched_stop
         return split
 
+    tokens_as_ids = False  # vLLM's return_tokens_as_token_ids
+
     def token_text(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         return self.tok.decode([token_id], skip_special_tokens=False)
 
     done = "data: [DONE]\n\n"  # what ends the SSE stream

@@ -219,6 +219,21 @@ def structured_spec(body: _Common) -> StructuredSpec | None:
             if rf.json_schema is None:
                 raise bad_request("response_format of type json_schema needs a json_schema", param="response_format")
             spec = StructuredSpec(kind="json_schema", spec=json.dumps(rf.json_schema.schema_))
+    sglang = {k: v for k, v in (("regex", body.regex), ("ebnf", body.ebnf), ("json_schema", body.json_schema))
+              if v is not None}
+    if sglang:
+        ((key, value),) = sglang.items() if len(sglang) == 1 else [(None, None)]
+        if key is None or spec is not None or so is not None:
+            name = next(iter(sglang))
+            raise bad_request(f"{name}: give one constraint, among regex, ebnf, json_schema, response_format and "
+                              "structured_outputs", param=name)
+        if key == "json_schema":
+            try:
+                json.loads(value)
+            except ValueError as e:
+                raise bad_request(f"json_schema is not JSON: {e}", param="json_schema") from None
+        # ebnf is xgrammar's grammar text (GBNF-style EBNF), what structured_outputs.grammar takes.
+        return StructuredSpec(kind={"regex": "regex", "ebnf": "grammar", "json_schema": "json_schema"}[key], spec=value)
     if so is not None:
         given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                    ("grammar", so.grammar)) if v is not None}

@@ -83,6 +83,12 @@ class _Common(_Request):
     allowed_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # SGLang's spelling of the same constraints, as top-level fields (json_schema: the schema as JSON text).
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    # vLLM: logprobs name tokens "token_id:<id>" (text of split characters is ambiguous, ids are not).
+    return_tokens_as_token_ids: StrictBool = False
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Common:
