@@ -75,7 +75,7 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
         fmt = formatter(ctx.tokenizer, p.model, p.request_id, p.n, p.logprobs, echo=p.echo, per_prompt=len(p.samplings),
                         tools=p.tools, prompts=p.prompts)
         fmt.tokens_as_ids = body.return_tokens_as_token_ids
-        if p.reasoning is not None:
+        if p.reasoning is not None and getattr(body, "separate_reasoning", True):
             fmt.reason(p.reasoning)
         if body.stream:
             streaming = True  # from here the SSE generator owns the span and the in-flight count

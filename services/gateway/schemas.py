@@ -184,6 +184,8 @@ class ChatCompletionRequest(_Common):
     # documents for templates that render them (RAG templates: a list of {"title", "text"}-like objects).
     continue_final_message: StrictBool = False
     documents: list[dict[str, Any]] | None = None
+    # SGLang: false leaves a reasoning model's <think> text in content (no reasoning_content split).
+    separate_reasoning: StrictBool = True
 
 
 # ------------------------------------------------------------------------------------ responses
