@@ -320,6 +320,10 @@ def test_invocations_routes_by_body(client, mesh) -> None:  # noqa: ANN001
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = httpx.post(url, content=b"[1, 2]", headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400
+    # SageMaker's health check goes with it.
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{mesh.url}/ping", timeout=10)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
 def test_get_load_and_server_info(client, mesh) -> None:  # noqa: ANN001

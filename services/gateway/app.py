@@ -113,6 +113,10 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         ok, status = await check_health(ctx)
         return JSONResponse(status, status_code=200 if ok else 503)
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> JSONResponse:  # SageMaker's health check, which goes with /invocations (vLLM serves both)
+        return await health()
+
     @app.post("/v1/score")
     async def score(body: ScoreRequest) -> JSONResponse:
         return await serve_score(ctx, body)
