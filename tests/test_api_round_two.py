@@ -485,3 +485,13 @@ def test_return_tokens_as_token_ids(client) -> None:  # noqa: ANN001
     assert b"".join(bytes(t.bytes) for t in content).startswith(EMOJI.encode())  # bytes stay the token's own
     expect_error(openai.BadRequestError, lambda: chat(client, max_tokens=2, extra_body={"return_tokens_as_token_ids": "yes"}),
                  400, "return_tokens_as_token_ids")
+
+
+def test_min_tokens_holds_back_stop_token_ids(client) -> None:  # noqa: ANN001
+    """vLLM's min_tokens masks eos and the stop_token_ids until that many tokens are out."""
+    kw = dict(max_tokens=8, logit_bias={"42": 100}, extra_body={"stop_token_ids": [42], "min_tokens": 3})
+    r = completion(client, prompt="x", logprobs=0, **kw)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 4  # 3 held back, then 42
+    assert _finish(r.choices[0]) == ("stop", 42, 42)
+    _, chunks = streamed_text(chat(client, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.completion_tokens == 4
