@@ -26,7 +26,8 @@ def setup_tracing(service_name: str) -> TracerProvider:
     if isinstance(current, TracerProvider):
         return current
     name = service_name if service_name.startswith("kvmesh-") else f"kvmesh-{service_name}"
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+    # process.pid tells replicas of one service apart in a trace (which decode worker served, which died).
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name, "process.pid": os.getpid()}))
     if any(os.environ.get(v) for v in _ENDPOINT_VARS):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

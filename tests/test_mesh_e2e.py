@@ -205,3 +205,36 @@ def test_prefix_from_the_kvstore_on_another_decode_worker(ckpt, hf_reference, tm
         assert hits and float(hits[0].split()[-1]) >= 192
     finally:
         mesh.close()
+
+
+def test_cached_tokens_count_what_the_prefill_worker_found(ckpt, hf_reference, tmp_path):
+    """usage.prompt_tokens_details.cached_tokens counts prompt tokens served from any cache: here the
+    decode worker holds nothing of the prompt, the prefill worker's device pool holds its prefix."""
+    mesh = Mesh(tmp_path, ckpt.path)
+    try:
+        mesh.start_tokenizer()
+        mesh.start_prefill()
+        d0 = mesh.start_decoder("d0", threshold=0)
+        mesh.wait_until(lambda: mesh.gateway.ctx.router.alive())
+        client = client_for(mesh)
+        shared = random_prompts([160], seed=36)[0]
+        first = client.completions.create(model="tiny", prompt=shared + [7, 8, 9], max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        mesh.call(d0.drain(2.0))  # the decode worker leaves with its cache; the prefill worker keeps its own
+        del mesh.decoders["d0"]
+        d1 = mesh.start_decoder("d1", threshold=0)
+        mesh.wait_until(lambda: [w.worker_id for w in mesh.gateway.ctx.router.alive()] == ["d1"], timeout=5)
+        for stream in (False, True):
+            prompt = shared + ([10, 11] if not stream else [12, 13])
+            if stream:
+                chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+                text, usage = "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+            else:
+                r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+                text, usage = r.choices[0].text, r.usage
+            assert usage.prompt_tokens_details.cached_tokens == 160, stream
+            assert text == expected_text(ckpt, hf_reference, prompt)[0]
+        assert d1.remote_prefills == 2
+    finally:
+        mesh.close()

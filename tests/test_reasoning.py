@@ -143,3 +143,19 @@ def test_responses_carry_a_reasoning_item(client) -> None:  # noqa: ANN001
     assert kinds.index("response.output_item.added") < kinds.index("response.reasoning_text.delta")
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
     assert events[-1].response.output[0].type == "reasoning"
+
+
+def test_separate_reasoning_false_keeps_the_thinking_in_content(client) -> None:  # noqa: ANN001
+    """SGLang's separate_reasoning: false answers the raw text, streamed and not, with no reasoning split."""
+    r = chat(client, THOUGHT, extra_body={"separate_reasoning": False})
+    msg = r.choices[0].message
+    assert msg.content == "Let me check. 7 has no divisors.\n</think>\n\nYes, 7 is prime."
+    assert getattr(msg, "reasoning_content", None) is None
+    assert r.usage.completion_tokens_details is None or not r.usage.completion_tokens_details.reasoning_tokens
+    chunks = list(chat(client, THOUGHT, stream=True, extra_body={"separate_reasoning": False}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert not any((c.choices[0].delta.model_extra or {}).get("reasoning_content") for c in chunks if c.choices)
+    for stream in (False, True):
+        expect_error(openai.BadRequestError, lambda: chat(client, THOUGHT, stream=stream,
+                                                          extra_body={"separate_reasoning": "no"}),
+                     400, "separate_reasoning")

@@ -189,6 +189,9 @@ class Admission:
         self.transfer_id = None
         if self.state is State.CANCELLED:
             return True
+        # The prompt tokens served from a cache are those the prefill worker found too (its device pool,
+        # host tier or the kvstore), not only this worker's: usage's cached_tokens counts every tier.
+        self.num_cached_tokens = max(self.num_cached_tokens, reply.num_cached_tokens)
         lp = reply.logprobs.to_engine() if reply.logprobs is not None else None
         await host.thread.run(Commit(rid, len(req.prompt_token_ids), reply.first_token_id, lp))
         self.state = State.RUNNING

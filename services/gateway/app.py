@@ -4,6 +4,7 @@ from __future__ import annotations
 from functools import partial
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -14,6 +15,8 @@ from services.gateway.errors import bad_request, install_error_handlers
 from services.gateway import anthropic_messages
 from services.gateway.openai_responses import ResponsesFormatter, ResponsesRequest, to_chat
 from services.gateway.health import check_health
+from services.gateway.load_info import get_load, server_info
+from services.gateway.score import ScoreRequest, serve_score
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.sampling import first_message
 from services.gateway.prepare import check_model, prepare_chat, prepare_completion
@@ -39,6 +42,28 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve_generation(ctx, request, body, "/v1/chat/completions", prepare_chat, ChatFormatter)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        # vLLM's SageMaker-style entry point: one route, the body says which API it speaks.
+        try:
+            raw = await request.json()
+        except ValueError:
+            raise bad_request("invalid JSON body", code="invalid_json") from None
+        if not isinstance(raw, dict):
+            raise bad_request("the body must be a JSON object", code="invalid_json")
+        if "messages" in raw:
+            schema, route, prepare, formatter = ChatCompletionRequest, "/v1/chat/completions", prepare_chat, ChatFormatter
+        elif "prompt" in raw:
+            schema, route, prepare, formatter = CompletionRequest, "/v1/completions", prepare_completion, CompletionFormatter
+        else:
+            raise bad_request("/invocations takes a chat completions body (with messages) or a completions body "
+                              "(with prompt)", param="messages")
+        try:
+            body = schema.model_validate(raw)
+        except ValidationError as e:  # the same 400 as the API's own route would give
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        return await serve_generation(ctx, request, body, route, prepare, formatter)
 
     def card() -> ModelCard:
         # root is the served name, never the model's path on the server's disk.
@@ -88,6 +113,22 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     async def health() -> JSONResponse:
         ok, status = await check_health(ctx)
         return JSONResponse(status, status_code=200 if ok else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> JSONResponse:  # SageMaker's health check, which goes with /invocations (vLLM serves both)
+        return await health()
+
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest) -> JSONResponse:
+        return await serve_score(ctx, body)
+
+    @app.get("/get_load")
+    async def load() -> JSONResponse:
+        return JSONResponse(get_load(ctx))
+
+    @app.get("/get_server_info")
+    async def info() -> JSONResponse:
+        return JSONResponse(server_info(ctx))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -45,7 +45,8 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when requested
     finish_reason: str | None = None
-    stop_reason: str | None = None  # the stop string, when one ended the text
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended the choice
+    matched_stop: str | int | None = None  # SGLang's: the same, or the eos token id (None on length)
 
 
 def remote_error(e: bus.RemoteError) -> APIError:
@@ -259,7 +260,7 @@ class Choice:
             if self.first_token_time is None:
                 self.first_token_time = now
             else:
-                m.itl.labels(m.model).observe(now - self._last_chunk_time)
+                m.inter_token(now - self._last_chunk_time)
             self._last_chunk_time = now
             self.num_tokens += len(chunk.token_ids)
             self._generated.extend(chunk.token_ids)
@@ -279,6 +280,13 @@ class Choice:
             else:
                 delta.text += self._stop.flush()
                 self.finish_reason = chunk.finish_reason
+                if chunk.finish_reason == "stop" and self._generated:
+                    # The engine ended on a stop token: one the request named, or eos (the last token either way).
+                    last = self._generated[-1]
+                    delta.matched_stop = last
+                    delta.stop_reason = last if last in self._origin.sampling.stop_token_ids else None
+        if delta.stop_reason is not None and isinstance(delta.stop_reason, str):
+            delta.matched_stop = delta.stop_reason
         if self.finished:
             delta.finish_reason = self.finish_reason
             m.finished(self.finish_reason or "stop")

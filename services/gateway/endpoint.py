@@ -43,7 +43,12 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
     # GenAI semantic conventions name the span "{operation} {model}".
     span = ctx.tracer.start_span(f"{operation} {model}", kind=trace.SpanKind.SERVER, attributes={
         "gen_ai.operation.name": operation, "gen_ai.request.model": model, "http.route": route,
+        "gen_ai.provider.name": "kvmesh", "gen_ai.request.temperature": body.temperature,
+        "gen_ai.request.top_p": body.top_p, "gen_ai.request.choice.count": body.n,
+        "gen_ai.request.stream": bool(body.stream),
     })
+    if body.seed is not None:
+        span.set_attribute("gen_ai.request.seed", body.seed)
     if body.max_tokens is not None:
         span.set_attribute("gen_ai.request.max_tokens", body.max_tokens)
     ctx.begin()
@@ -58,6 +63,8 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
                 prepared = await prepare(ctx, body)
             span.set_attribute("gen_ai.request.max_tokens", prepared.max_tokens)
             span.set_attribute("kvmesh.request_id", prepared.request_id)
+            span.set_attribute("gen_ai.response.model", prepared.model)
+            span.set_attribute("gen_ai.response.id", prepared.request_id)
             nonlocal gen
             gen = Generation(ctx, prepared, span, arrival)
             await gen.open()
@@ -67,7 +74,8 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
         p = opened.prepared
         fmt = formatter(ctx.tokenizer, p.model, p.request_id, p.n, p.logprobs, echo=p.echo, per_prompt=len(p.samplings),
                         tools=p.tools, prompts=p.prompts)
-        if p.reasoning is not None:
+        fmt.tokens_as_ids = body.return_tokens_as_token_ids
+        if p.reasoning is not None and getattr(body, "separate_reasoning", True):
             fmt.reason(p.reasoning)
         if body.stream:
             streaming = True  # from here the SSE generator owns the span and the in-flight count
@@ -83,6 +91,9 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
     except ClientGone:
         if gen is not None:
             gen.abort("client disconnected")
+        span.set_attribute("error.type", "cancelled")
+        span.set_status(Status(StatusCode.ERROR, "client disconnected"))
+        span.add_event("cancelled", {"reason": "client disconnected"})
         return Response(status_code=CLIENT_CLOSED)
     except Exception as e:  # noqa: BLE001 - every failure is an OpenAI error object
         err = as_api_error(e)
@@ -91,6 +102,7 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
         ctx.metrics.error(err.status)
         span.record_exception(e)
         span.set_status(Status(StatusCode.ERROR, err.message))
+        span.set_attribute("error.type", err.code or type(e).__name__)
         return err.response()
     except BaseException:
         if gen is not None:

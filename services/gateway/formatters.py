@@ -14,6 +14,7 @@ from services.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletio
                                       CompletionLogprobs, CompletionResponse, FunctionCallDelta, FunctionCallOut,
                                       ToolCallDelta, ToolCallOut, TopLogprob, Usage, dump)
 from services.gateway.reasoning import ReasoningPlan, ReasoningStream
+from services.gateway.token_bytes import TextOffsets, TokenBytes
 from services.gateway.tools import ParsedCall, ToolPlan, ToolStream
 from shared.protocol.generate import TokenLogprob
 
@@ -31,7 +32,8 @@ class _Acc:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
+    matched_stop: str | int | None = None
 
 
 class Formatter:
@@ -50,7 +52,8 @@ class Formatter:
         self.id = f"{self.prefix}-{request_id}"
         self.created = int(time.time())
         self._acc = [_Acc() for _ in range(n)]
-        self._offsets = [0] * n  # completions' text_offset, per choice
+        self.token_bytes = TokenBytes(tokenizer)  # logprobs' bytes: a token's own, even mid-character
+        self._offsets = [TextOffsets(self.token_bytes) for _ in range(n)]  # completions' text_offset, per choice
         self.reasoning: ReasoningPlan | None = None
         self._reason_streams: list[ReasoningStream] = []
         self.reasoning_tokens = 0
@@ -85,10 +88,14 @@ class Formatter:
         if d.prompt_logprobs is not None:
             a.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason:
-            a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
+            a.finish_reason, a.stop_reason, a.matched_stop = d.finish_reason, d.stop_reason, d.matched_stop
         return split
 
+    tokens_as_ids = False  # vLLM's return_tokens_as_token_ids
+
     def token_text(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         return self.tok.decode([token_id], skip_special_tokens=False)
 
     done = "data: [DONE]\n\n"  # what ends the SSE stream
@@ -131,11 +138,10 @@ class CompletionFormatter(Formatter):
             entries += [(lp, tok) for lp, tok in zip(prompt, ids)]
         entries += [(lp, None) for lp in lps]
         for lp, tok in entries:
-            text = self.token_text(lp.token_id if lp is not None else tok)
-            out.tokens.append(text)
+            token_id = lp.token_id if lp is not None else tok
+            out.tokens.append(self.token_text(token_id))
             out.token_logprobs.append(lp.logprob if lp is not None else None)
-            out.text_offset.append(self._offsets[index])
-            self._offsets[index] += len(text)
+            out.text_offset.append(self._offsets[index].push(token_id))
             if out.top_logprobs is not None:
                 out.top_logprobs.append(None if lp is None else
                                         {self.token_text(t): p for t, p in zip(lp.top_ids, lp.top_logprobs)})
@@ -154,7 +160,7 @@ class CompletionFormatter(Formatter):
             self._echo_sent[d.index] = True
             text, prompt = self._echoed(d.index) + text, d.prompt_logprobs
         choice = CompletionChoice(index=d.index, text=text, logprobs=self._logprobs(d.index, d.logprobs, prompt),
-                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason, matched_stop=d.matched_stop)
         body = dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
         if not include_usage:
             body.pop("usage")
@@ -167,7 +173,7 @@ class CompletionFormatter(Formatter):
         choices = [
             CompletionChoice(index=i, text=self._echoed(i) + a.text,
                              logprobs=self._logprobs(i, a.logprobs, a.prompt_logprobs if self.echo else None),
-                             finish_reason=a.finish_reason, stop_reason=a.stop_reason)
+                             finish_reason=a.finish_reason, stop_reason=a.stop_reason, matched_stop=a.matched_stop)
             for i, a in enumerate(self._acc)
         ]
         return dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))
@@ -182,9 +188,10 @@ class ChatFormatter(Formatter):
         content = []
         for lp in lps:
             text = self.token_text(lp.token_id)
-            tops = [TopLogprob(token=(t := self.token_text(i)), logprob=p, bytes=list(t.encode()))
+            tops = [TopLogprob(token=self.token_text(i), logprob=p, bytes=list(self.token_bytes.of(i)))
                     for i, p in zip(lp.top_ids, lp.top_logprobs)]
-            content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=tops))
+            content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(self.token_bytes.of(lp.token_id)),
+                                            top_logprobs=tops))
         return ChatLogprobs(content=content)
 
     def _chunk(self, choices: list[ChatChunkChoice], u: Usage | None = None) -> ChatCompletionChunk:
@@ -224,7 +231,8 @@ class ChatFormatter(Formatter):
                       ToolCallDelta(index=c.index, function=FunctionCallDelta(arguments=c.arguments))
                       for c in calls]
             delta = ChatDelta(content=content or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
-        choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=finish)
+        choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=finish,
+                                 stop_reason=d.stop_reason, matched_stop=d.matched_stop)
         body = dump(self._chunk([choice]))
         if not include_usage:
             body.pop("usage")
@@ -251,6 +259,6 @@ class ChatFormatter(Formatter):
         for i, a in enumerate(self._acc):
             message, reason = self._message(a)
             choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(a.logprobs), finish_reason=reason,
-                                      stop_reason=a.stop_reason))
+                                      stop_reason=a.stop_reason, matched_stop=a.matched_stop))
         return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                           usage=self.with_reasoning_tokens(u)))

@@ -21,6 +21,7 @@ class Generation:
         self.ctx, self.prepared, self.span, self.arrival = ctx, prepared, span, arrival
         self.choices: list[Choice] = []
         self._ttft_seen = False
+        self._first_token_s: float | None = None  # arrival to the first token
 
     @property
     def prompt_tokens(self) -> int:
@@ -43,12 +44,19 @@ class Generation:
         per_prompt = len(p.samplings)
         self.choices = []
         for k, prompt in enumerate(p.prompts):
-            try:
-                route = self.ctx.router.pick(prompt)
-            except NoWorkerError:
-                raise unavailable("no decode worker is alive", code="no_decode_worker") from None
-            except OverloadedError as e:
-                raise unavailable(str(e), code="overloaded") from None
+            # The routing decision as its own span: which worker, and what each cache tier holds for it.
+            with self.ctx.tracer.start_as_current_span("route", context=trace.set_span_in_context(self.span),
+                                                       attributes={"kvmesh.prompt_index": k}) as route_span:
+                try:
+                    route = self.ctx.router.pick(prompt)
+                except NoWorkerError:
+                    raise unavailable("no decode worker is alive", code="no_decode_worker") from None
+                except OverloadedError as e:
+                    raise unavailable(str(e), code="overloaded") from None
+                route_span.set_attributes({"kvmesh.decode.worker": route.worker_id,
+                                           "kvmesh.route.cached_blocks": route.cached_blocks,
+                                           "kvmesh.route.host_blocks": route.host_blocks,
+                                           "kvmesh.route.kvstore_blocks": route.kvstore_blocks})
             if k == 0:
                 self.span.set_attribute("kvmesh.decode.worker", route.worker_id)
                 self.span.set_attribute("kvmesh.route.cached_blocks", route.cached_blocks)
@@ -103,7 +111,7 @@ class Generation:
     def _observe(self, d: Delta) -> None:
         if d.token_ids and not self._ttft_seen:
             self._ttft_seen = True
-            ttft = time.monotonic() - self.arrival
+            ttft = self._first_token_s = time.monotonic() - self.arrival
             self.ctx.metrics.ttft.labels(self.ctx.metrics.model).observe(ttft)
             self.span.set_attribute("gen_ai.response.time_to_first_token", ttft)
             self.span.add_event("first_token")
@@ -123,7 +131,11 @@ class Generation:
         self.span.set_attribute("gen_ai.usage.input_tokens", self.prompt_tokens)
         self.span.set_attribute("gen_ai.usage.output_tokens", self.completion_tokens)
         if self.choices and all(c.finished for c in self.choices):
-            self.ctx.metrics.e2e.labels(self.ctx.metrics.model).observe(time.monotonic() - self.arrival)
+            e2e = time.monotonic() - self.arrival
+            self.ctx.metrics.e2e.labels(self.ctx.metrics.model).observe(e2e)
+            ttft = self._first_token_s
+            per_prompt = [[c.num_tokens for c in self.choices if c.prompt_index == k] for k in range(len(self.prepared.prompts))]
+            self.ctx.metrics.request_done(per_prompt, ttft, e2e)
             reasons = [c.finish_reason or "" for c in self.choices]
             self.span.set_attribute("gen_ai.response.finish_reasons", reasons)
         elif self.choices:

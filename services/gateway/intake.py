@@ -17,7 +17,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 # Paths anyone may read: liveness, Prometheus, the version.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})  # /ping: /health under SageMaker's name
 # Bytes of request body per token of context: room for JSON-escaped text, token-id lists and tool schemas.
 BODY_BYTES_PER_TOKEN = 64
 BODY_BYTES_FLOOR = 1 << 20

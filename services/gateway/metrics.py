@@ -183,6 +183,15 @@ class GatewayMetrics:
                                                    "request (choice)", m, buckets=_TOKEN_BUCKETS, registry=r)
         self.request_max_tokens = Histogram(f"{PREFIX}request_params_max_tokens", "max_tokens asked per request", m,
                                             buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_n = Histogram(f"{PREFIX}request_params_n", "n (choices) asked per request", m,
+                                   buckets=(1, 2, 5, 10, 20), registry=r)
+        self.request_max_generation = Histogram(f"{PREFIX}request_max_num_generation_tokens", "Generated tokens of "
+                                                "the request's longest choice", m, buckets=_TOKEN_BUCKETS, registry=r)
+        # vLLM's older name for the inter-token latency (the same observations), kept as vLLM still exports it.
+        self.tpot = Histogram(f"{PREFIX}time_per_output_token_seconds", "Time between streamed token chunks "
+                              "(vLLM's older name of inter_token_latency_seconds)", m, buckets=_ITL_BUCKETS, registry=r)
+        self.request_tpot = Histogram(f"{PREFIX}request_time_per_output_token_seconds", "A choice's decode time "
+                                      "per output token after the first", m, buckets=_ITL_BUCKETS, registry=r)
         r.register(_WorkerCollector(router, self.prefill_workers, model))
         self.kvstore = KVStoreFigures(model)
         r.register(self.kvstore)
@@ -205,6 +214,20 @@ class GatewayMetrics:
             self.prefill_time.labels(self.model).observe(timings.prefill_s)
             self.decode_time.labels(self.model).observe(timings.decode_s)
             self.inference_time.labels(self.model).observe(timings.prefill_s + timings.decode_s)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.labels(self.model).observe(seconds)
+        self.tpot.labels(self.model).observe(seconds)
+
+    def request_done(self, generated: list[list[int]], ttft_s: float | None, e2e_s: float) -> None:
+        """A request whose every choice finished, as generated tokens per choice of each prompt (a batch of
+        prompts counts as that many requests, as in vLLM): n, the longest choice, time per output token."""
+        for choices in generated:
+            self.request_n.labels(self.model).observe(len(choices))
+            self.request_max_generation.labels(self.model).observe(max(choices, default=0))
+            for tokens in choices:
+                if ttft_s is not None and tokens > 1:
+                    self.request_tpot.labels(self.model).observe(max(0.0, e2e_s - ttft_s) / (tokens - 1))
 
     def finished(self, reason: str) -> None:
         self.requests.labels(self.model, reason).inc()

@@ -82,7 +82,17 @@ async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prep
     model = check_model(ctx, body.model)
     template = getattr(ctx.tokenizer, "chat_template", None)
     tools = plan_tools(body, template, ctx.config.tool_call_parser)
-    kwargs = json.dumps(body.chat_template_kwargs, ensure_ascii=False) if body.chat_template_kwargs else None
+    if body.continue_final_message and body.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
+                          "add_generation_prompt to false to continue the final message)", param="continue_final_message")
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message continues the final message, which must be an assistant message",
+                          param="continue_final_message")
+    # Both are apply_chat_template arguments: they travel with the template's other variables.
+    extra = {**({"continue_final_message": True} if body.continue_final_message else {}),
+             **({"documents": body.documents} if body.documents is not None else {})}
+    template_vars = {**(body.chat_template_kwargs or {}), **extra}
+    kwargs = json.dumps(template_vars, ensure_ascii=False) if template_vars else None
     ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
                                           add_generation_prompt=body.add_generation_prompt,
                                           tools_json=tools.tools_json if tools is not None else None,
@@ -115,6 +125,8 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     # Templates know system/user/assistant/tool; OpenAI's "developer" is the new name for system.
     out = []
     for m in messages:
+        if m.role == "tool" and m.tool_calls:
+            raise bad_request("only an assistant message may carry tool_calls", param="messages")
         calls = [ToolCall(id=c.id, function=ToolCallFunction(name=c.function.name, arguments=c.function.arguments))
                  for c in m.tool_calls or []] or None
         if m.role == "tool" and not m.tool_call_id:

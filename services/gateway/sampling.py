@@ -58,6 +58,10 @@ def structured_output(body: _Common) -> StructuredOutput | None:
             if rf.json_schema is None:
                 raise bad_request("response_format of type json_schema needs a json_schema", param="response_format")
             spec = StructuredOutput(kind="json_schema", spec=json.dumps(rf.json_schema.schema_))
+    sglang = {k: v for k, v in (("regex", body.regex), ("ebnf", body.ebnf), ("json_schema", body.json_schema))
+              if v is not None}
+    if sglang:
+        return _sglang_constraint(sglang, spec is not None or so is not None)
     if so is not None:
         given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                    ("grammar", so.grammar)) if v is not None}
@@ -79,25 +83,57 @@ def structured_output(body: _Common) -> StructuredOutput | None:
     return spec
 
 
+def _sglang_constraint(given: dict[str, str], other: bool) -> StructuredOutput:
+    """SGLang's top-level regex / ebnf / json_schema: exactly one, and not with the OpenAI/vLLM fields."""
+    name = next(iter(given))
+    if len(given) != 1 or other:
+        raise bad_request(f"{name}: give one constraint, among regex, ebnf, json_schema, response_format and "
+                          "structured_outputs", param=name)
+    value = given[name]
+    if name == "json_schema":
+        try:
+            json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"json_schema is not JSON: {e}", param="json_schema") from None
+    # ebnf is xgrammar's grammar text (GBNF-style EBNF), what structured_outputs.grammar takes.
+    try:
+        return StructuredOutput(kind={"regex": "regex", "ebnf": "grammar", "json_schema": "json_schema"}[name],
+                                spec=value)
+    except (ValidationError, ValueError) as e:
+        raise bad_request(first_message(e), param=name) from None
+
+
 def logit_bias_ids(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
     """OpenAI's logit_bias: JSON object keys are token ids as strings (the only place they are strings);
-    values in [-100, 100]."""
+    values in [-100, 100].
+
+    Every bad key is named in one error (a client fixing them one 400 at a time would need as many calls)."""
     if not raw:
         return None
-    out = {}
+    out: dict[int, float] = {}
+    not_ids, outside, out_of_range = [], [], []
     for key, value in raw.items():
         try:
             token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias: key {key!r} is not a token id", param="logit_bias",
-                              code="invalid_value") from None
+            not_ids.append(key)
+            continue
         if not 0 <= token < vocab:
-            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {vocab})",
-                              param="logit_bias", code="invalid_token_id")
-        if not -100 <= value <= 100:
-            raise bad_request(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}",
-                              param="logit_bias", code="invalid_value")
-        out[token] = float(value)
+            outside.append(token)
+        elif not -100 <= value <= 100:
+            out_of_range.append(f"{token} ({value:g})")
+        else:
+            out[token] = float(value)
+    problems = []
+    if not_ids:
+        problems.append("keys that are not token ids: " + ", ".join(repr(k) for k in not_ids))
+    if outside:
+        problems.append(f"token ids outside the vocabulary [0, {vocab}): " + ", ".join(map(str, outside)))
+    if out_of_range:
+        problems.append("biases outside [-100, 100] for tokens " + ", ".join(out_of_range))
+    if problems:
+        code = "invalid_token_id" if outside and not not_ids and not out_of_range else "invalid_value"
+        raise bad_request("logit_bias: " + "; ".join(problems), param="logit_bias", code=code)
     return out
 
 

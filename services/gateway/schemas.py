@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from services.gateway.wire_safe import check_sendable
 from shared.sampling_params import MAX_TOP_LOGPROBS
@@ -83,6 +83,12 @@ class _Common(_Request):
     allowed_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # SGLang's spelling of the same constraints, as top-level fields (json_schema: the schema as JSON text).
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    # vLLM: logprobs name tokens "token_id:<id>" (text of split characters is ambiguous, ids are not).
+    return_tokens_as_token_ids: StrictBool = False
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Common:
@@ -105,7 +111,8 @@ class _Common(_Request):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # An integer (how many alternatives per token), never a boolean, as vLLM and OpenAI take it.
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
 
@@ -127,7 +134,9 @@ class ToolCallIn(_Request):
 
 
 class ChatMessageIn(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role the chat template knows (vLLM passes custom roles through, e.g. "ipython" or "document");
+    # the five standard ones are checked as OpenAI does, the template judges the rest.
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant
     tool_call_id: str | None = None  # tool
@@ -168,9 +177,15 @@ class ChatCompletionRequest(_Common):
     # Extra variables for the chat template (e.g. Qwen3's {"enable_thinking": false}), as vLLM and SGLang take them.
     chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: StrictBool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: StrictBool = False  # chat: a boolean, the alternatives' count is top_logprobs (0..20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # vLLM's chat extras: continue the final (assistant) message instead of opening a new turn, and
+    # documents for templates that render them (RAG templates: a list of {"title", "text"}-like objects).
+    continue_final_message: StrictBool = False
+    documents: list[dict[str, Any]] | None = None
+    # SGLang: false leaves a reasoning model's <think> text in content (no reasoning_content split).
+    separate_reasoning: StrictBool = True
 
 
 # ------------------------------------------------------------------------------------ responses
@@ -196,7 +211,10 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None  # the stop string that ended the text, as vLLM reports it
+    # What ended the choice: vLLM's stop_reason (the stop string or stop token id; null for eos and length)
+    # and SGLang's matched_stop (the same, and the eos token id when eos ended it; null on length).
+    stop_reason: str | int | None = None
+    matched_stop: str | int | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -245,7 +263,8 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
+    matched_stop: str | int | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -281,6 +300,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # on the chunk that finishes the choice
+    matched_stop: str | int | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -50,7 +50,10 @@ class GrammarBackend:
         c = self.compiler
         try:
             if so.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+                # JSON mode means an object (OpenAI's rule): the builtin JSON grammar would also take a
+                # top-level array, string or number. Non-strict, so the object may hold any members.
+                grammar = self._xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return c.compile_grammar(_strict_json_strings(str(grammar)))
             if so.kind == "json_schema":
                 json.loads(so.spec)  # a clear message for text that is not JSON at all
                 # No free whitespace: a model could otherwise spend its whole budget on spaces.
