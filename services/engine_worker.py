@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Callable
 
 from nats.aio.client import Client
 from opentelemetry import trace
@@ -34,6 +35,9 @@ class EngineWorker(Service):
     transport_class: type[NatsKVTransport] | None = None  # tests swap in a network test double
     kv_host: str | None = None  # where the direct KV channel listens (decode); None: the address NATS is reached from
     direct_kv: bool = True  # False: KV pushes to this worker go over NATS only
+    # Builds the engine from the config; None: the real LLMEngine. The simulated engine (--engine sim,
+    # shared/engine/sim_engine.py) comes in here and nowhere else.
+    engine_factory: Callable[[EngineConfig], LLMEngine] | None = None
 
     def __init__(self, engine_config: EngineConfig, use_kvstore: bool, worker_id: str,
                  beat_interval_s: float = 1.0) -> None:
@@ -49,7 +53,7 @@ class EngineWorker(Service):
 
     async def start_engine(self, nc: Client) -> None:
         self.nc = nc
-        self.engine = await asyncio.to_thread(LLMEngine, self.engine_config)
+        self.engine = await asyncio.to_thread(self.engine_factory or LLMEngine, self.engine_config)
         self.block_size = self.engine.config.block_size
         self.kvstore = KVStoreClient(nc) if self.use_kvstore else None
         self.prefix_fetches = PrefixFetches(self.kvstore.get_chain) if self.kvstore else None
