@@ -185,3 +185,51 @@ def test_the_profile_fit_recovers_known_coefficients() -> None:
     assert err < 1e-6
     for k, v in true.items():
         assert coef[k] == pytest.approx(v, rel=1e-4)
+
+
+def test_a_drained_decode_worker_moves_its_requests_and_none_is_lost(tmp_path, model_dir) -> None:  # noqa: ANN001
+    """What the planner's scale-in relies on: a worker drained with requests still running ends them with
+    MOVE_ELSEWHERE after its grace period, the gateway continues each on another worker, and the client's
+    stream is whole (the simulated tokens continue exactly, so the text is the undisturbed run's)."""
+    import threading
+
+    from shared.models.tokenizer import load_tokenizer
+
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(profile_dict(base_s=0.03)))
+    cost = CostModel(load_profile(slow))
+    mesh = Mesh(tmp_path, model_dir)
+    try:
+        mesh.start_tokenizer()
+        decoders = [_sim_decoder(model_dir, cost, w) for w in ("s0", "s1")]
+        for d in decoders:
+            d.settings.remote_prefill_threshold = 1 << 30  # no prefill worker here
+            _add(mesh, d, "harness")
+            mesh.decoders[d.settings.worker_id] = d
+        mesh.wait_until(lambda: len(mesh.gateway.ctx.router.alive()) == 2)
+        client = openai_client(mesh)
+        tok = load_tokenizer(str(model_dir))
+        prompts = [[(11 * i + j) % 400 + 3 for j in range(40)] for i in range(4)]
+        texts: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            r = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=60, temperature=0)
+            texts[i] = r.choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        mesh.wait_until(lambda: all(len(d.requests) for d in decoders), timeout=20)
+        mesh.wait_until(lambda: mesh.call(decoders[0].thread.call(
+            lambda e: max((s.num_output_tokens for s in e.scheduler.sequences()), default=0))) >= 5, timeout=20)
+        moved = len(decoders[0].requests)
+        mesh.call(decoders[0].drain(0.1), timeout=30)  # the planner's SIGTERM, with a short grace
+        mesh.decoders.pop("s0")  # drained: released its subscriptions and engine
+        for t in threads:
+            t.join(timeout=60)
+        assert moved >= 1
+        assert mesh.gateway.ctx.metrics.migrations.labels(mesh.gateway.ctx.metrics.model)._value.get() >= moved
+        for i in range(4):
+            assert texts[i] == tok.decode(expected_tokens(prompts[i], 60, VOCAB, [EOS]))
+    finally:
+        mesh.close()
