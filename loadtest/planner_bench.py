@@ -8,9 +8,8 @@ its loop scaling workers through the supervisor, draining the ones it removes). 
 the gateway; a request meets the SLOs when its TTFT and its mean inter-token gap are both within them.
 goodput = such requests per second of workload. Lost = requests that failed or came back short.
 
-Time is dilated by --speed (the simulated GPU runs that much slower, and the SLOs stretch with it) and each
-worker's KV is cut to --kv-tokens, so the token rate through the gateway stays within what a 2-core machine
-carries; both are recorded in the JSON.
+Time is dilated by --speed (the simulated GPU runs that much slower, and the SLOs and rates stretch with it)
+so the token rate through the gateway stays within what a 2-core machine carries; recorded in the JSON.
 """
 from __future__ import annotations
 
@@ -42,15 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=4, help="engine workers in every layout")
     parser.add_argument("--splits", default=None,
                         help="fixed prefill:decode splits to compare, e.g. 1:3,2:2,3:1 (default: every split)")
-    parser.add_argument("--speed", type=float, default=0.25, help="simulated GPU speed (SLOs stretch by 1/speed)")
-    parser.add_argument("--kv-tokens", type=int, default=16384, help="KV capacity of each simulated worker")
-    parser.add_argument("--phase-a-s", type=float, default=60.0, help="seconds of the prefill-heavy phase")
-    parser.add_argument("--phase-b-s", type=float, default=90.0, help="seconds of the decode-heavy phase")
-    parser.add_argument("--rate-a", type=float, default=3.0, help="requests/s in the prefill-heavy phase")
-    parser.add_argument("--rate-b", type=float, default=0.8, help="requests/s in the decode-heavy phase")
+    parser.add_argument("--speed", type=float, default=0.15, help="simulated GPU speed (SLOs stretch by 1/speed)")
+    parser.add_argument("--kv-tokens", type=int, default=0, help="KV capacity of each simulated worker (0: the profile's)")
+    parser.add_argument("--phase-a-s", type=float, default=50.0, help="seconds of the prefill-heavy phase")
+    parser.add_argument("--phase-b-s", type=float, default=110.0, help="seconds of the decode-heavy phase")
+    parser.add_argument("--rate-a", type=float, default=2.1, help="requests/s (wall) in the prefill-heavy phase")
+    parser.add_argument("--rate-b", type=float, default=2.7, help="requests/s (wall) in the decode-heavy phase")
     parser.add_argument("--ttft-slo-ms", type=float, default=600.0, help="TTFT target at speed 1")
     parser.add_argument("--itl-slo-ms", type=float, default=12.0, help="inter-token target at speed 1")
-    parser.add_argument("--interval", type=float, default=5.0, help="planner interval (s)")
+    parser.add_argument("--interval", type=float, default=4.0, help="planner interval (s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
 
@@ -184,7 +183,9 @@ def run_layout(layout: Layout, args: argparse.Namespace, model: Path, profile: P
             str(port), "--prefill", str(layout.prefill), "--decode", str(layout.decode), "--log-level", "warning"]
     if layout.planner:
         b = args.budget
-        argv += ["--planner", "sla", "--ttft-slo-ms", f"{args.ttft_slo_ms:g}", "--itl-slo-ms", f"{args.itl_slo_ms:g}",
+        # The SLOs in wall time: the workers (and the planner's profile) run at --speed.
+        argv += ["--planner", "sla", "--ttft-slo-ms", f"{args.ttft_slo_ms / args.speed:g}",
+                 "--itl-slo-ms", f"{args.itl_slo_ms / args.speed:g}",
                  "--planner-profile", str(profile), "--prefill-min", "0", "--prefill-max", str(b - 1),
                  "--decode-min", "1", "--decode-max", str(b), "--planner-budget", str(b),
                  "--planner-interval", f"{args.interval:g}", "--planner-port", str(_free_port())]
@@ -238,7 +239,12 @@ def summarize(layout: Layout, ttft_slo: float, itl_slo: float, duration: float) 
     for ph in sorted({r.phase for r in recs}):
         rs = [r for r in recs if r.phase == ph]
         ok = [r for r in met if r.phase == ph]
-        by_phase[ph] = {"requests": len(rs), "met_slo": len(ok), "attainment": len(ok) / len(rs) if rs else None}
+        ttfts = sorted(r.ttft for r in rs if r.ttft is not None)
+        itls = sorted(r.itl for r in rs if r.itl is not None)
+        pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None  # noqa: E731
+        by_phase[ph] = {"requests": len(rs), "met_slo": len(ok), "attainment": len(ok) / len(rs) if rs else None,
+                        "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9),
+                        "itl_p50_s": pct(itls, 0.5), "itl_p90_s": pct(itls, 0.9)}
     return {"prefill": layout.prefill, "decode": layout.decode, "planner": layout.planner, "requests": len(recs),
             "met_slo": len(met), "goodput_rps": len(met) / duration, "lost": len(lost),
             "lost_examples": [r.error or f"{r.tokens}/{r.want} tokens" for r in lost[:5]],
@@ -258,8 +264,9 @@ def run(args: argparse.Namespace) -> int:
     model = build_sim_model(work / "model")
     base_profile = load_profile(args.profile)
     profile = work / "profile.json"
+    kv = args.kv_tokens or base_profile.kv_tokens
     profile.write_text(json.dumps(base_profile.model_copy(update={
-        "name": base_profile.name + f"-kv{args.kv_tokens}", "kv_tokens": args.kv_tokens}).model_dump()))
+        "name": base_profile.name + (f"-kv{kv}" if args.kv_tokens else ""), "kv_tokens": kv}).model_dump()))
     phases = [Phase("prefill-heavy", args.phase_a_s, args.rate_a, 4096, 64),
               Phase("decode-heavy", args.phase_b_s, args.rate_b, 256, 1024)]
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -284,10 +291,10 @@ def run(args: argparse.Namespace) -> int:
         if fixed[best_name]["goodput_rps"] else None,
         "lost": pl["lost"], "lost_all_layouts": sum(v["lost"] for v in results.values()),
         "best_fixed": best_name, "layouts": results,
-        "planner_decisions": [d for d in layouts[-1].decisions if d.get("changed")],
+        "planner_decisions": layouts[-1].decisions,
         "timeline": {lay.name: lay.timeline for lay in layouts},
         "workload": {"phases": [asdict(p) for p in phases], "requests": len(reqs), "seed": args.seed,
-                     "budget": b, "speed": args.speed, "kv_tokens_per_worker": args.kv_tokens,
+                     "budget": b, "speed": args.speed, "kv_tokens_per_worker": kv,
                      "ttft_slo_ms_at_speed_1": args.ttft_slo_ms, "itl_slo_ms_at_speed_1": args.itl_slo_ms,
                      "ttft_slo_s_wall": ttft_slo, "itl_slo_s_wall": itl_slo, "profile": base_profile.name,
                      "planner_interval_s": args.interval},

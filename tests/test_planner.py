@@ -61,6 +61,10 @@ def _metrics_text(finished: int, in_flight: int, ttft: list[float], itl: list[fl
     Counter("kvmesh:request_success", "", ["model_name", "finished_reason"], registry=r).labels("m", "length").inc(finished)
     Counter("kvmesh:prompt_tokens", "", ["model_name"], registry=r).labels("m").inc(prompt)
     Counter("kvmesh:generation_tokens", "", ["model_name"], registry=r).labels("m").inc(gen)
+    for name, total in (("kvmesh:request_prompt_tokens", prompt), ("kvmesh:request_generation_tokens", gen)):
+        h = Histogram(name, "", ["model_name"], registry=r, buckets=(10, 100, 1000, 10000))
+        for _ in range(finished):
+            h.labels("m").observe(total / finished)
     Gauge("kvmesh:gateway_requests_in_flight", "", ["model_name"], registry=r).labels("m").set(in_flight)
     h = Histogram("kvmesh:time_to_first_token_seconds", "", ["model_name"], registry=r, buckets=(0.1, 0.5, 1.0, 5.0))
     for v in ttft:

@@ -20,7 +20,7 @@ def build_policy(config: PlannerConfig):  # noqa: ANN201 - LoadPolicy | SlaPolic
     from shared.engine.sim_profile import CostModel, load_profile
 
     assert config.profile and config.ttft_slo_s and config.itl_slo_s
-    return SlaPolicy(CostModel(load_profile(config.profile)), config.ttft_slo_s, config.itl_slo_s,
+    return SlaPolicy(CostModel(load_profile(config.profile), config.speed), config.ttft_slo_s, config.itl_slo_s,
                      remote_prefill_threshold=config.remote_prefill_threshold)
 
 

@@ -230,7 +230,7 @@ def planner_config(args: argparse.Namespace, opts: MeshOptions) -> PlannerConfig
         mode=args.planner, limits={r: RoleLimits(getattr(args, f"{r}_min"), getattr(args, f"{r}_max"))
                                    for r in ("prefill", "decode")},
         budget=args.planner_budget, interval_s=args.planner_interval, ttft_slo_s=ms(args.ttft_slo_ms),
-        itl_slo_s=ms(args.itl_slo_ms), profile=profile,
+        itl_slo_s=ms(args.itl_slo_ms), profile=profile, speed=opts.sim_speed if opts.engine == "sim" else 1.0,
         remote_prefill_threshold=opts.remote_prefill_threshold if opts.remote_prefill_threshold is not None else 512)
 
 

@@ -25,6 +25,7 @@ class PlannerConfig:
     ttft_slo_s: float | None = None  # sla mode
     itl_slo_s: float | None = None
     profile: str | None = None  # the cost-model profile the sla mode predicts from
+    speed: float = 1.0  # the profile's speed factor (simulated workers run with --sim-speed)
     # Hysteresis: a role grows after `up_after` intervals in a row that want more of it and shrinks after
     # `down_after` that want fewer, by at most `max_step` workers per decision.
     up_after: int = 1

@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 P = "kvmesh:"
+# The gateway's histograms the planner reads. Prompt and output lengths come from the per-request histograms,
+# observed when a request finishes, so a window's mean length and its finished count describe the same requests
+# (the token counters move at admission and per token, and would not).
+HISTOGRAMS = {P + "time_to_first_token_seconds": "ttft", P + "inter_token_latency_seconds": "itl",
+              P + "request_prompt_tokens": "isl", P + "request_generation_tokens": "osl"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,8 @@ class Snapshot:
     migrations: float = 0.0
     ttft: Histogram = Histogram()
     itl: Histogram = Histogram()
+    isl: Histogram = Histogram()
+    osl: Histogram = Histogram()
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,8 @@ class Observation:
     generation_tokens: float
     ttft: Histogram
     itl: Histogram
+    isl: Histogram = Histogram()
+    osl: Histogram = Histogram()
 
     @property
     def arrival_rate(self) -> float:
@@ -103,11 +112,11 @@ class Observation:
 
     @property
     def mean_isl(self) -> float | None:
-        return self.prompt_tokens / self.finished if self.finished > 0 else None
+        return self.isl.mean
 
     @property
     def mean_osl(self) -> float | None:
-        return self.generation_tokens / self.finished if self.finished > 0 else None
+        return self.osl.mean
 
 
 def observe(now: Snapshot, before: Snapshot | None) -> Observation:
@@ -118,7 +127,7 @@ def observe(now: Snapshot, before: Snapshot | None) -> Observation:
         arrived=(now.finished - b.finished) + (now.in_flight - b.in_flight) + (now.errors - b.errors),
         errors=now.errors - b.errors, prompt_tokens=now.prompt_tokens - b.prompt_tokens,
         generation_tokens=now.generation_tokens - b.generation_tokens,
-        ttft=now.ttft.minus(b.ttft), itl=now.itl.minus(b.itl))
+        ttft=now.ttft.minus(b.ttft), itl=now.itl.minus(b.itl), isl=now.isl.minus(b.isl), osl=now.osl.minus(b.osl))
 
 
 def parse_metrics(text: str, at: float | None = None) -> Snapshot:
@@ -150,7 +159,7 @@ def parse_metrics(text: str, at: float | None = None) -> Snapshot:
             scalars[key] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
         elif name == P + "gateway_requests_in_flight":
             scalars["in_flight"] = sum(s.value for s in fam.samples)
-        elif name in (P + "time_to_first_token_seconds", P + "inter_token_latency_seconds"):
+        elif name in HISTOGRAMS:
             buckets: dict[float, float] = {}
             total = count = 0.0
             for s in fam.samples:
@@ -162,11 +171,11 @@ def parse_metrics(text: str, at: float | None = None) -> Snapshot:
                 elif s.name.endswith("_count"):
                     count += s.value
             bounds = tuple(sorted(buckets))
-            hists["ttft" if "first_token" in name else "itl"] = Histogram(
+            hists[HISTOGRAMS[name]] = Histogram(
                 bounds, tuple(buckets[b] for b in bounds), total, count)
     return Snapshot(at=time.monotonic() if at is None else at, workers=workers, running=running, waiting=waiting,
-                    kv_usage={r: sum(v) / len(v) for r, v in usage.items() if v}, ttft=hists.get("ttft", Histogram()),
-                    itl=hists.get("itl", Histogram()), **scalars)
+                    kv_usage={r: sum(v) / len(v) for r, v in usage.items() if v},
+                    **{k: hists.get(k, Histogram()) for k in ("ttft", "itl", "isl", "osl")}, **scalars)
 
 
 class GatewayMetrics:

@@ -161,8 +161,11 @@ class SlaPolicy:
         ctx = isl + osl
         kv_cap = self.cost.profile.kv_tokens
         decode = None
+        # What the decode workers run now (from their beats) is demand too: under overload it is larger than
+        # Little's law over the served rate says.
+        held = obs.running.get("decode", 0.0)
         for n in range(1, 1025):
-            b = self.decode_batch(rate, osl, isl + osl / 2, n)
+            b = max(self.decode_batch(rate, osl, isl + osl / 2, n), held / n)
             if math.isinf(b):
                 continue
             step = self.cost.decode_step_s(max(1, math.ceil(b)), int(isl + osl / 2)) * self.itl_correction
