@@ -172,18 +172,22 @@ def _planner(wants, scaler, **cfg):  # noqa: ANN001, ANN003, ANN202
 def test_hysteresis_budget_and_one_step_at_a_time() -> None:
     async def go() -> None:
         scaler = FakeScaler(6, 2)
-        pl = _planner([{"prefill": 2, "decode": 6}] * 5 + [{"prefill": 3, "decode": 5}], scaler, budget=8)
+        pl = _planner([{"prefill": 2, "decode": 6}] * 4 + [{"prefill": 3, "decode": 5}] + [{"prefill": 1, "decode": 5}] * 2,
+                      scaler, budget=8)
         assert await pl.tick() is None  # nothing to compare with yet
         d = await pl.tick()
-        assert d.applied == {"prefill": 6, "decode": 2}  # one interval wanting fewer prefill: not yet
-        d = await pl.tick()
-        # Second interval: prefill shrinks by one, drained before decode grows into the room it leaves.
+        # Decode wants to grow and the budget is full: prefill shrinks by one at once (a rebalance), drained
+        # before decode grows into the room it leaves; one step each.
         assert d.applied == {"prefill": 5, "decode": 3} and scaler.calls == [("prefill", 5), ("decode", 3)]
         for _ in range(3):
             await pl.tick()
         assert scaler.n == {"prefill": 2, "decode": 6} and scaler.peak <= 8
-        d = await pl.tick()  # wants one more prefill: up after one interval, but no room until decode shrinks
-        assert d.applied == {"prefill": 2, "decode": 6} and d.reason == "scripted"
+        d = await pl.tick()  # one more prefill and one fewer decode: a rebalance, at once
+        assert d.applied == {"prefill": 3, "decode": 5} and d.reason == "scripted"
+        d = await pl.tick()  # an idle role alone shrinks only after down_after intervals: no flapping
+        assert d.applied == {"prefill": 3, "decode": 5}
+        d = await pl.tick()
+        assert d.applied == {"prefill": 2, "decode": 5}
     asyncio.run(go())
 
 

@@ -104,10 +104,16 @@ class Planner:
                     out[r] = min(target[r], before[r] + c.max_step)
             elif target[r] < before[r]:
                 self._streak[r] = min(0, self._streak[r]) - 1
-                if -self._streak[r] >= c.down_after:
-                    out[r] = max(target[r], before[r] - c.max_step)
             else:
                 self._streak[r] = 0
+        # A role shrinks after down_after intervals wanting it (an idle role waits: no flapping), or at once
+        # when the budget is full and the other role is ready to grow into the room (a rebalance the load
+        # already asked for, as the growing role's own streak shows).
+        room = c.capacity - sum(before.values())
+        growing = sum(out[r] - before[r] for r in ROLES if out[r] > before[r])
+        for r in ROLES:
+            if target[r] < before[r] and (-self._streak[r] >= c.down_after or growing > room):
+                out[r] = max(target[r], before[r] - c.max_step)
         # The budget holds at every moment: a role grows only into room the other leaves.
         over = sum(out.values()) - c.capacity
         if over > 0:
