@@ -30,6 +30,7 @@ from pathlib import Path
 
 from shared.engine.sim_profile import DEFAULT_PROFILE, load_profile
 
+CUT = "unfinished at the bench's cutoff"
 READY = re.compile(r"kvmesh is up at (http://\S+)/v1")
 PLANNER_URL = re.compile(r"decisions at (http://\S+)/decisions")
 
@@ -50,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-slo-ms", type=float, default=600.0, help="TTFT target at speed 1")
     parser.add_argument("--itl-slo-ms", type=float, default=12.0, help="inter-token target at speed 1")
     parser.add_argument("--interval", type=float, default=4.0, help="planner interval (s)")
+    parser.add_argument("--cutoff-s", type=float, default=60.0,
+                        help="seconds after the last arrival the bench waits; requests still running then miss the SLO")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
 
@@ -141,7 +144,7 @@ async def one_request(client, base: str, rec: Record, prompt: list[int], osl: in
 
 
 async def run_workload(base: str, planner_url: str | None, layout: Layout,
-                       reqs: list[tuple[float, Phase, list[int]]]) -> None:
+                       reqs: list[tuple[float, Phase, list[int]]], cutoff_s: float) -> None:
     import httpx
 
     limits = httpx.Limits(max_connections=4000, max_keepalive_connections=200)
@@ -170,7 +173,15 @@ async def run_workload(base: str, planner_url: str | None, layout: Layout,
             rec = Record(ph.name, at, want=ph.osl)
             layout.records.append(rec)
             tasks.append(asyncio.create_task(one_request(client, base, rec, prompt, ph.osl)))
-        await asyncio.gather(*tasks)
+        # Past the cutoff the rest cannot meet a TTFT SLO any more: stopped and counted apart (not "lost": the
+        # bench cut them, the mesh did not drop them).
+        _, pending = await asyncio.wait(tasks, timeout=cutoff_s) if tasks else (set(), set())
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for rec in layout.records:
+            if rec.done is None and rec.error is None:
+                rec.error = CUT
         sampler.cancel()
         layout.wall_s = time.monotonic() - start
 
@@ -217,7 +228,7 @@ def run_layout(layout: Layout, args: argparse.Namespace, model: Path, profile: P
     reader = threading.Thread(target=drain_output, daemon=True)
     reader.start()
     try:
-        asyncio.run(run_workload(base, planner_url, layout, reqs))
+        asyncio.run(run_workload(base, planner_url, layout, reqs, args.cutoff_s))
     finally:
         # Time scaled by the speed, the SLOs stretch alike; the SIGINT drains the mesh like a Ctrl-C.
         os.killpg(proc.pid, signal.SIGINT)
@@ -232,7 +243,8 @@ def run_layout(layout: Layout, args: argparse.Namespace, model: Path, profile: P
 
 def summarize(layout: Layout, ttft_slo: float, itl_slo: float, duration: float) -> dict:
     recs = layout.records
-    lost = [r for r in recs if r.error or r.tokens < r.want]
+    cut = [r for r in recs if r.error == CUT]
+    lost = [r for r in recs if r.error != CUT and (r.error or r.tokens < r.want)]
     met = [r for r in recs if not r.error and r.tokens >= r.want and r.ttft is not None and r.ttft <= ttft_slo
            and (r.itl or 0.0) <= itl_slo]
     by_phase = {}
@@ -246,7 +258,7 @@ def summarize(layout: Layout, ttft_slo: float, itl_slo: float, duration: float) 
                         "ttft_p50_s": pct(ttfts, 0.5), "ttft_p90_s": pct(ttfts, 0.9),
                         "itl_p50_s": pct(itls, 0.5), "itl_p90_s": pct(itls, 0.9)}
     return {"prefill": layout.prefill, "decode": layout.decode, "planner": layout.planner, "requests": len(recs),
-            "met_slo": len(met), "goodput_rps": len(met) / duration, "lost": len(lost),
+            "met_slo": len(met), "goodput_rps": len(met) / duration, "lost": len(lost), "cut_at_cutoff": len(cut),
             "lost_examples": [r.error or f"{r.tokens}/{r.want} tokens" for r in lost[:5]],
             "attainment": len(met) / len(recs) if recs else None, "phases": by_phase, "wall_s": layout.wall_s}
 

@@ -133,6 +133,8 @@ class Planner:
             return None
         obs: Observation = observe(now, before_snap)
         before = self.counts()
+        if hasattr(self.policy, "settling"):
+            self.policy.settling = bool(self.decisions) and self.decisions[-1].changed
         proposal: Proposal = self.policy.propose(obs, before)
         target = self.bounded(proposal.counts)
         applied = self.hysteresis(before, target)

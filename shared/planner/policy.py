@@ -87,6 +87,9 @@ class SlaPolicy:
         self.smoothing = smoothing  # weight of the newest observation in the corrections and the load
         self.ttft_correction = 1.0
         self.itl_correction = 1.0
+        # Set by the planner for the interval after a scale event: the mesh was in transition (a drained
+        # worker's requests re-prefilling elsewhere), so its latencies say nothing about the profile's error.
+        self.settling = False
         self._rate: float | None = None
         self._isl: float | None = None
         self._osl: float | None = None
@@ -142,11 +145,11 @@ class SlaPolicy:
         p_now, d_now = obs.workers.get("prefill", current["prefill"]), obs.workers.get("decode", current["decode"])
         ttft = obs.ttft.mean
         predicted_ttft = self.predict_ttft_s(rate, isl, p_now) if remote and p_now else None
-        if ttft is not None and predicted_ttft and math.isfinite(predicted_ttft):
+        if ttft is not None and predicted_ttft and math.isfinite(predicted_ttft) and not self.settling:
             self.ttft_correction = self._smooth(self.ttft_correction, min(4.0, max(0.5, ttft / predicted_ttft)))
         itl = obs.itl.mean
         predicted_itl = self.predict_itl_s(rate, isl, osl, d_now) if d_now else None
-        if itl is not None and predicted_itl and math.isfinite(predicted_itl):
+        if itl is not None and predicted_itl and math.isfinite(predicted_itl) and not self.settling:
             self.itl_correction = self._smooth(self.itl_correction, min(4.0, max(0.5, itl / predicted_itl)))
         # Prefill: the fewest workers whose predicted TTFT (corrected) stays within the headroom of the SLO.
         ttft_target = self.ttft_slo_s * self.headroom
