@@ -233,3 +233,12 @@ def test_a_drained_decode_worker_moves_its_requests_and_none_is_lost(tmp_path, m
             assert texts[i] == tok.decode(expected_tokens(prompts[i], 60, VOCAB, [EOS]))
     finally:
         mesh.close()
+
+
+def test_every_shipped_profile_loads() -> None:
+    from shared.engine.sim_profile import PROFILES_DIR
+
+    names = sorted(p.name for p in PROFILES_DIR.glob("*.json"))
+    assert "h100_llama3_8b.json" in names and "cpu_demo_model.json" in names
+    for p in PROFILES_DIR.glob("*.json"):
+        assert CostModel(load_profile(p)).decode_step_s(8, 512) > 0
