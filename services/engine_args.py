@@ -52,6 +52,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
     parser.set_defaults(cache_salt=os.environ.get("KVMESH_CACHE_SALT", ""))
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--engine", choices=["real", "sim"], default=os.environ.get("KVMESH_ENGINE", "real"),
+                        help="sim: a SIMULATED engine for scale tests and planner studies: the real scheduler, "
+                             "block manager, prefix cache and bus protocol, but no model: each step waits the time "
+                             "a cost-model profile gives, tokens are a fixed function of the sequence and KV pushes "
+                             "carry placeholders (env KVMESH_ENGINE)")
+    parser.add_argument("--sim-profile", default=os.environ.get("KVMESH_SIM_PROFILE"), metavar="PATH",
+                        help="the simulated engine's cost-model profile (JSON; default: the shipped H100 "
+                             "Llama-3.1-8B profile; `kvmesh bench sim-profile` fits one on this machine)")
+    parser.add_argument("--sim-speed", type=float, default=float(os.environ.get("KVMESH_SIM_SPEED", 1.0)),
+                        help="the simulated engine runs this many times faster than its profile (default 1)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -68,3 +78,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
                         model_id=args.served_model_name, cache_salt=args.cache_salt, quantization=args.quantization,
                         cpu_weight_packing=getattr(args, "cpu_weight_packing", True))
+
+
+def engine_factory_from_args(args: argparse.Namespace):  # noqa: ANN201 - Callable[[EngineConfig], LLMEngine]
+    """What builds the worker's engine: the real one, or the simulated one with its cost model (the profile is
+    read here, at start, so a bad one stops the worker with a clear error before it joins the mesh)."""
+    if getattr(args, "engine", "real") != "sim":
+        return None
+    from shared.engine.sim_engine import SimEngine
+    from shared.engine.sim_profile import DEFAULT_PROFILE, CostModel, load_profile
+
+    cost = CostModel(load_profile(args.sim_profile or DEFAULT_PROFILE), args.sim_speed)
+    return lambda config: SimEngine(config, cost)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Callable
 
 from nats.aio.client import Client
 
@@ -33,6 +34,9 @@ class EngineWorker(Service):
     transport_class: type[NatsKVTransport] | None = None  # tests swap in a network test double
     kv_host: str | None = None  # where the direct KV channel listens (decode); None: the address NATS is reached from
     direct_kv: bool = True  # False: KV pushes to this worker go over NATS only
+    # Builds the engine from the config; None: the real LLMEngine. The simulated engine (--engine sim,
+    # shared/engine/sim_engine.py) comes in here and nowhere else.
+    engine_factory: Callable[[EngineConfig], LLMEngine] | None = None
 
     def __init__(self, engine_config: EngineConfig, use_kvstore: bool, worker_id: str,
                  beat_interval_s: float = 1.0) -> None:
@@ -63,7 +67,7 @@ class EngineWorker(Service):
         self.beats = LoadBeats(self.beat_interval_s, self._load_snapshot, self._publish_load)
 
     def _build_engine(self) -> LLMEngine:
-        engine = LLMEngine(self.engine_config)
+        engine = (self.engine_factory or LLMEngine)(self.engine_config)
         if self.use_kvstore and engine.config.offload_policy == "eviction":
             engine.tiers.offload_by_eviction()
         return engine

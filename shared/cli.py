@@ -19,6 +19,8 @@ BENCH = {
     "kv-transfer": ("loadtest.kv_transfer", "KV transfer over NATS, TCP and shared memory, and TTFT local vs remote vs kvstore"),
     "tiers": ("loadtest.tiers", "TTFT of a long prompt whose prefix is in device / host / kvstore / disk / nowhere"),
     "disk-layout": ("loadtest.disk_layout", "the kvstore disk tier's layouts: slab file vs file per block vs per group"),
+    "sim-profile": ("loadtest.sim_profile", "fit the simulated engine's cost model (--engine sim) to this machine's real steps"),
+    "planner": ("loadtest.planner_bench", "the planner vs fixed prefill:decode splits on a shifting workload (simulated workers)"),
     "serve": ("loadtest.serve.cli", "serving benchmark against any OpenAI-compatible server"),
     "compare": ("loadtest.serve.compare", "same workload against two servers, side by side"),
     "baseline": ("loadtest.serve.baseline", "start `transformers serve --continuous-batching` on a model dir"),

@@ -27,7 +27,7 @@ from services.decode.admission import Admission, AdmissionSettings, State
 from services.decode.outbox import Delivery, Outbox
 from services.decode.requests import DecodeRequest, RequestTable
 from services.engine_worker import EngineWorker, default_worker_id, request_timings, to_wire
-from services.engine_args import add_engine_arguments, engine_config_from_args
+from services.engine_args import add_engine_arguments, engine_config_from_args, engine_factory_from_args
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.decode")
@@ -100,8 +100,9 @@ class DecodeService(EngineWorker):
         return len(self.requests)
 
     async def abort_in_flight(self) -> None:
+        # Past the grace period (or drained by the planner): the gateway moves each request to another worker.
         for rid in self.requests.ids():
-            await self._abort(rid, "worker shutting down", error=True)
+            await self._abort(rid, codes.MOVE_ELSEWHERE, error=True)
 
     async def release(self, remaining_s: float) -> None:
         await self.outbox.flush()
@@ -236,8 +237,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> DecodeService:
-    return DecodeService(engine_config_from_args(args), DecodeSettings(
+    factory = engine_factory_from_args(args)
+    service = DecodeService(engine_config_from_args(args), DecodeSettings(
         worker_id=args.worker_id, remote_prefill_threshold=args.remote_prefill_threshold,
         use_kvstore=not args.no_kvstore, remote_prefill_timeout_s=args.remote_prefill_timeout,
         remote_prefill_timeout_per_token_s=args.remote_prefill_timeout_per_token,
-        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_host=args.kv_host, direct_kv=not args.no_direct_kv))
+        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_host=args.kv_host,
+        # A simulated worker's placeholder KV travels over NATS: the direct channel's frames refuse it.
+        direct_kv=not args.no_direct_kv and factory is None))
+    service.engine_factory = factory
+    return service

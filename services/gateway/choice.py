@@ -138,6 +138,11 @@ class Choice:
         chunk: TokenChunk | None = self._first
         try:
             while chunk is not None:
+                if chunk.finish_reason == "error" and chunk.error == codes.MOVE_ELSEWHERE:
+                    # The worker is draining (the planner removes it, or it stops): continue elsewhere.
+                    self.sent = False
+                    chunk = await self._migrate()
+                    continue
                 delta = self._on_chunk(chunk)
                 if delta is not None:
                     yield delta

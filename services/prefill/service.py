@@ -25,7 +25,8 @@ from shared.kv_transport.outgoing import OutgoingTransfer
 from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, TokenLogprob
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
-from services.engine_args import PREFILL_CHUNK_TOKENS, add_engine_arguments, engine_config_from_args
+from services.engine_args import (PREFILL_CHUNK_TOKENS, add_engine_arguments, engine_config_from_args,
+                                  engine_factory_from_args)
 from services.engine_worker import EngineWorker, default_worker_id
 
 log = logging.getLogger(__name__)
@@ -186,5 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> PrefillService:
-    return PrefillService(engine_config_from_args(args), PrefillSettings(
+    service = PrefillService(engine_config_from_args(args), PrefillSettings(
         worker_id=args.worker_id, use_kvstore=not args.no_kvstore, kv_transfer_timeout_s=args.kv_transfer_timeout))
+    service.engine_factory = engine_factory_from_args(args)
+    return service

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from shared.engine.errors import MemoryBudgetError
+from shared.engine.kv_placeholder import PLACEHOLDER_MESSAGE, is_placeholder
 from shared.models.model_config import ModelConfig
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -60,6 +61,8 @@ def gather_blocks(caches: KVCaches, block_ids: Seq[int]) -> tuple[torch.Tensor, 
 
 def write_blocks(caches: KVCaches, block_ids: Seq[int], k: torch.Tensor, v: torch.Tensor, first_layer: int = 0) -> None:
     """Write K/V ([layers, n, block_size, kv_heads, head_dim], layers from first_layer on) into physical blocks."""
+    if is_placeholder(k) or is_placeholder(v):  # before any shape check: say what it is
+        raise ValueError(PLACEHOLDER_MESSAGE)
     n = k.shape[1]
     ids = torch.tensor(list(block_ids), device=caches[0][0].device)
     layers = caches[first_layer : first_layer + k.shape[0]]

@@ -49,6 +49,11 @@ class MeshOptions:
     tool_call_parser: str | None = None  # the gateway's tool-call format (None: from the chat template)
     reasoning_parser: str | None = None  # the gateway's reasoning parser (None: from the chat template)
     structured_outputs_in_reasoning: bool = False  # the gateway's constraints cover <think> text too
+    # "sim": the engine workers run the simulated engine (shared/engine/sim_engine.py): no model, a cost model's
+    # step times. For scale tests and planner studies; `kvmesh up` says so loudly.
+    engine: str = "real"
+    sim_profile: str | None = None  # the simulated engine's cost-model profile (None: the workers' default)
+    sim_speed: float = 1.0
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -58,6 +63,8 @@ class MeshOptions:
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
         assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
+        assert self.engine in ("real", "sim"), "--engine must be real or sim"
+        assert self.sim_speed > 0, "--sim-speed must be > 0"
 
     def replicas(self, service: str) -> int:
         return 1 if service == "gateway" else int(getattr(self, service))
@@ -193,6 +200,10 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--max-model-len", str(opts.max_model_len)]
         if opts.quantization:
             args += ["--quantization", opts.quantization]
+        if opts.engine == "sim":
+            args += ["--engine", "sim", "--sim-speed", f"{opts.sim_speed:g}"]
+            if opts.sim_profile:
+                args += ["--sim-profile", opts.sim_profile]
     if opts.log_level:
         args += ["--log-level", opts.log_level]
     return tuple(args)

@@ -112,6 +112,13 @@ class Supervisor:
         await started.wait()
         return child
 
+    def forget(self, name: str) -> None:
+        """Drop a stopped child's record, so a new process may take its name (a planner's new worker)."""
+        child = self._children.get(name)
+        if child is not None:
+            assert child.stopping and not child.running, f"{name} is still running"
+            del self._children[name]
+
     async def stop(self, names: Iterable[str], timeout: float, hurry: asyncio.Event | None = None) -> dict[str, int | None]:
         """SIGTERM to each, SIGKILL to those still up after `timeout` s (or as soon as `hurry` is
         set: a second Ctrl-C); returns their exit codes (None for one that was not running, e.g.

@@ -24,7 +24,12 @@ from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
-from shared.launcher.spec import DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, SERVICES, MeshOptions, mesh_services
+from shared.engine.sim_profile import ProfileError
+from shared.launcher.planned import start_planner
+from shared.launcher.spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, SERVICES, MeshOptions, ProcessSpec,
+                                  mesh_services)
+from shared.planner.config import PlannerConfig, PlannerConfigError, RoleLimits
+from shared.planner.scaler import SupervisorScaler
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
 from shared.models.model_config import load_model_config
 from shared.service_runner import DEFAULT_GRACE_S
@@ -89,6 +94,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--insecure-bus", action="store_true",
                         help="run the local nats-server open (no users, no subject permissions); by default "
                              "every service connects as its role with a generated password")
+    parser.add_argument("--engine", choices=["real", "sim"], default="real",
+                        help="sim: SIMULATED engine workers for scale tests and planner studies: the real scheduler, "
+                             "KV bookkeeping and bus protocol, no model (step times from --sim-profile, synthetic "
+                             "tokens, placeholder KV); no GPU plan")
+    parser.add_argument("--sim-profile", default=None, metavar="PATH",
+                        help="cost-model profile of the simulated workers (default: the shipped H100 Llama-3.1-8B one)")
+    parser.add_argument("--sim-speed", type=float, default=1.0,
+                        help="the simulated workers run this many times faster than their profile (default 1)")
+    parser.add_argument("--planner", choices=["load", "sla"], default=None,
+                        help="scale prefill and decode workers while serving: load (queue and KV-usage thresholds) "
+                             "or sla (predicted TTFT/ITL against --ttft-slo-ms/--itl-slo-ms); --prefill/--decode "
+                             "are the starting counts")
+    for role, lo, hi in (("prefill", 0, 4), ("decode", 1, 4)):
+        parser.add_argument(f"--{role}-min", type=int, default=lo, help=f"planner: fewest {role} workers (default {lo})")
+        parser.add_argument(f"--{role}-max", type=int, default=hi, help=f"planner: most {role} workers (default {hi})")
+    parser.add_argument("--planner-budget", type=int, default=0, metavar="N",
+                        help="planner: most engine workers at once (default: the GPU plan's worker count on GPUs, "
+                             "else the sum of the maxima)")
+    parser.add_argument("--planner-interval", type=float, default=10.0, metavar="S",
+                        help="planner: seconds between decisions (default 10)")
+    parser.add_argument("--ttft-slo-ms", type=float, default=None, help="planner sla: time-to-first-token target")
+    parser.add_argument("--itl-slo-ms", type=float, default=None, help="planner sla: inter-token latency target")
+    parser.add_argument("--planner-profile", default=None, metavar="PATH",
+                        help="planner sla: the cost-model profile it predicts from (default: --sim-profile's, or "
+                             "the shipped H100 one)")
+    parser.add_argument("--planner-port", type=int, default=0,
+                        help="planner: port of its /metrics and /decisions endpoint (default: any free port)")
+    parser.add_argument("--drain-grace", type=float, default=5.0, metavar="S",
+                        help="planner: seconds a removed worker may finish its requests before the rest move to "
+                             "other workers (default 5)")
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -106,10 +141,24 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
             quantization=args.quantization, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
+            engine=args.engine,
+            sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
+    if opts.engine == "sim":
+        from shared.engine.sim_profile import DEFAULT_PROFILE, load_profile
+
+        try:  # read here too: a bad profile is an error at start, not a crash loop of every worker
+            profile = load_profile(opts.sim_profile or DEFAULT_PROFILE)
+        except ProfileError as e:
+            print(f"kvmesh up: --sim-profile: {e}", file=sys.stderr)
+            return 2
+        print(f"[kvmesh] SIMULATED engine workers (--engine sim): no model runs; step times from the profile "
+              f"{profile.name!r} (x{opts.sim_speed:g}), synthetic tokens, placeholder KV. For scale tests and "
+              f"planner studies only: the outputs are not a model's.", flush=True)
+        opts = replace(opts, devices=(), quantization=None)  # nothing to place on a GPU
     if opts.quantization and opts.devices:
         print(f"kvmesh up: --quantization {opts.quantization} is weight-only quantization for CPU workers; the "
               f"workers here go on GPUs {','.join(opts.devices)} (add --devices none to serve on the CPU)",
@@ -127,6 +176,19 @@ def run(args: argparse.Namespace) -> int:
     if args.nats_servers < 1:
         print("kvmesh up: --nats-servers must be at least 1", file=sys.stderr)
         return 2
+    planner = None
+    if args.planner:
+        try:
+            planner = planner_config(args, opts)
+        except (PlannerConfigError, ProfileError) as e:
+            print(f"kvmesh up: {e}", file=sys.stderr)
+            return 2
+        lim = planner.limits
+        opts = replace(opts, prefill=min(lim["prefill"].max, max(lim["prefill"].min, opts.prefill)),
+                       decode=min(lim["decode"].max, max(lim["decode"].min, opts.decode)))
+        if opts.prefill == 0 and opts.remote_prefill_threshold is None:
+            # Prefill workers may come later: decode must keep asking for them (it prefills locally meanwhile).
+            opts = replace(opts, remote_prefill_threshold=planner.remote_prefill_threshold)
     if not (model / "config.json").is_file():
         if args.model is not None:
             print(f"kvmesh up: {model} is not a model directory (no config.json)", file=sys.stderr)
@@ -152,8 +214,28 @@ def run(args: argparse.Namespace) -> int:
                                                                         if k == "CUDA_VISIBLE_DEVICES"))
         return 0
     disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
+    if planner is not None and not planner.budget and opts.devices:
+        planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
-                          kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers))
+                          kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
+                          planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace))
+
+
+def planner_config(args: argparse.Namespace, opts: MeshOptions) -> PlannerConfig:
+    """The planner's settings from the flags: PlannerConfigError / ProfileError naming what is wrong."""
+    profile = None
+    if args.planner == "sla":
+        from shared.engine.sim_profile import DEFAULT_PROFILE, load_profile
+
+        profile = args.planner_profile or opts.sim_profile or str(DEFAULT_PROFILE)
+        load_profile(profile)  # a profile that does not parse is an error now, not at the first decision
+    ms = lambda v: None if v is None else v / 1000  # noqa: E731
+    return PlannerConfig(
+        mode=args.planner, limits={r: RoleLimits(getattr(args, f"{r}_min"), getattr(args, f"{r}_max"))
+                                   for r in ("prefill", "decode")},
+        budget=args.planner_budget, interval_s=args.planner_interval, ttft_slo_s=ms(args.ttft_slo_ms),
+        itl_slo_s=ms(args.itl_slo_ms), profile=profile, speed=opts.sim_speed if opts.engine == "sim" else 1.0,
+        remote_prefill_threshold=opts.remote_prefill_threshold if opts.remote_prefill_threshold is not None else 512)
 
 
 def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> MeshOptions:
@@ -178,14 +260,16 @@ def missing_services() -> list[str]:
 
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
              secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
-             nats_servers: int = 1) -> int:
+             nats_servers: int = 1, planner: PlannerConfig | None = None, planner_port: int = 0,
+             drain_grace: float = 5.0) -> int:
     with secrets_dir() as secrets:
         return await _up(opts, grace, startup_timeout, emit, secure_bus, secrets, kvstore_disk_dir, nats_tls,
-                         nats_servers)
+                         nats_servers, planner, planner_port, drain_grace)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
-              secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False, nats_servers: int = 1) -> int:
+              secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False, nats_servers: int = 1,
+              planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -214,9 +298,13 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     nats_url = os.environ.get("NATS_URL")
     cluster: list[LocalNats] = []
     specs = mesh_services(opts)
+    # With a planner, every instance it may start is planned now: bus identities and GPU placement for the
+    # most workers of each role (a mesh at its maxima), so a new worker is a process like the first ones.
+    full = {s.service: s for s in mesh_services(replace(opts, prefill=planner.limits["prefill"].max,
+                                                        decode=planner.limits["decode"].max))} if planner else {}
     # One bus identity per process, named as the process (shared/bus/roles.py Identity.of): a leaked
     # credential speaks only for that process, never for the other workers of its role.
-    instances = [spec.instance_name(i) for spec in specs for i in range(spec.replicas)]
+    instances = [spec.instance_name(i) for spec in specs for i in range(full.get(spec.service, spec).replicas)]
     if not nats_url:
         cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
                                     config_dir=secrets_dir, tls=nats_tls)
@@ -237,6 +325,8 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
 
     def service_env(service: str) -> dict[str, str]:
         extra = {"KVMESH_CACHE_SALT": cache_salt} if service in ENGINE_SERVICES else {}
+        if planner is not None and service in ENGINE_SERVICES:
+            extra["KVMESH_GRACE_S"] = str(drain_grace)  # a drained worker's requests move on after this
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
         return {**env, **extra}
@@ -251,6 +341,21 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         await supervisor.start(proc)
     base = f"http://{_client_host(opts.host)}:{opts.port}"
     problem = await wait_healthy(f"{base}/health", startup_timeout, supervisor, stop)
+    order = {p.name: i for i, p in enumerate(services)}
+
+    def process_for(role: str, index: int) -> ProcessSpec:
+        spec = full[role]
+        proc = ProcessSpec(spec.instance_name(index), (sys.executable, "-m", spec.module, *spec.args,
+                                                       *spec.instance_args(index)),
+                           {**spec.env, **service_env(role), **spec.instance_env(index)})
+        if cluster:
+            proc = replace(proc, env={**proc.env, **cluster[0].role_env(proc.name)})
+        if len(cluster) > 1:
+            i = order.setdefault(proc.name, len(order))
+            proc = replace(proc, env={**proc.env, "NATS_URL": _rotate(nats_url, i), "NATS_NO_RANDOMIZE": "1"})
+        return proc
+
+    running_planner = None
     rc = 0
     if config_failures:
         emit(f"[kvmesh] {', '.join(config_failures)} cannot start with this configuration (see its error above)")
@@ -261,13 +366,23 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         emit(f"[kvmesh] the mesh did not come up: {problem}")
         rc = 1
     else:
-        emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health); Ctrl-C stops it")
+        simulated = " with SIMULATED engine workers (--engine sim)" if opts.engine == "sim" else ""
+        emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health){simulated}; Ctrl-C stops it")
+        if planner is not None:
+            scaler = SupervisorScaler(supervisor, process_for,
+                                      {"prefill": list(range(opts.prefill)), "decode": list(range(opts.decode))},
+                                      {r: full[r].replicas for r in ("prefill", "decode")},
+                                      drain_timeout_s=drain_grace + DRAIN_MARGIN_S)
+            running_planner = await start_planner(planner, scaler, f"{base}/metrics", opts.host, planner_port, emit)
         await stop.wait()
         if config_failures:
             rc = EXIT_CONFIG
     emit("[kvmesh] stopping (Ctrl-C again to kill)")
+    if running_planner is not None:
+        await running_planner.close()
     timeout = (grace if grace is not None else DEFAULT_GRACE_S) + DRAIN_MARGIN_S
-    codes = await supervisor.stop([p.name for p in services], timeout=timeout, hurry=hurry)
+    servers = {server.name for server in cluster}
+    codes = await supervisor.stop([n for n in supervisor.children if n not in servers], timeout=timeout, hurry=hurry)
     # -SIGTERM is a clean stop too: a service still importing has no handler installed yet.
     unclean = {n: c for n, c in codes.items() if c not in (0, None, -signal.SIGTERM)}
     for name, code in unclean.items():
