@@ -20,6 +20,14 @@ def root_hash(model_id: str, block_size: int, kv_dtype: str, salt: str = "") -> 
     return hashlib.blake2b(seed, digest_size=DIGEST_SIZE).digest()
 
 
+def salted_root(root: BlockHash, salt: str | None) -> BlockHash:
+    """A request's own root under a per-request cache salt (vLLM's cache_salt): its blocks hash apart from
+    every other salt's and from unsalted ones, on every tier, since all of them key blocks by these hashes."""
+    if not salt:
+        return root
+    return hashlib.blake2b(root + b"|salt|" + salt.encode(), digest_size=DIGEST_SIZE).digest()
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
     # Fixed-width little-endian ids: the byte string is the same on every platform.

@@ -62,6 +62,18 @@ class SamplingParams(WireModel):
     # output has written them, so the model reasons freely first (vLLM's reasoning-aware structured outputs).
     # None: the constraint applies from the first token.
     reasoning_end_ids: list[int] | None = None
+    # vLLM's bad_words, tokenized by the gateway: each a token-id sequence the output must never complete
+    # (its last token is masked whenever the output ends with the others).
+    bad_words_ids: list[list[int]] | None = None
+    # Per-request prefix-cache isolation (vLLM's cache_salt): folded into the first block's hash, so every
+    # tier (device, host, kvstore) keys this request's blocks apart from other salts' and unsalted ones.
+    cache_salt: str | None = None
+    # Output shaping, applied where text is made (the gateway's detokenizer and stop matcher): keep the
+    # stop string or stop token's text (vLLM's include_stop_str_in_output, SGLang's no_stop_trim);
+    # special tokens' text; spaces around it when kept.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -115,6 +127,10 @@ class SamplingParams(WireModel):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bad}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words_ids is not None and any(not w for w in self.bad_words_ids):
+            raise ValueError("bad_words_ids must not hold an empty word")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must not be empty")
         return self
 
     @property
@@ -125,7 +141,7 @@ class SamplingParams(WireModel):
     def token_ids_named(self) -> list[int]:
         """Every token id these settings name (the engine checks them against the vocabulary)."""
         return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or []),
-                *(self.reasoning_end_ids or [])]
+                *(self.reasoning_end_ids or []), *(t for w in self.bad_words_ids or [] for t in w)]
 
     @property
     def uses_penalties(self) -> bool:

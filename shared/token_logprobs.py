@@ -12,3 +12,4 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # the token's rank in the distribution (1: the most likely), where computed

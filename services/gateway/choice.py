@@ -3,6 +3,7 @@ turned into text deltas (incremental detokenization, then stop strings)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from opentelemetry import trace
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, unavailable
 from services.gateway.router import NoWorkerError, OverloadedError
+from services.gateway.special_tokens import SpacedDetokenizer
 from services.gateway.stop import StopMatcher
 from shared import bus, subjects
 from shared.detokenizer import IncrementalDetokenizer
@@ -61,7 +63,8 @@ def remote_error(e: bus.RemoteError) -> APIError:
 
 class Choice:
     def __init__(self, ctx: GatewayContext, request_id: str, index: int, prompt: list[int], sampling: SamplingParams,
-                 priority: int, stops: list[str], worker_id: str | None, span: trace.Span, prompt_index: int = 0) -> None:
+                 priority: int, stops: list[str], worker_id: str | None, span: trace.Span, prompt_index: int = 0,
+                 stop_regex: list[re.Pattern[str]] = (), streaming: bool = True) -> None:
         self.ctx, self.index, self.span = ctx, index, span
         self.prompt_index = prompt_index
         self.request_id = request_id
@@ -71,8 +74,12 @@ class Choice:
         self._generated: list[int] = []  # every token streamed so far, across migrations
         self.migrations = 0
         self._dead: set[str] = set()  # workers this choice lost
-        self._detok = IncrementalDetokenizer(ctx.tokenizer, prompt)
-        self._stop = StopMatcher(stops)
+        if not sampling.skip_special_tokens and sampling.spaces_between_special_tokens:
+            self._detok = SpacedDetokenizer(ctx.tokenizer, prompt, ctx.special_token_ids)
+        else:
+            self._detok = IncrementalDetokenizer(ctx.tokenizer, prompt, skip_special_tokens=sampling.skip_special_tokens)
+        self._stop = StopMatcher(stops, include_stop=sampling.include_stop_str_in_output, regexes=stop_regex,
+                                 streaming=streaming)
         self._stream: bus.ReplyStream[TokenChunk] | None = None
         self._first: TokenChunk | None = None
         self.num_tokens = 0
@@ -228,7 +235,8 @@ class Choice:
             self._req = GenerateRequest(request_id=self.request_id, prompt_token_ids=o.prompt_token_ids + self._generated,
                                         sampling=sampling, priority=o.priority)
             try:
-                route = self.ctx.router.pick(self._req.prompt_token_ids, exclude=frozenset(self._dead))
+                route = self.ctx.router.pick(self._req.prompt_token_ids, exclude=frozenset(self._dead),
+                                             cache_salt=o.sampling.cache_salt)
             except (NoWorkerError, OverloadedError):
                 raise unavailable(f"decode worker {lost} stopped answering and no other worker can take the request",
                                   code="worker_lost") from None
@@ -272,7 +280,12 @@ class Choice:
             m.generation_tokens.labels(m.model).inc(len(chunk.token_ids))
             delta.token_ids = list(chunk.token_ids)
             delta.logprobs = list(chunk.logprobs or [])
-            delta.text = self._stop.push(self._detok.push(chunk.token_ids))
+            text_ids = chunk.token_ids
+            if chunk.finish_reason == "stop" and not self._origin.sampling.include_stop_str_in_output:
+                # The engine ended on a stop token (a stop_token_id, eos, or a grammar's end): its text is
+                # not output unless asked (vLLM); its id still counts and is reported.
+                text_ids = text_ids[:-1]
+            delta.text = self._stop.push(self._detok.push(text_ids))
         if chunk.finished:
             self.sent = False  # the worker is done with it: nothing to cancel
         if self._stop.stopped:

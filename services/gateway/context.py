@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
+from services.gateway.special_tokens import special_ids
 
 
 @dataclass
@@ -33,6 +35,11 @@ class GatewayContext:
 
     def __post_init__(self) -> None:
         self._idle.set()
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """What skip_special_tokens drops (services/gateway/special_tokens.py), read once from the tokenizer."""
+        return special_ids(self.tokenizer)
 
     def max_model_len(self) -> int:
         """The checkpoint's limit, or less when the live workers were started with a shorter one."""

@@ -75,6 +75,7 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
         fmt = formatter(ctx.tokenizer, p.model, p.request_id, p.n, p.logprobs, echo=p.echo, per_prompt=len(p.samplings),
                         tools=p.tools, prompts=p.prompts)
         fmt.tokens_as_ids = body.return_tokens_as_token_ids
+        fmt.prompt_logprobs = body.prompt_logprobs
         if p.reasoning is not None and getattr(body, "separate_reasoning", True):
             fmt.reason(p.reasoning)
         if body.stream:

@@ -12,6 +12,7 @@ from services.gateway.choice import Delta
 from services.gateway.schemas import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                                       ChatDelta, ChatLogprobs, ChatMessageOut, ChatTokenLogprob, CompletionChoice,
                                       CompletionLogprobs, CompletionResponse, FunctionCallDelta, FunctionCallOut,
+                                      PromptLogprob, PromptLogprobs,
                                       ToolCallDelta, ToolCallOut, TopLogprob, Usage, dump)
 from services.gateway.reasoning import ReasoningPlan, ReasoningStream
 from services.gateway.token_bytes import TextOffsets, TokenBytes
@@ -92,6 +93,25 @@ class Formatter:
         return split
 
     tokens_as_ids = False  # vLLM's return_tokens_as_token_ids
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: shown, with this many alternatives
+
+    def prompt_entries(self, plps: list[TokenLogprob | None] | None) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs shape: per prompt token, {token id: {logprob, rank, decoded_token}} for the
+        prompt token and the top-n alternatives (n + 1 entries when the prompt token is not among them)."""
+        if self.prompt_logprobs is None or plps is None:
+            return None
+        out: PromptLogprobs = []
+        for lp in plps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                      decoded_token=self.token_text(lp.token_id))}
+            n = self.prompt_logprobs
+            for rank, (t, p) in enumerate(zip(lp.top_ids[:n], lp.top_logprobs[:n]), 1):
+                entry.setdefault(str(t), PromptLogprob(logprob=p, rank=rank, decoded_token=self.token_text(t)))
+            out.append(entry)
+        return out
 
     def token_text(self, token_id: int) -> str:
         if self.tokens_as_ids:
@@ -143,8 +163,9 @@ class CompletionFormatter(Formatter):
             out.token_logprobs.append(lp.logprob if lp is not None else None)
             out.text_offset.append(self._offsets[index].push(token_id))
             if out.top_logprobs is not None:
-                out.top_logprobs.append(None if lp is None else
-                                        {self.token_text(t): p for t, p in zip(lp.top_ids, lp.top_logprobs)})
+                # The engine may compute more alternatives for the prompt (prompt_logprobs asked for more).
+                out.top_logprobs.append(None if lp is None else {self.token_text(t): p for t, p in
+                                                                 zip(lp.top_ids[:self.logprobs], lp.top_logprobs)})
         return out
 
     def _prompt_ids(self, index: int) -> list[int]:
@@ -160,6 +181,7 @@ class CompletionFormatter(Formatter):
             self._echo_sent[d.index] = True
             text, prompt = self._echoed(d.index) + text, d.prompt_logprobs
         choice = CompletionChoice(index=d.index, text=text, logprobs=self._logprobs(d.index, d.logprobs, prompt),
+                                  prompt_logprobs=self.prompt_entries(d.prompt_logprobs),
                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason, matched_stop=d.matched_stop)
         body = dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
         if not include_usage:
@@ -173,7 +195,7 @@ class CompletionFormatter(Formatter):
         choices = [
             CompletionChoice(index=i, text=self._echoed(i) + a.text,
                              logprobs=self._logprobs(i, a.logprobs, a.prompt_logprobs if self.echo else None),
-                             finish_reason=a.finish_reason, stop_reason=a.stop_reason, matched_stop=a.matched_stop)
+                             prompt_logprobs=self.prompt_entries(a.prompt_logprobs), finish_reason=a.finish_reason, stop_reason=a.stop_reason, matched_stop=a.matched_stop)
             for i, a in enumerate(self._acc)
         ]
         return dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))
@@ -199,15 +221,18 @@ class ChatFormatter(Formatter):
 
     def start_chunks(self) -> list[dict[str, Any]]:
         # OpenAI opens every choice with a role-only delta.
-        return [dump(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
-                for i in range(self.n)]
+        chunks = [dump(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
+                  for i in range(self.n)]
+        for c in chunks:
+            c.pop("prompt_logprobs")
+        return chunks
 
     def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
         # No chunk that carries nothing: a delta whose text a tool stream holds back sends nothing (vLLM).
         body = self.chunk(d, include_usage)
         choice = body["choices"][0]
         empty = (not choice["delta"].get("content") and not choice["delta"].get("tool_calls")
-                 and not choice["delta"].get("reasoning_content")
+                 and not choice["delta"].get("reasoning_content") and body.get("prompt_logprobs") is None
                  and not choice.get("finish_reason") and not choice.get("logprobs"))
         return [] if empty else [body]
 
@@ -233,9 +258,13 @@ class ChatFormatter(Formatter):
             delta = ChatDelta(content=content or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
         choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=self._logprobs(d.logprobs), finish_reason=finish,
                                  stop_reason=d.stop_reason, matched_stop=d.matched_stop)
-        body = dump(self._chunk([choice]))
+        chunk = self._chunk([choice])
+        chunk.prompt_logprobs = self.prompt_entries(d.prompt_logprobs)
+        body = dump(chunk)
         if not include_usage:
             body.pop("usage")
+        if body["prompt_logprobs"] is None:
+            body.pop("prompt_logprobs")
         return body
 
     def _finish_reason(self, reason: str, calls: list) -> str:
@@ -252,7 +281,9 @@ class ChatFormatter(Formatter):
         return ChatMessageOut(content=content, reasoning_content=reasoning, tool_calls=out), reason
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
-        return dump(self._chunk([], self.with_reasoning_tokens(u)))
+        body = dump(self._chunk([], self.with_reasoning_tokens(u)))
+        body.pop("prompt_logprobs")
+        return body
 
     def final(self, u: Usage) -> dict[str, Any]:
         choices = []
@@ -261,4 +292,5 @@ class ChatFormatter(Formatter):
             choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(a.logprobs), finish_reason=reason,
                                       stop_reason=a.stop_reason, matched_stop=a.matched_stop))
         return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                          usage=self.with_reasoning_tokens(u)))
+                                          usage=self.with_reasoning_tokens(u),
+                                          prompt_logprobs=self.prompt_entries(self._acc[0].prompt_logprobs)))

@@ -48,7 +48,7 @@ class Generation:
             with self.ctx.tracer.start_as_current_span("route", context=trace.set_span_in_context(self.span),
                                                        attributes={"kvmesh.prompt_index": k}) as route_span:
                 try:
-                    route = self.ctx.router.pick(prompt)
+                    route = self.ctx.router.pick(prompt, cache_salt=p.samplings[0].cache_salt)
                 except NoWorkerError:
                     raise unavailable("no decode worker is alive", code="no_decode_worker") from None
                 except OverloadedError as e:
@@ -65,7 +65,8 @@ class Generation:
             for j, s in enumerate(p.samplings):
                 i = k * per_prompt + j
                 self.choices.append(Choice(self.ctx, f"{p.request_id}-{i}", i, prompt, s, p.priority, p.stops,
-                                           route.worker_id, self.span, prompt_index=k))
+                                           route.worker_id, self.span, prompt_index=k, stop_regex=p.stop_regex,
+                                           streaming=p.stream))
         self.ctx.metrics.prompt_tokens.labels(self.ctx.metrics.model).inc(self.prompt_tokens)
         results = await asyncio.gather(*(c.open() for c in self.choices), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, bad_request, unavailable
-from services.gateway.sampling import sampling_params
+from services.gateway.sampling import sampling_params, stop_regexes
 from services.gateway.reasoning import END as REASONING_END, ReasoningPlan, plan_reasoning
 from services.gateway.tools import ToolPlan, plan_tools
 from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
@@ -35,6 +36,8 @@ class Prepared:
     echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
     tools: ToolPlan | None = None  # chat with tools: how the answer's tool calls are made and found
     reasoning: ReasoningPlan | None = None  # chat with a reasoning model: where its <think> text ends
+    stop_regex: list[re.Pattern[str]] = dataclasses.field(default_factory=list)  # SGLang's stop_regex
+    stream: bool = False  # streamed answer (the stop matcher holds back less)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -80,7 +83,7 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
 
 async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prepared:
     model = check_model(ctx, body.model)
-    template = getattr(ctx.tokenizer, "chat_template", None)
+    template = body.chat_template or getattr(ctx.tokenizer, "chat_template", None)
     tools = plan_tools(body, template, ctx.config.tool_call_parser)
     if body.continue_final_message and body.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
@@ -96,7 +99,8 @@ async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prep
     ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
                                           add_generation_prompt=body.add_generation_prompt,
                                           tools_json=tools.tools_json if tools is not None else None,
-                                          template_kwargs_json=kwargs))
+                                          template_kwargs_json=kwargs, chat_template=body.chat_template),
+                     param="chat_template" if body.chat_template else "messages")
     # Where the prompt ends tells whether the template opened a <think> block the output starts inside.
     reasoning = plan_reasoning(template, ctx.tokenizer.decode(ids[-8:]), ctx.config.reasoning_parser)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -136,7 +140,8 @@ def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
     return out
 
 
-async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None = None) -> list[int]:
+async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None = None,
+                 param: str | None = None) -> list[int]:
     try:
         # Asked again if the gateway's connection moved servers meanwhile (tokenizing twice is harmless).
         reply = await bus.request_idempotent(ctx.nc, subjects.TOKENIZER_ENCODE, req,
@@ -147,7 +152,7 @@ async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None 
         raise unavailable("the tokenizer service did not answer in time", code="tokenizer_timeout") from None
     except bus.RemoteError as e:
         if e.code == codes.BAD_REQUEST:
-            raise bad_request(e.message, param="messages" if req.messages is not None else "prompt") from None
+            raise bad_request(e.message, param=param or ("messages" if req.messages is not None else "prompt")) from None
         if e.code == codes.OVERLOADED:
             raise unavailable(f"tokenizer: {e.message}") from None
         raise APIError(500, f"tokenizer failed: {e.message}", code=e.code) from None
@@ -161,6 +166,18 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
         raise bad_request(f"at most {MAX_STOPS} stop strings are supported", param="stop")
     vocab = ctx.vocab_size
     limit = ctx.max_model_len()
+    if body.truncate_prompt_tokens is not None:
+        # vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the context's length), from the left.
+        keep = limit if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+        if keep == 0:
+            raise bad_request("truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens")
+        if keep > limit:
+            raise bad_request(f"truncate_prompt_tokens ({keep}) must not exceed the model's maximum context length "
+                              f"({limit})", param="truncate_prompt_tokens")
+        if any(len(ids) > keep for ids in prompts):
+            prompts = [ids[-keep:] for ids in prompts]
+            if echo is not None:  # echo shows the prompt the model saw
+                echo = [ctx.tokenizer.decode(ids) for ids in prompts]
     room = limit
     for ids in prompts:
         _checked(check_prompt, ids, vocab)  # the context length is judged below, with max_tokens
@@ -188,10 +205,11 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
                           param="min_tokens")
     structured = tools.constraint() if tools is not None else None
     samplings = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, vocab=vocab, echo=echo is not None,
-                                structured=structured)
+                                structured=structured,
+                                encode=lambda text: ctx.tokenizer.encode(text, add_special_tokens=False))
     return Prepared(
         request_id=uuid.uuid4().hex, prompts=prompts, samplings=samplings, priority=body.priority,
-        stops=body.stop_list(), logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo, tools=tools,
+        stops=body.stop_list(), stop_regex=stop_regexes(body), stream=body.stream, logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo, tools=tools,
     )
 
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shared.block_hash import hash_blocks, held_prefix
+from shared.block_hash import hash_blocks, held_prefix, salted_root
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 
 DEFAULT_EXPIRY_S = 3.0
@@ -175,7 +175,8 @@ class Router:
         lens = [w.beat.max_model_len for w in self.alive() if w.beat and w.beat.max_model_len > 0]
         return min(lens) if lens else None
 
-    def pick(self, prompt_token_ids: Sequence[int], exclude: frozenset[str] = frozenset()) -> Route:
+    def pick(self, prompt_token_ids: Sequence[int], exclude: frozenset[str] = frozenset(),
+             cache_salt: str | None = None) -> Route:
         workers = [w for w in self.alive() if w.worker_id not in exclude]
         if not workers:
             raise NoWorkerError("no decode worker is alive")
@@ -189,7 +190,9 @@ class Router:
             assert w.beat is not None
             key = (w.beat.hash_root, w.beat.block_size)
             if key not in hashes:
-                hashes[key] = hash_blocks(w.beat.hash_root, prompt_token_ids, w.beat.block_size) if w.beat.hash_root else []
+                # A salted request's blocks hash from its own root (shared/block_hash.py), as the workers hash them.
+                root = salted_root(w.beat.hash_root, cache_salt) if w.beat.hash_root else None
+                hashes[key] = hash_blocks(root, prompt_token_ids, w.beat.block_size) if root else []
             chain = hashes[key]
             cached = held_prefix(chain, w.blocks)
             host = held_prefix(chain[cached:], w.host_blocks)

@@ -7,6 +7,8 @@ one is the caller's 400 rather than a worker's error.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 
 from pydantic import ValidationError
 
@@ -16,11 +18,22 @@ from shared.prompt_check import PromptError, check_token_ids
 from shared.sampling_params import SamplingParams, StructuredOutput
 
 
+Encode = Callable[[str], list[int]]  # text -> token ids, without special tokens (the served tokenizer)
+
+
 def sampling_params(body: _Common, *, max_tokens: int, logprobs: int | None, vocab: int, echo: bool = False,
-                    structured: StructuredOutput | None = None) -> list[SamplingParams]:
+                    structured: StructuredOutput | None = None, encode: Encode | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice (body.n); choice i is seeded seed + i. `structured` (a tool
-    constraint) wins over the body's own response_format / structured_outputs."""
+    constraint) wins over the body's own response_format / structured_outputs. `encode` tokenizes
+    bad_words."""
     logit_bias = logit_bias_ids(body.logit_bias, vocab)
+    bad_words = bad_words_ids(body.bad_words, encode, vocab)
+    stop_regexes(body)  # judged here, applied where text is made (services/gateway/stop.py)
+    # echo with logprobs reports the prompt's tokens too; prompt_logprobs asks for them outright. One count
+    # serves both: the formatter shows each as many alternatives as it asked for.
+    prompt_logprobs = body.prompt_logprobs
+    if echo and logprobs is not None:
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     for name in ("stop_token_ids", "allowed_token_ids"):
         try:
             check_token_ids(getattr(body, name) or [], vocab, name, name)
@@ -38,12 +51,50 @@ def sampling_params(body: _Common, *, max_tokens: int, logprobs: int | None, voc
                 repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty, ignore_eos=body.ignore_eos, logprobs=logprobs,
                 stop_token_ids=list(body.stop_token_ids or []), logit_bias=logit_bias,
-                allowed_token_ids=body.allowed_token_ids, structured=structured,
-                # echo with logprobs reports the prompt's tokens too.
-                prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                allowed_token_ids=body.allowed_token_ids, structured=structured, prompt_logprobs=prompt_logprobs,
+                bad_words_ids=bad_words, cache_salt=body.cache_salt,
+                include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
+                skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
             ))
         except (ValidationError, ValueError) as e:
             raise bad_request(first_message(e)) from None
+    return out
+
+
+def bad_words_ids(words: list[str] | None, encode: Encode | None, vocab: int) -> list[list[int]] | None:
+    """vLLM's bad_words: each word as written and with a leading space (how it reads mid-sentence), the
+    distinct token sequences of both."""
+    if not words:
+        return None
+    if encode is None:
+        raise bad_request("bad_words needs the served tokenizer", param="bad_words")
+    out: list[list[int]] = []
+    for word in words:
+        if not word.strip():
+            raise bad_request("bad_words: a word must not be empty or only spaces", param="bad_words")
+        for variant in (word, " " + word.lstrip()):
+            ids = [t for t in encode(variant) if 0 <= t < vocab]
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def stop_regexes(body: _Common) -> list[re.Pattern[str]]:
+    """SGLang's stop_regex, compiled (a pattern that does not compile, or matches the empty string, is a 400)."""
+    raw = body.stop_regex
+    patterns = [raw] if isinstance(raw, str) else list(raw or [])
+    if len(patterns) > 16:
+        raise bad_request("at most 16 stop_regex patterns are supported", param="stop_regex")
+    out = []
+    for p in patterns:
+        try:
+            compiled = re.compile(p)
+        except re.error as e:
+            raise bad_request(f"stop_regex {p!r} is not a valid regular expression: {e}", param="stop_regex") from None
+        if compiled.fullmatch(""):
+            raise bad_request(f"stop_regex {p!r} matches the empty string (it would stop at once)", param="stop_regex")
+        out.append(compiled)
     return out
 
 

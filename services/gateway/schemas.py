@@ -89,6 +89,21 @@ class _Common(_Request):
     json_schema: str | None = None
     # vLLM: logprobs name tokens "token_id:<id>" (text of split characters is ambiguous, ids are not).
     return_tokens_as_token_ids: StrictBool = False
+    # vLLM: the logprob of every prompt token after the first, plus the top-n alternatives of each.
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM: keep the stop string (or stop token's text) in the output; SGLang's no_stop_trim says the same.
+    include_stop_str_in_output: StrictBool = False
+    no_stop_trim: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    # vLLM: words the output must never contain (tokenized as written and with a leading space).
+    bad_words: list[str] | None = Field(None, max_length=64)
+    # vLLM: keep only the prompt's last k tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    # SGLang: stop when the output matches one of these regular expressions.
+    stop_regex: str | list[str] | None = None
+    # vLLM: per-request prefix-cache isolation; requests share cached blocks only with the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Common:
@@ -186,6 +201,8 @@ class ChatCompletionRequest(_Common):
     documents: list[dict[str, Any]] | None = None
     # SGLang: false leaves a reasoning model's <think> text in content (no reasoning_content split).
     separate_reasoning: StrictBool = True
+    # vLLM/SGLang: a Jinja chat template for this request instead of the model's own.
+    chat_template: str | None = Field(None, min_length=1, max_length=65536)
 
 
 # ------------------------------------------------------------------------------------ responses
@@ -206,10 +223,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's prompt_logprobs: a prompt token or one of the top alternatives at its position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: entry} holding the prompt
+# token and the top-n alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     # What ended the choice: vLLM's stop_reason (the stop string or stop token id; null for eos and length)
     # and SGLang's matched_stop (the same, and the eos token id when eos ended it; null on length).
@@ -274,6 +305,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM: one list for the (one) prompt
 
 
 class FunctionCallDelta(BaseModel):
@@ -311,6 +343,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs: on the first chunk that has them
 
 
 class ModelCard(BaseModel):

@@ -70,7 +70,7 @@ class TokenizerService(MicroServiceDrain, Service):
             raise bus.RemoteError(codes.BAD_REQUEST, "empty prompt")
         if req.messages is not None and not req.messages:
             raise bus.RemoteError(codes.BAD_REQUEST, "empty prompt: messages is an empty list")
-        size = len(req.prompt or "") + len(req.tools_json or "") + len(req.template_kwargs_json or "") + sum(len(m.content) for m in req.messages or [])
+        size = len(req.prompt or "") + len(req.tools_json or "") + len(req.template_kwargs_json or "") + len(req.chat_template or "") + sum(len(m.content) for m in req.messages or [])
         if size > self.max_input_chars:
             raise bus.RemoteError(codes.BAD_REQUEST, f"input of {size} characters exceeds the tokenizer's limit of "
                                                      f"{self.max_input_chars}")
@@ -95,7 +95,8 @@ class TokenizerService(MicroServiceDrain, Service):
                 tools = json.loads(req.tools_json) if req.tools_json else None
                 messages = [m.model_dump(exclude_none=True) for m in req.messages]
                 kwargs = json.loads(req.template_kwargs_json) if req.template_kwargs_json else None
-                return encode_chat(self.tokenizer, messages, req.add_generation_prompt, tools, kwargs)
+                return encode_chat(self.tokenizer, messages, req.add_generation_prompt, tools, kwargs,
+                                   chat_template=req.chat_template)
             except (ValueError, TypeError, jinja2.TemplateError) as e:  # no template, or the template rejects the conversation
                 raise bus.RemoteError(codes.BAD_REQUEST, f"chat template: {e}") from None
         return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))

@@ -41,7 +41,10 @@ def _record(logits: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> None
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     del logits
     targets = torch.tensor([seq.token_ids[t] for _, seq, t in rows], device=logprobs.device)
-    picked = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    picked_t = logprobs.gather(1, targets.unsqueeze(1))
+    # Rank as vLLM reports it: 1 + how many tokens are strictly more likely than the prompt's.
+    ranks = ((logprobs > picked_t).sum(1) + 1).tolist()
+    picked = picked_t.squeeze(1).tolist()
     top_n = max(seq.params.prompt_logprobs or 0 for _, seq, _ in rows)
     vals, ids = (logprobs.topk(top_n, dim=-1) if top_n else (None, None))
     vals, ids = (vals.tolist(), ids.tolist()) if top_n else ([], [])
@@ -52,4 +55,4 @@ def _record(logits: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> None
             continue  # recomputed after a preemption: already recorded
         n = seq.params.prompt_logprobs or 0
         top = list(zip(ids[i][:n], vals[i][:n])) if n else []
-        seq.prompt_logprobs.append(TokenLogprobs(seq.token_ids[t], picked[i], top))
+        seq.prompt_logprobs.append(TokenLogprobs(seq.token_ids[t], picked[i], top, ranks[i]))

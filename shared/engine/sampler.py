@@ -1,6 +1,6 @@
 """Turns a step's logits into tokens on the device they are on, for the whole batch at once.
 
-Order (per row, as OpenAI and vLLM): logit_bias and allowed_token_ids, repetition/presence/frequency
+Order (per row, as OpenAI and vLLM): logit_bias and allowed_token_ids, bad words, repetition/presence/frequency
 penalties, min_tokens (stop ids masked), then greedy rows take the argmax; the others are divided by
 their temperature, filtered by top-k, the top-p nucleus and min-p, and sampled with the exponential
 race (argmax of p / E, E ~ Exp(1)). A seeded request draws its noise from its own generator, so its
@@ -43,6 +43,24 @@ class _Rows:
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.tensor([self.rows, self.ids], dtype=torch.long).to(device, non_blocking=True)
         return t[0], t[1]
+
+
+def apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """vLLM's bad_words: a word's last token is masked when the output so far ends with the word's other
+    tokens (a one-token word is always masked), so no bad word is ever completed."""
+    banned = _Rows.empty()
+    for i, s in enumerate(seqs):
+        words = s.params.bad_words_ids
+        if not words:
+            continue
+        toks, n_out = s.token_ids, s.num_output_tokens
+        for w in words:
+            head = w[:-1]
+            if not head or (n_out >= len(head) and toks[len(toks) - len(head):] == head):
+                banned.add(i, (w[-1],))
+    if banned.rows:
+        r, t = banned.tensors(logits.device)
+        logits[r, t] = NEG_INF
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -159,12 +177,13 @@ class Sampler:
     def _processes(self, seqs: list[Sequence]) -> bool:
         """Whether any row needs more than temperature and sampling (greedy fast path otherwise)."""
         return any(s.params.uses_penalties or s.params.logit_bias or s.params.allowed_token_ids is not None
-                   or s.num_output_tokens < s.params.min_tokens for s in seqs)
+                   or s.params.bad_words_ids or s.num_output_tokens < s.params.min_tokens for s in seqs)
 
     def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         dev = logits.device
         params = [s.params for s in seqs]
         self._apply_bias_and_allowed(logits, seqs)
+        apply_bad_words(logits, seqs)
         apply_penalties(logits, seqs)
         self._apply_min_tokens(logits, seqs)
         greedy = [p.greedy for p in params]

@@ -37,7 +37,8 @@ class Sequence:
         # model's attribute reads cost about three times a plain object's (its __getattr__ keeps CPython
         # from specializing them): ~50 us a step at 256 greedy rows otherwise.
         self.plain_greedy = (params.greedy and params.logprobs is None and not params.uses_penalties
-                             and not params.logit_bias and params.allowed_token_ids is None)
+                             and not params.logit_bias and params.allowed_token_ids is None
+                             and not params.bad_words_ids)
         self.min_tokens = params.min_tokens
         self.priority = priority
         self.arrival_order = next(_arrivals)  # FIFO tie-break that survives preemption

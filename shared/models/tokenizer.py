@@ -34,12 +34,14 @@ def encode_chat(
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
     template_kwargs: Mapping[str, object] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
     """Prompt ids for `messages` ({"role", "content"} dicts) through the checkpoint's chat template.
 
-    The template writes any BOS itself; no special tokens are added on top.
+    The template writes any BOS itself; no special tokens are added on top. `chat_template` replaces the
+    checkpoint's own for this call (transformers renders it in its sandboxed Jinja environment).
     """
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat template")
     # return_dict=False: transformers 5 defaults to a BatchEncoding, 4.x to a list.
     out = tokenizer.apply_chat_template(
@@ -48,6 +50,7 @@ def encode_chat(
         tools=tools or None,
         tokenize=True,
         return_dict=False,
+        **({"chat_template": chat_template} if chat_template else {}),
         **dict(template_kwargs or {}),
     )
     if isinstance(out, Mapping):  # a BatchEncoding, should a version ignore return_dict

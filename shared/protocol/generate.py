@@ -28,6 +28,7 @@ class TokenLogprob(WireModel):
     logprob: float
     top_ids: list[int] = Field(default_factory=list)
     top_logprobs: list[float] = Field(default_factory=list)
+    rank: int | None = None  # 1: the most likely token; prompt logprobs carry it (vLLM reports it)
 
     @classmethod
     def from_engine(cls, lp: TokenLogprobs) -> TokenLogprob:
@@ -36,10 +37,11 @@ class TokenLogprob(WireModel):
             logprob=lp.logprob,
             top_ids=[t for t, _ in lp.top],
             top_logprobs=[p for _, p in lp.top],
+            rank=lp.rank,
         )
 
     def to_engine(self) -> TokenLogprobs:
-        return TokenLogprobs(self.token_id, self.logprob, list(zip(self.top_ids, self.top_logprobs)))
+        return TokenLogprobs(self.token_id, self.logprob, list(zip(self.top_ids, self.top_logprobs)), self.rank)
 
 
 class RequestTimings(WireModel):

@@ -41,6 +41,8 @@ class EncodeRequest(Message):
     tools_json: str | None = None
     # Extra chat-template variables (chat_template_kwargs), as a JSON object; text for the same reason.
     template_kwargs_json: str | None = None
+    # A Jinja chat template for this request instead of the checkpoint's own (vLLM's and SGLang's chat_template).
+    chat_template: str | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> EncodeRequest:

@@ -1,0 +1,347 @@
+"""vLLM's and SGLang's request extras (issue 23, round two): prompt_logprobs, include_stop_str_in_output /
+no_stop_trim, skip_special_tokens and spaces_between_special_tokens, bad_words, truncate_prompt_tokens,
+stop_regex, cache_salt and a per-request chat_template, each through the real openai client (extra_body)
+against one real mesh (nats-server, tokenizer service, decode worker), streamed and not, plus an invalid
+value per field answered by a 400 naming it. Prompt logprobs are checked against transformers."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.checkpoints import build_checkpoint
+from tests.gateway_harness import one_decoder_mesh, openai_client
+from tests.test_gateway_api import expect_error
+
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
+    return build_checkpoint("llama", tmp_path_factory.mktemp("extras") / "llama").path
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):  # noqa: ANN001, ANN201
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def mesh(model_dir, tmp_path_factory):  # noqa: ANN001, ANN201
+    with one_decoder_mesh(tmp_path_factory, model_dir=model_dir) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def client(mesh):  # noqa: ANN001, ANN201
+    return openai_client(mesh)
+
+
+def complete(client, stream=False, **kw):  # noqa: ANN001, ANN003, ANN201
+    extra = {k: kw.pop(k) for k in list(kw) if k not in ("prompt", "max_tokens", "temperature", "stop", "logprobs",
+                                                         "echo", "seed", "n", "stream_options", "logit_bias")}
+    kw.setdefault("prompt", PROMPT)
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 12)
+    return client.completions.create(model="tiny", stream=stream, extra_body=extra or None, **kw)
+
+
+def chat(client, stream=False, **kw):  # noqa: ANN001, ANN003, ANN201
+    extra = {k: kw.pop(k) for k in list(kw) if k not in ("messages", "max_tokens", "temperature", "stop", "logprobs",
+                                                         "top_logprobs", "seed", "n", "stream_options")}
+    kw.setdefault("messages", [{"role": "user", "content": PROMPT}])
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 12)
+    return client.chat.completions.create(model="tiny", stream=stream, extra_body=extra or None, **kw)
+
+
+def streamed(chunks) -> tuple[str, list]:  # noqa: ANN001
+    chunks = list(chunks)
+    text = "".join((c.choices[0].delta.content or "") if hasattr(c.choices[0], "delta") else c.choices[0].text
+                   for c in chunks if c.choices)
+    return text, chunks
+
+
+def output_ids(choice) -> list[int]:  # noqa: ANN001
+    """A completion choice's token ids, from logprobs=0 with return_tokens_as_token_ids."""
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+# ------------------------------------------------------------------------------------ prompt_logprobs
+
+
+def test_prompt_logprobs_match_transformers(client, tok, model_dir) -> None:  # noqa: ANN001
+    ids = tok.encode(PROMPT)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    out = complete(client, prompt_logprobs=3, max_tokens=2)
+    plp = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for p in range(1, len(ids)):
+        entry = plp[p]
+        assert str(ids[p]) in entry and len(entry) in (3, 4)  # the prompt token, plus the top 3
+        want = ref[p - 1, ids[p]].item()
+        got = entry[str(ids[p])]
+        assert abs(got["logprob"] - want) < 1e-3
+        assert got["rank"] == int((ref[p - 1] > ref[p - 1, ids[p]]).sum()) + 1
+        assert got["decoded_token"] == tok.decode([ids[p]])
+        top = ref[p - 1].topk(3)
+        for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+            assert abs(entry[str(t)]["logprob"] - v) < 1e-3 and entry[str(t)]["rank"] == r
+    # Streamed: the choice's first chunk carries the same list.
+    _, chunks = streamed(complete(client, stream=True, prompt_logprobs=3, max_tokens=2))
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert firsts[0] == plp and all(f is None for f in firsts[1:])
+    # 0: the prompt token alone; ids as "token_id:<id>" with return_tokens_as_token_ids.
+    zero = complete(client, prompt_logprobs=0, max_tokens=1, return_tokens_as_token_ids=True)
+    zplp = zero.choices[0].model_extra["prompt_logprobs"]
+    assert [list(e) for e in zplp[1:]] == [[str(t)] for t in ids[1:]]
+    assert zplp[1][str(ids[1])]["decoded_token"] == f"token_id:{ids[1]}"
+
+
+def test_prompt_logprobs_in_chat(client) -> None:  # noqa: ANN001
+    out = chat(client, prompt_logprobs=1, max_tokens=2)
+    plp = out.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == out.usage.prompt_tokens and all(1 <= len(e) <= 2 for e in plp[1:])
+    _, chunks = streamed(chat(client, stream=True, prompt_logprobs=1, max_tokens=2))
+    got = [c.model_extra.get("prompt_logprobs") for c in chunks]
+    assert [g for g in got if g is not None] == [plp]
+    # Without the field no chunk and no response carries it.
+    assert chat(client, max_tokens=1).model_extra.get("prompt_logprobs") is None
+
+
+@pytest.mark.parametrize("value", [21, -1, "3", True])
+def test_prompt_logprobs_invalid(client, value) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: complete(client, prompt_logprobs=value), 400, "prompt_logprobs")
+    expect_error(openai.BadRequestError, lambda: chat(client, prompt_logprobs=value), 400, "prompt_logprobs")
+
+
+# ---------------------------------------------------------------- include_stop_str_in_output, no_stop_trim
+
+
+def test_include_stop_str_in_output(client) -> None:  # noqa: ANN001
+    base = complete(client, max_tokens=16).choices[0].text
+    assert len(base) > 6
+    stop = base[3:6]
+    cut = base[: base.index(stop)]
+    for stream in (False, True):
+        for extra, want in (({}, cut), ({"include_stop_str_in_output": True}, cut + stop),
+                            ({"no_stop_trim": True}, cut + stop)):
+            out = complete(client, stream=stream, max_tokens=16, stop=[stop], **extra)
+            text = streamed(out)[0] if stream else out.choices[0].text
+            assert text == want, (stream, extra)
+    # A stop token id: its text is left out unless asked for.
+    first = complete(client, max_tokens=8, logprobs=0, return_tokens_as_token_ids=True).choices[0]
+    ids = output_ids(first)
+    stop_id = ids[2]
+    k = ids.index(stop_id)
+    for include in (False, True):
+        out = complete(client, max_tokens=8, stop_token_ids=[stop_id], include_stop_str_in_output=include,
+                       logprobs=0, return_tokens_as_token_ids=True).choices[0]
+        assert output_ids(out) == ids[: k + 1] and out.finish_reason == "stop"
+        want = complete(client, prompt=PROMPT, max_tokens=k + 1).choices[0].text if include else \
+            complete(client, max_tokens=k).choices[0].text if k else ""
+        assert out.text == want
+
+
+def test_include_stop_str_invalid(client) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: complete(client, include_stop_str_in_output="yes"), 400,
+                 "include_stop_str_in_output")
+    expect_error(openai.BadRequestError, lambda: chat(client, no_stop_trim=1), 400, "no_stop_trim")
+
+
+# ------------------------------------------------------- skip_special_tokens, spaces_between_special_tokens
+
+
+def test_special_tokens_in_output(client, tok) -> None:  # noqa: ANN001
+    eos, im_end = tok.convert_tokens_to_ids("<|end_of_text|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    word = tok.encode(" fox", add_special_tokens=False)[0]
+    # A seeded draw among a special token, another special token and a word: the mix is fixed by the seed.
+    kw = dict(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=[eos, im_end, word],
+              logprobs=0, return_tokens_as_token_ids=True)
+    skipped = complete(client, **kw).choices[0]
+    ids = output_ids(skipped)
+    assert {eos, im_end} & set(ids) and word in ids, ids
+    assert skipped.text == tok.decode(ids, skip_special_tokens=True)
+    plain = complete(client, skip_special_tokens=False, spaces_between_special_tokens=False, **kw).choices[0]
+    assert output_ids(plain) == ids and plain.text == tok.decode(ids, skip_special_tokens=False)
+    # Slow tokenizers' rule: each special token is one item, items joined by one space.
+    items, run = [], []
+    for t in ids:
+        if t in (eos, im_end):
+            if run:
+                items.append(tok.decode(run))
+                run = []
+            items.append(tok.decode([t], skip_special_tokens=False))
+        else:
+            run.append(t)
+    if run:
+        items.append(tok.decode(run))
+    spaced = complete(client, skip_special_tokens=False, **kw).choices[0]
+    assert spaced.text == " ".join(items)
+    text, _ = streamed(complete(client, stream=True, skip_special_tokens=False, **kw))
+    assert text == " ".join(items)
+    text, _ = streamed(chat(client, stream=True, skip_special_tokens=False, spaces_between_special_tokens=False,
+                            max_tokens=10, temperature=1.0, seed=3, ignore_eos=True,
+                            allowed_token_ids=[eos, im_end, word]))
+    assert "<|" in text
+
+
+def test_special_tokens_invalid(client) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: complete(client, skip_special_tokens="no"), 400, "skip_special_tokens")
+    expect_error(openai.BadRequestError, lambda: chat(client, spaces_between_special_tokens=0), 400,
+                 "spaces_between_special_tokens")
+
+
+# ------------------------------------------------------------------------------------------ bad_words
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_bad_words(client, tok) -> None:  # noqa: ANN001
+    base = complete(client, max_tokens=16, logprobs=0, return_tokens_as_token_ids=True).choices[0]
+    ids = output_ids(base)
+    words = [w for w in base.text.split() if len(w) > 1]
+    assert words, base.text
+    word = words[0]
+    banned = [tok.encode(v, add_special_tokens=False) for v in (word, " " + word)]
+    assert any(_contains(ids, b) for b in banned)  # the greedy output writes it
+    for stream in (False, True):
+        out = complete(client, stream=stream, max_tokens=16, bad_words=[word], logprobs=0,
+                       return_tokens_as_token_ids=True)
+        if stream:
+            got = [int(t.removeprefix("token_id:")) for c in out if c.choices and c.choices[0].logprobs
+                   for t in c.choices[0].logprobs.tokens]
+        else:
+            got = output_ids(out.choices[0])
+        assert not any(_contains(got, b) for b in banned), (word, got)
+        assert got != ids
+    text, _ = streamed(chat(client, stream=True, bad_words=[word], max_tokens=8))
+    assert isinstance(text, str)
+
+
+@pytest.mark.parametrize(("value", "param"), [([""], "bad_words"), (["  "], "bad_words"), ("fox", "bad_words"),
+                                              ([3], "bad_words.0")])
+def test_bad_words_invalid(client, value, param) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: complete(client, bad_words=value), 400, param)
+
+
+# ------------------------------------------------------------------------------------ truncate_prompt_tokens
+
+
+def test_truncate_prompt_tokens(client, tok) -> None:  # noqa: ANN001
+    ids = tok.encode(PROMPT)
+    tail = ids[-5:]
+    want = complete(client, prompt=tail, max_tokens=6)
+    for prompt in (PROMPT, ids):
+        out = complete(client, prompt=prompt, max_tokens=6, truncate_prompt_tokens=5)
+        assert out.usage.prompt_tokens == 5 and out.choices[0].text == want.choices[0].text
+    text, chunks = streamed(complete(client, stream=True, max_tokens=6, truncate_prompt_tokens=5,
+                                     stream_options={"include_usage": True}))
+    assert text == want.choices[0].text and chunks[-1].usage.prompt_tokens == 5
+    out = chat(client, truncate_prompt_tokens=4, max_tokens=2)
+    assert out.usage.prompt_tokens == 4
+    # Longer than the prompt: nothing to cut. Echo shows what the model saw.
+    assert complete(client, truncate_prompt_tokens=500, max_tokens=1).usage.prompt_tokens == len(ids)
+    echoed = complete(client, truncate_prompt_tokens=5, max_tokens=1, echo=True).choices[0].text
+    assert echoed.startswith(tok.decode(tail))
+
+
+@pytest.mark.parametrize("value", [0, -2, 10**6, "5"])
+def test_truncate_prompt_tokens_invalid(client, value) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: complete(client, truncate_prompt_tokens=value), 400,
+                 "truncate_prompt_tokens")
+
+
+# ----------------------------------------------------------------------------------------- stop_regex
+
+
+def test_stop_regex(client) -> None:  # noqa: ANN001
+    base = complete(client, max_tokens=16).choices[0].text
+    assert len(base) > 8
+    piece = base[4:7]
+    pattern = re.escape(piece[0]) + "." + re.escape(piece[2])  # matches `piece` (and maybe earlier text)
+    m = re.search(pattern, base)
+    assert m is not None
+    for stream in (False, True):
+        out = complete(client, stream=stream, max_tokens=16, stop_regex=pattern)
+        if stream:
+            text, chunks = streamed(out)
+            last = [c for c in chunks if c.choices][-1].choices[0]
+        else:
+            text, last = out.choices[0].text, out.choices[0]
+        assert text == base[: m.start()] and last.finish_reason == "stop"
+        assert last.model_extra["matched_stop"] == pattern and last.model_extra["stop_reason"] == pattern
+        kept = complete(client, stream=stream, max_tokens=16, stop_regex=[pattern], no_stop_trim=True)
+        assert (streamed(kept)[0] if stream else kept.choices[0].text) == base[: m.end()]
+    assert chat(client, stop_regex=["\\d{40}"], max_tokens=4).choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("value", ["(", [".*"], 5])
+def test_stop_regex_invalid(client, value) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: complete(client, stop_regex=value), 400, "stop_regex")
+
+
+# ------------------------------------------------------------------------------------------ cache_salt
+
+
+def test_cache_salt_isolates_the_prefix_cache(client) -> None:  # noqa: ANN001
+    # Four full blocks of 16 tokens and a tail: a repeat finds the blocks only under the same salt.
+    prompt = list(range(300, 370))
+
+    def cached(**kw) -> int:  # noqa: ANN003
+        return complete(client, prompt=prompt, max_tokens=1, **kw).usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") == 64
+    assert cached(cache_salt="tenant-b") == 0  # another tenant: nothing shared
+    assert cached() == 0  # unsalted neither
+    assert cached() == 64
+    _, chunks = streamed(complete(client, stream=True, prompt=prompt, max_tokens=1, cache_salt="tenant-b",
+                                  stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+    msgs = [{"role": "user", "content": PROMPT * 3}]
+    assert chat(client, messages=msgs, cache_salt="c", max_tokens=1).usage.prompt_tokens_details.cached_tokens == 0
+    assert chat(client, messages=msgs, cache_salt="c", max_tokens=1).usage.prompt_tokens_details.cached_tokens > 0
+    assert chat(client, messages=msgs, cache_salt="d", max_tokens=1).usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("value", ["", 7, "x" * 257])
+def test_cache_salt_invalid(client, value) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: complete(client, cache_salt=value), 400, "cache_salt")
+
+
+# ---------------------------------------------------------------------------------------- chat_template
+
+
+def test_request_chat_template(client, tok, mesh) -> None:  # noqa: ANN001
+    template = "{%- for m in messages -%}[{{ m.role | upper }}] {{ m.content }}\n{%- endfor -%}[ASSISTANT] "
+    msgs = [{"role": "user", "content": "Say something."}]
+    rendered = "[USER] Say something.[ASSISTANT] "  # `{%-` trims the newline before it
+    out = chat(client, messages=msgs, chat_template=template, max_tokens=3)
+    assert out.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+    want = complete(client, prompt=tok.encode(rendered, add_special_tokens=False), max_tokens=3).choices[0].text
+    assert out.choices[0].message.content == want
+    text, _ = streamed(chat(client, stream=True, messages=msgs, chat_template=template, max_tokens=3))
+    assert text == want
+    default = chat(client, messages=msgs, max_tokens=3)
+    assert default.usage.prompt_tokens != out.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("value", ["{% for m in messages %}", "", 5])
+def test_request_chat_template_invalid(client, value) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: chat(client, chat_template=value), 400, "chat_template")
+
+
+def test_raw_http_error_shape(mesh) -> None:  # noqa: ANN001
+    r = httpx.post(f"{mesh.url}/v1/completions", json={"prompt": "x", "prompt_logprobs": 99}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    assert json.loads(r.text)["error"]["type"] == "invalid_request_error"
