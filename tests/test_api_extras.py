@@ -345,3 +345,35 @@ def test_raw_http_error_shape(mesh) -> None:  # noqa: ANN001
     r = httpx.post(f"{mesh.url}/v1/completions", json={"prompt": "x", "prompt_logprobs": 99}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     assert json.loads(r.text)["error"]["type"] == "invalid_request_error"
+
+
+def test_cache_salt_keys_kvstore_blocks_apart(model_dir, tmp_path) -> None:  # noqa: ANN001
+    """The kvstore tier: a salted prefix that went to the kvstore is found again under its salt only."""
+    from tests.gateway_harness import Mesh
+
+    mesh = Mesh(tmp_path, model_dir)
+    try:
+        mesh.start_tokenizer()
+        store = mesh.start_kvstore()
+        d0 = mesh.start_decoder("d0", use_kvstore=True)
+        mesh.wait_until(lambda: mesh.gateway.ctx.router.alive())
+        client = openai_client(mesh)
+        prompt = list(range(100, 170))
+
+        def cached(**kw) -> int:  # noqa: ANN003
+            extra = {"cache_salt": kw["salt"]} if kw.get("salt") else None
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        assert cached(salt="tenant-a") == 0
+        mesh.call(d0.drain(2.0))  # its cache goes to the kvstore
+        del mesh.decoders["d0"]
+        mesh.start_decoder("d1", use_kvstore=True)
+        mesh.wait_until(lambda: [w.worker_id for w in mesh.gateway.ctx.router.alive()] == ["d1"], timeout=5)
+        hits = store.tier.stats().hits
+        assert cached(salt="tenant-b") == 0 and cached() == 0  # other keys: the kvstore has nothing for them
+        assert store.tier.stats().hits == hits
+        assert cached(salt="tenant-a") == 64  # four blocks, from the kvstore
+        assert store.tier.stats().hits >= hits + 4
+    finally:
+        mesh.close()
