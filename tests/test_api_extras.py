@@ -377,3 +377,63 @@ def test_cache_salt_keys_kvstore_blocks_apart(model_dir, tmp_path) -> None:  # n
         assert store.tier.stats().hits >= hits + 4
     finally:
         mesh.close()
+
+
+# ------------------------------------------------------------------------------ SGLang's native /generate
+
+
+def test_sglang_generate(client, mesh, tok) -> None:  # noqa: ANN001
+    want = complete(client, max_tokens=6, logprobs=2, return_tokens_as_token_ids=True).choices[0]
+    ids = output_ids(want)
+    url = f"{mesh.url}/generate"
+    sp = {"max_new_tokens": 6, "temperature": 0}
+    r = httpx.post(url, json={"text": PROMPT, "sampling_params": sp}, timeout=30).json()
+    assert r["text"] == want.text and r["output_ids"] == ids
+    meta = r["meta_info"]
+    assert meta["prompt_tokens"] == len(tok.encode(PROMPT)) and meta["completion_tokens"] == 6
+    assert meta["finish_reason"] == {"type": "length", "length": 6} and "cached_tokens" in meta
+    # input_ids, a stop string (matched), logprobs with text.
+    stop = want.text[2:5]
+    r = httpx.post(url, json={"input_ids": tok.encode(PROMPT), "sampling_params": {**sp, "stop": stop},
+                              "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+                              "logprob_start_len": 0}, timeout=30).json()
+    assert r["text"] == want.text[: want.text.index(stop)]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    out_lp = r["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in out_lp] == r["output_ids"] and all(e[2] == tok.decode([e[1]]) for e in out_lp)
+    assert [e[0] for e in out_lp] == pytest.approx(want.logprobs.token_logprobs[: len(out_lp)], abs=1e-4)
+    assert all(len(t) == 2 for t in r["meta_info"]["output_top_logprobs"])
+    inp = r["meta_info"]["input_token_logprobs"]
+    assert len(inp) == len(tok.encode(PROMPT)) and inp[0][0] is None and inp[1][0] < 0
+    # A batch answers a list, in order; n > 1 too.
+    r = httpx.post(url, json={"text": [PROMPT, "Hello"], "sampling_params": sp}, timeout=30).json()
+    assert isinstance(r, list) and len(r) == 2 and r[0]["text"] == want.text
+    r = httpx.post(url, json={"text": PROMPT, "sampling_params": {**sp, "n": 2, "temperature": 1.0,
+                                                                   "sampling_seed": 1}}, timeout=30).json()
+    assert isinstance(r, list) and len(r) == 2
+    # Streamed: every event carries the text so far; the last one the finish reason.
+    events = []
+    with httpx.stream("POST", url, json={"text": PROMPT, "sampling_params": sp, "stream": True}, timeout=30) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    bodies = [json.loads(e) for e in events[:-1]]
+    assert bodies[-1]["text"] == want.text and bodies[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(bodies[k + 1]["text"].startswith(bodies[k]["text"]) for k in range(len(bodies) - 1))
+    assert bodies[-1]["output_ids"] == ids
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"text": "x", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ({"text": "x", "sampling_params": {"stop_regex": "("}}, "stop_regex"),
+    ({"text": "x", "input_ids": [1]}, None),
+    ({"text": "x", "top_logprobs_num": 50, "return_logprob": True}, "top_logprobs_num"),
+])
+def test_sglang_generate_invalid(mesh, body, param) -> None:  # noqa: ANN001
+    r = httpx.post(f"{mesh.url}/generate", json=body, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param

@@ -17,6 +17,7 @@ from services.gateway.openai_responses import ResponsesFormatter, ResponsesReque
 from services.gateway.health import check_health
 from services.gateway.load_info import get_load, server_info
 from services.gateway.score import ScoreRequest, serve_score
+from services.gateway.sglang_generate import GenerateFormatter, GenerateRequest
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.sampling import first_message
 from services.gateway.prepare import check_model, prepare_chat, prepare_completion
@@ -24,6 +25,16 @@ from services.gateway.tokenize import detokenize_body, kvmesh_version, tokenize_
 from services.gateway.formatters import ChatFormatter, CompletionFormatter
 from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
                                      TokenizeChatRequest, TokenizeCompletionRequest, dump)
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        raw = await request.json()
+    except ValueError:
+        raise bad_request("invalid JSON body", code="invalid_json") from None
+    if not isinstance(raw, dict):
+        raise bad_request("the body must be a JSON object", code="invalid_json")
+    return raw
 
 
 def create_app(ctx: GatewayContext) -> FastAPI:
@@ -43,15 +54,22 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serve_generation(ctx, request, body, "/v1/chat/completions", prepare_chat, ChatFormatter)
 
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        # SGLang's native API: its own body and answer around the completions path.
+        raw = await _json_object(request)
+        try:
+            native = GenerateRequest.model_validate(raw)
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        body = native.completion()
+        return await serve_generation(ctx, request, body, "/generate", prepare_completion,
+                                      partial(GenerateFormatter, request=native))
+
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
         # vLLM's SageMaker-style entry point: one route, the body says which API it speaks.
-        try:
-            raw = await request.json()
-        except ValueError:
-            raise bad_request("invalid JSON body", code="invalid_json") from None
-        if not isinstance(raw, dict):
-            raise bad_request("the body must be a JSON object", code="invalid_json")
+        raw = await _json_object(request)
         if "messages" in raw:
             schema, route, prepare, formatter = ChatCompletionRequest, "/v1/chat/completions", prepare_chat, ChatFormatter
         elif "prompt" in raw:

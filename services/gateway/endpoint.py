@@ -38,7 +38,7 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
                            prepare: Callable[[GatewayContext, B], Awaitable[Prepared]],
                            formatter: type[Formatter]) -> Response:
     arrival = time.monotonic()
-    operation = "text_completion" if route == "/v1/completions" else "chat"
+    operation = "text_completion" if route in ("/v1/completions", "/generate") else "chat"
     model = body.model or ctx.config.served_model_name
     # GenAI semantic conventions name the span "{operation} {model}".
     span = ctx.tracer.start_span(f"{operation} {model}", kind=trace.SpanKind.SERVER, attributes={
