@@ -437,3 +437,63 @@ def test_sglang_generate_invalid(mesh, body, param) -> None:  # noqa: ANN001
     assert r.status_code == 400 and set(err) == {"message", "type", "param", "code"}
     if param is not None:
         assert err["param"] == param
+
+
+# ----------------------------------------------------------------------------------------- beam search
+
+
+def reference_beams(model, prompt: list[int], width: int, n: int, max_tokens: int, length_penalty: float,
+                    eos: int) -> list[tuple[list[int], float]]:  # noqa: ANN001
+    """vLLM's beam search over transformers' logits, written out plainly (the oracle)."""
+    def score(beam: tuple[list[int], float]) -> float:
+        toks, cum = beam
+        return cum / ((len(prompt) + len(toks) - (1 if toks and toks[-1] == eos else 0)) ** length_penalty)
+
+    live, done = [([], 0.0)], []
+    for _ in range(max_tokens):
+        grown = []
+        for toks, cum in live:
+            with torch.no_grad():
+                dist = torch.log_softmax(model(torch.tensor([prompt + toks])).logits[0, -1].float(), -1)
+            top = dist.topk(2 * width)
+            for v, i in zip(top.values.tolist(), top.indices.tolist()):
+                (done if i == eos else grown).append((toks + [i], cum + v))
+        live = sorted(grown, key=score, reverse=True)[:width]
+    return sorted(done + live, key=score, reverse=True)[:n]
+
+
+@pytest.mark.parametrize(("n", "best_of", "length_penalty"), [(3, None, 1.0), (2, 4, 0.5)])
+def test_beam_search_matches_the_reference(client, tok, model_dir, n, best_of, length_penalty) -> None:  # noqa: ANN001
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    prompt = tok.encode(PROMPT)
+    want = reference_beams(model, prompt, best_of or n, n, 4, length_penalty, tok.eos_token_id)
+    extra = {"best_of": best_of} if best_of else {}
+    out = complete(client, n=n, max_tokens=4, logprobs=0, use_beam_search=True, length_penalty=length_penalty,
+                   return_tokens_as_token_ids=True, **extra)
+    got = [(output_ids(c), sum(c.logprobs.token_logprobs)) for c in out.choices]
+    assert [g[0] for g in got] == [w[0] for w in want]  # the same beams, in score order
+    assert [g[1] for g in got] == pytest.approx([w[1] for w in want], abs=1e-3)
+    assert len({tuple(g[0]) for g in got}) == n  # distinct
+    assert [c.text for c in out.choices] == [tok.decode(w[0]) for w in want]
+    assert out.usage.completion_tokens == sum(len(w[0]) for w in want)
+    # Streamed: the same beams, sent once the search is over; chat too.
+    text = {}
+    for c in complete(client, stream=True, n=n, max_tokens=4, use_beam_search=True, length_penalty=length_penalty,
+                      **extra):
+        for ch in c.choices:
+            text[ch.index] = text.get(ch.index, "") + ch.text
+    assert [text[i] for i in range(n)] == [tok.decode(w[0]) for w in want]
+    chat_out = chat(client, n=n, max_tokens=3, use_beam_search=True, **extra)
+    assert len({c.message.content for c in chat_out.choices}) == n
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"best_of": 1, "n": 2, "use_beam_search": True}, "best_of"),
+    ({"best_of": 3}, "best_of"),
+    ({"length_penalty": 2.0}, "length_penalty"),
+    ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+    ({"use_beam_search": True, "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"use_beam_search": "yes"}, "use_beam_search"),
+])
+def test_beam_search_invalid(client, extra, param) -> None:  # noqa: ANN001
+    expect_error(openai.BadRequestError, lambda: complete(client, **extra), 400, param)

@@ -19,6 +19,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import unavailable
+from services.gateway.beam_search import BeamGeneration
 from services.gateway.generation import Generation, as_api_error
 from services.gateway.prepare import Prepared
 from services.gateway.formatters import Formatter, usage
@@ -52,13 +53,13 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
     if body.max_tokens is not None:
         span.set_attribute("gen_ai.request.max_tokens", body.max_tokens)
     ctx.begin()
-    gen: Generation | None = None
+    gen: Generation | BeamGeneration | None = None
     streaming = False
     try:
         if ctx.draining:
             raise unavailable("the gateway is shutting down", code="shutting_down")
 
-        async def start() -> Generation:
+        async def start() -> Generation | BeamGeneration:
             with trace.use_span(span, end_on_exit=False):  # tokenizer and decode spans become children
                 prepared = await prepare(ctx, body)
             span.set_attribute("gen_ai.request.max_tokens", prepared.max_tokens)
@@ -66,7 +67,8 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
             span.set_attribute("gen_ai.response.model", prepared.model)
             span.set_attribute("gen_ai.response.id", prepared.request_id)
             nonlocal gen
-            gen = Generation(ctx, prepared, span, arrival)
+            # use_beam_search: the search runs here, step by step (services/gateway/beam_search.py).
+            gen = (BeamGeneration if prepared.beam is not None else Generation)(ctx, prepared, span, arrival)
             await gen.open()
             return gen
 

@@ -24,6 +24,18 @@ from shared.prompt_check import PromptError, check_prompt
 
 
 @dataclass(frozen=True)
+class BeamSettings:
+    width: int  # beams kept each step (best_of, else n); the answer holds the n best
+    length_penalty: float
+
+
+# Fields that steer sampling, which beam search does not do: given with use_beam_search they are a 400
+# rather than silently left out.
+BEAM_CONFLICTS = ("logit_bias", "bad_words", "allowed_token_ids", "stop", "stop_regex", "response_format",
+                  "structured_outputs", "regex", "ebnf", "json_schema", "prompt_logprobs", "tools")
+
+
+@dataclass(frozen=True)
 class Prepared:
     request_id: str
     prompts: list[list[int]]  # one or more prompts (completions take a list); each runs every sampling
@@ -38,6 +50,7 @@ class Prepared:
     reasoning: ReasoningPlan | None = None  # chat with a reasoning model: where its <think> text ends
     stop_regex: list[re.Pattern[str]] = dataclasses.field(default_factory=list)  # SGLang's stop_regex
     stream: bool = False  # streamed answer (the stop matcher holds back less)
+    beam: BeamSettings | None = None  # use_beam_search (services/gateway/beam_search.py)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -203,14 +216,32 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
                           param="min_tokens")
+    beam = beam_settings(body)
     structured = tools.constraint() if tools is not None else None
     samplings = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, vocab=vocab, echo=echo is not None,
                                 structured=structured,
                                 encode=lambda text: ctx.tokenizer.encode(text, add_special_tokens=False))
     return Prepared(
         request_id=uuid.uuid4().hex, prompts=prompts, samplings=samplings, priority=body.priority,
-        stops=body.stop_list(), stop_regex=stop_regexes(body), stream=body.stream, logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo, tools=tools,
+        stops=body.stop_list(), stop_regex=stop_regexes(body), stream=body.stream, beam=beam, logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo, tools=tools,
     )
+
+
+def beam_settings(body: _Common) -> BeamSettings | None:
+    if body.best_of is not None and body.best_of < body.n:
+        raise bad_request(f"best_of ({body.best_of}) must be at least n ({body.n})", param="best_of")
+    if not body.use_beam_search:
+        if body.best_of is not None and body.best_of != body.n:
+            raise bad_request("best_of other than n is served with use_beam_search only", param="best_of")
+        if body.length_penalty != 1.0:
+            raise bad_request("length_penalty applies to beam search: set use_beam_search", param="length_penalty")
+        return None
+    for name in BEAM_CONFLICTS:
+        value = getattr(body, name, None)
+        if value not in (None, [], {}, ""):
+            raise bad_request(f"{name} does not apply to beam search (use_beam_search picks by likelihood alone)",
+                              param=name)
+    return BeamSettings(width=body.best_of or body.n, length_penalty=body.length_penalty)
 
 
 def _checked(check, *args) -> None:  # noqa: ANN001

@@ -104,6 +104,10 @@ class _Common(_Request):
     stop_regex: str | list[str] | None = None
     # vLLM: per-request prefix-cache isolation; requests share cached blocks only with the same salt.
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's beam search: width best_of (default n), the n best beams answered, scored with length_penalty.
+    use_beam_search: StrictBool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    length_penalty: float = Field(1.0, ge=-10, le=10)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Common:
