@@ -497,3 +497,58 @@ def test_beam_search_matches_the_reference(client, tok, model_dir, n, best_of, l
 ])
 def test_beam_search_invalid(client, extra, param) -> None:  # noqa: ANN001
     expect_error(openai.BadRequestError, lambda: complete(client, **extra), 400, param)
+
+
+# ------------------------------------------- min_tokens with stop ids, guided_*, add_special_tokens, token ids
+
+
+def test_min_tokens_holds_back_stop_token_ids(client) -> None:  # noqa: ANN001
+    ids = output_ids(complete(client, max_tokens=8, logprobs=0, return_tokens_as_token_ids=True).choices[0])
+    stop_id = ids[1]
+    early = complete(client, max_tokens=8, stop_token_ids=[stop_id], logprobs=0, return_tokens_as_token_ids=True)
+    assert output_ids(early.choices[0])[-1] == stop_id and len(early.choices[0].logprobs.tokens) <= 2
+    held = complete(client, max_tokens=8, min_tokens=4, stop_token_ids=[stop_id], logprobs=0,
+                    return_tokens_as_token_ids=True).choices[0]
+    got = output_ids(held)
+    assert stop_id not in got[:4] and len(got) >= 4
+    assert held.finish_reason == ("stop" if got[-1] == stop_id else "length")
+
+
+def test_guided_fields(client) -> None:  # noqa: ANN001
+    out = complete(client, guided_choice=["alpha", "beta"], max_tokens=8)
+    assert out.choices[0].text in ("alpha", "beta")
+    text, _ = streamed(chat(client, stream=True, guided_regex="[0-9]{3}", max_tokens=8))
+    assert re.fullmatch("[0-9]{3}", text)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    obj = json.loads(chat(client, guided_json=schema, max_tokens=60).choices[0].message.content)
+    assert obj["a"] in ("x", "y")
+    expect_error(openai.BadRequestError, lambda: complete(client, guided_choice=[]), 400, "guided_choice")
+    expect_error(openai.BadRequestError, lambda: complete(client, guided_regex="a", guided_choice=["a"]), 400,
+                 "guided_regex")
+
+
+def test_add_special_tokens(client, tok) -> None:  # noqa: ANN001
+    n = len(tok.encode(PROMPT, add_special_tokens=False))
+    assert complete(client, max_tokens=1).usage.prompt_tokens == n + 1  # BOS
+    assert complete(client, max_tokens=1, add_special_tokens=False).usage.prompt_tokens == n
+    plain = chat(client, max_tokens=1).usage.prompt_tokens
+    assert chat(client, max_tokens=1, add_special_tokens=True).usage.prompt_tokens == plain + 1  # BOS on top
+    expect_error(openai.BadRequestError, lambda: complete(client, add_special_tokens="no"), 400, "add_special_tokens")
+
+
+def test_return_token_ids(client, tok) -> None:  # noqa: ANN001
+    ids = tok.encode(PROMPT)
+    out = complete(client, max_tokens=5, return_token_ids=True, logprobs=0, return_tokens_as_token_ids=True)
+    c = out.choices[0].model_extra
+    assert c["prompt_token_ids"] == ids and c["token_ids"] == output_ids(out.choices[0])
+    chunks = [ch for ch in complete(client, stream=True, max_tokens=5, return_token_ids=True) if ch.choices]
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == ids
+    assert [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]] == c["token_ids"]
+    r = chat(client, max_tokens=4, return_token_ids=True)
+    assert r.model_extra["prompt_token_ids"] and len(r.choices[0].model_extra["token_ids"]) == r.usage.completion_tokens
+    chunks = list(chat(client, stream=True, max_tokens=4, return_token_ids=True))
+    assert [ch.model_extra.get("prompt_token_ids") for ch in chunks if ch.model_extra.get("prompt_token_ids")] == \
+        [r.model_extra["prompt_token_ids"]]
+    assert sum(len(ch.choices[0].model_extra.get("token_ids") or []) for ch in chunks if ch.choices) == 4
+    expect_error(openai.BadRequestError, lambda: complete(client, return_token_ids=1), 400, "return_token_ids")

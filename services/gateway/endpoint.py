@@ -78,6 +78,7 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
                         tools=p.tools, prompts=p.prompts)
         fmt.tokens_as_ids = body.return_tokens_as_token_ids
         fmt.prompt_logprobs = body.prompt_logprobs
+        fmt.return_token_ids = body.return_token_ids
         if p.reasoning is not None and getattr(body, "separate_reasoning", True):
             fmt.reason(p.reasoning)
         if body.stream:

@@ -30,6 +30,7 @@ class _Acc:
     """One choice's deltas, accumulated for a non-streamed answer."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
@@ -48,6 +49,7 @@ class Formatter:
         self.tok, self.model, self.n, self.logprobs = tokenizer, model, n, logprobs
         self.echo, self.per_prompt, self.prompts = echo, per_prompt, prompts
         self._echo_sent = [False] * n
+        self._ids_sent: set[int] = set()  # choices whose first chunk went out (return_token_ids)
         self.tools = tools if tools is not None and tools.mode != "none" else None
         self._tool_streams = [ToolStream(self.tools) for _ in range(n)] if self.tools else []
         self.id = f"{self.prefix}-{request_id}"
@@ -84,6 +86,7 @@ class Formatter:
         """Accumulate a delta; its (reasoning, answer) text (the whole text is split again at the end)."""
         a = self._acc[d.index]
         a.text += d.text
+        a.token_ids.extend(d.token_ids)
         split = self.split_reasoning(d)
         a.logprobs.extend(d.logprobs)
         if d.prompt_logprobs is not None:
@@ -94,6 +97,17 @@ class Formatter:
 
     tokens_as_ids = False  # vLLM's return_tokens_as_token_ids
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: shown, with this many alternatives
+    return_token_ids = False  # vLLM's return_token_ids: the prompt's and the output's ids in the answer
+
+    def _first_of_choice(self, index: int) -> bool:
+        """True once per choice: its first streamed chunk (which carries the prompt's ids)."""
+        if index in self._ids_sent:
+            return False
+        self._ids_sent.add(index)
+        return True
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        return self.prompts[index // self.per_prompt] if self.prompts else []
 
     def prompt_entries(self, plps: list[TokenLogprob | None] | None) -> PromptLogprobs | None:
         """vLLM's prompt_logprobs shape: per prompt token, {token id: {logprob, rank, decoded_token}} for the
@@ -168,9 +182,6 @@ class CompletionFormatter(Formatter):
                                                                  zip(lp.top_ids[:self.logprobs], lp.top_logprobs)})
         return out
 
-    def _prompt_ids(self, index: int) -> list[int]:
-        return self.prompts[index // self.per_prompt] if self.prompts else []
-
     def _echoed(self, index: int) -> str:
         return self.echo[index // self.per_prompt] if self.echo else ""
 
@@ -183,6 +194,10 @@ class CompletionFormatter(Formatter):
         choice = CompletionChoice(index=d.index, text=text, logprobs=self._logprobs(d.index, d.logprobs, prompt),
                                   prompt_logprobs=self.prompt_entries(d.prompt_logprobs),
                                   finish_reason=d.finish_reason, stop_reason=d.stop_reason, matched_stop=d.matched_stop)
+        if self.return_token_ids:
+            choice.token_ids = list(d.token_ids)
+            if self._first_of_choice(d.index):
+                choice.prompt_token_ids = self._prompt_ids(d.index)
         body = dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice]))
         if not include_usage:
             body.pop("usage")
@@ -195,7 +210,9 @@ class CompletionFormatter(Formatter):
         choices = [
             CompletionChoice(index=i, text=self._echoed(i) + a.text,
                              logprobs=self._logprobs(i, a.logprobs, a.prompt_logprobs if self.echo else None),
-                             prompt_logprobs=self.prompt_entries(a.prompt_logprobs), finish_reason=a.finish_reason, stop_reason=a.stop_reason, matched_stop=a.matched_stop)
+                             prompt_logprobs=self.prompt_entries(a.prompt_logprobs),
+                             prompt_token_ids=self._prompt_ids(i) if self.return_token_ids else None,
+                             token_ids=a.token_ids if self.return_token_ids else None, finish_reason=a.finish_reason, stop_reason=a.stop_reason, matched_stop=a.matched_stop)
             for i, a in enumerate(self._acc)
         ]
         return dump(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices, usage=u))
@@ -224,7 +241,7 @@ class ChatFormatter(Formatter):
         chunks = [dump(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
                   for i in range(self.n)]
         for c in chunks:
-            c.pop("prompt_logprobs")
+            c.pop("prompt_logprobs"), c.pop("prompt_token_ids"), c["choices"][0].pop("token_ids")
         return chunks
 
     def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
@@ -233,6 +250,7 @@ class ChatFormatter(Formatter):
         choice = body["choices"][0]
         empty = (not choice["delta"].get("content") and not choice["delta"].get("tool_calls")
                  and not choice["delta"].get("reasoning_content") and body.get("prompt_logprobs") is None
+                 and not choice.get("token_ids") and body.get("prompt_token_ids") is None
                  and not choice.get("finish_reason") and not choice.get("logprobs"))
         return [] if empty else [body]
 
@@ -260,11 +278,18 @@ class ChatFormatter(Formatter):
                                  stop_reason=d.stop_reason, matched_stop=d.matched_stop)
         chunk = self._chunk([choice])
         chunk.prompt_logprobs = self.prompt_entries(d.prompt_logprobs)
+        if self.return_token_ids:
+            choice.token_ids = list(d.token_ids)
+            if self._first_of_choice(d.index):
+                chunk.prompt_token_ids = self._prompt_ids(d.index)
         body = dump(chunk)
         if not include_usage:
             body.pop("usage")
-        if body["prompt_logprobs"] is None:
-            body.pop("prompt_logprobs")
+        for key in ("prompt_logprobs", "prompt_token_ids"):
+            if body[key] is None:
+                body.pop(key)
+        if body["choices"][0]["token_ids"] is None:
+            body["choices"][0].pop("token_ids")
         return body
 
     def _finish_reason(self, reason: str, calls: list) -> str:
@@ -282,7 +307,7 @@ class ChatFormatter(Formatter):
 
     def usage_chunk(self, u: Usage) -> dict[str, Any]:
         body = dump(self._chunk([], self.with_reasoning_tokens(u)))
-        body.pop("prompt_logprobs")
+        body.pop("prompt_logprobs"), body.pop("prompt_token_ids")
         return body
 
     def final(self, u: Usage) -> dict[str, Any]:
@@ -290,7 +315,9 @@ class ChatFormatter(Formatter):
         for i, a in enumerate(self._acc):
             message, reason = self._message(a)
             choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(a.logprobs), finish_reason=reason,
-                                      stop_reason=a.stop_reason, matched_stop=a.matched_stop))
+                                      stop_reason=a.stop_reason, matched_stop=a.matched_stop,
+                                      token_ids=a.token_ids if self.return_token_ids else None))
         return dump(ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                           usage=self.with_reasoning_tokens(u),
-                                          prompt_logprobs=self.prompt_entries(self._acc[0].prompt_logprobs)))
+                                          prompt_logprobs=self.prompt_entries(self._acc[0].prompt_logprobs),
+                                          prompt_token_ids=self._prompt_ids(0) if self.return_token_ids else None))

@@ -85,7 +85,7 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
         if isinstance(one, str):
             if not one:
                 raise bad_request("prompt must not be empty", param="prompt", code="empty_prompt")
-            prompts.append(await encode(ctx, EncodeRequest(prompt=one)))
+            prompts.append(await encode(ctx, EncodeRequest(prompt=one, add_special_tokens=body.add_special_tokens)))
         else:
             prompts.append(list(one))  # token ids travel as they are; no round trip to the tokenizer
     echo = None
@@ -112,7 +112,8 @@ async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prep
     ids = await encode(ctx, EncodeRequest(messages=chat_messages(body.messages),
                                           add_generation_prompt=body.add_generation_prompt,
                                           tools_json=tools.tools_json if tools is not None else None,
-                                          template_kwargs_json=kwargs, chat_template=body.chat_template),
+                                          template_kwargs_json=kwargs, chat_template=body.chat_template,
+                                          add_special_tokens=body.add_special_tokens),
                      param="chat_template" if body.chat_template else "messages")
     # Where the prompt ends tells whether the template opened a <think> block the output starts inside.
     reasoning = plan_reasoning(template, ctx.tokenizer.decode(ids[-8:]), ctx.config.reasoning_parser)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pydantic import ValidationError
 
 from services.gateway.errors import bad_request
-from services.gateway.schemas import _Common
+from services.gateway.schemas import StructuredOutputsParams, _Common
 from shared.prompt_check import PromptError, check_token_ids
 from shared.sampling_params import SamplingParams, StructuredOutput
 
@@ -101,6 +101,16 @@ def stop_regexes(body: _Common) -> list[re.Pattern[str]]:
 def structured_output(body: _Common) -> StructuredOutput | None:
     """response_format / vLLM's structured_outputs -> the engine's constraint (compiled, and judged, there)."""
     rf, so = body.response_format, body.structured_outputs
+    param = "structured_outputs"
+    guided = {k: v for k, v in (("json", body.guided_json), ("regex", body.guided_regex),
+                                ("choice", body.guided_choice), ("grammar", body.guided_grammar)) if v is not None}
+    if guided:
+        # vLLM's guided_* fields are structured_outputs under their older names.
+        name = "guided_" + next(iter(guided))
+        if len(guided) != 1 or so is not None:
+            raise bad_request(f"{name}: give one of guided_json, guided_regex, guided_choice, guided_grammar, and "
+                              "not with structured_outputs", param=name)
+        so, param = StructuredOutputsParams.model_validate(guided), name
     spec = None
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
@@ -117,20 +127,20 @@ def structured_output(body: _Common) -> StructuredOutput | None:
         given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                    ("grammar", so.grammar)) if v is not None}
         if len(given) != 1 or spec is not None:
-            raise bad_request("structured_outputs takes exactly one of json, regex, choice, grammar, and not "
-                              "together with response_format", param="structured_outputs")
+            raise bad_request(f"{param} takes exactly one of json, regex, choice, grammar, and not "
+                              "together with response_format", param=param)
         ((key, value),) = given.items()
         if key == "json":
             spec = StructuredOutput(kind="json_schema", spec=value if isinstance(value, str) else json.dumps(value))
         elif key == "choice":
             if not value:
-                raise bad_request("structured_outputs.choice must not be empty", param="structured_outputs")
+                raise bad_request(f"{param}: the choice list must not be empty", param=param)
             spec = StructuredOutput(kind="choice", spec=json.dumps(value))
         else:
             try:
                 spec = StructuredOutput(kind=key, spec=value)
             except (ValidationError, ValueError) as e:
-                raise bad_request(first_message(e), param="structured_outputs") from None
+                raise bad_request(first_message(e), param=param) from None
     return spec
 
 

@@ -87,6 +87,15 @@ class _Common(_Request):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None
+    # vLLM's older spelling of structured_outputs (guided decoding), still what many clients send.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM: add the tokenizer's special tokens (BOS) to the prompt; chat defaults to false (the template writes them).
+    add_special_tokens: StrictBool | None = None
+    # vLLM: the prompt's and each choice's token ids in the answer (prompt_token_ids, token_ids).
+    return_token_ids: StrictBool = False
     # vLLM: logprobs name tokens "token_id:<id>" (text of split characters is ambiguous, ids are not).
     return_tokens_as_token_ids: StrictBool = False
     # vLLM: the logprob of every prompt token after the first, plus the top-n alternatives of each.
@@ -245,6 +254,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's return_token_ids: the prompt's ids (on a stream's first chunk of the choice) and the output's.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
     finish_reason: str | None = None
     # What ended the choice: vLLM's stop_reason (the stop string or stop token id; null for eos and length)
     # and SGLang's matched_stop (the same, and the eos token id when eos ended it; null on length).
@@ -297,6 +309,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     matched_stop: str | int | None = None
@@ -310,6 +323,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # vLLM: one list for the (one) prompt
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class FunctionCallDelta(BaseModel):
@@ -335,6 +349,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # on the chunk that finishes the choice
     matched_stop: str | int | None = None
@@ -348,6 +363,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs: on the first chunk that has them
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: on each choice's first chunk
 
 
 class ModelCard(BaseModel):

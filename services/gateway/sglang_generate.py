@@ -141,9 +141,6 @@ class GenerateFormatter(Formatter):
         text = self.token_text(token_id) if self.request.return_text_in_logprobs else None
         return [logprob, token_id, text]
 
-    def _prompt_ids(self, index: int) -> list[int]:
-        return self.prompts[index // self.per_prompt] if self.prompts else []
-
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
         # SGLang streams the text so far in every event (and the ids so far).
         self.add(d)

@@ -96,10 +96,10 @@ class TokenizerService(MicroServiceDrain, Service):
                 messages = [m.model_dump(exclude_none=True) for m in req.messages]
                 kwargs = json.loads(req.template_kwargs_json) if req.template_kwargs_json else None
                 return encode_chat(self.tokenizer, messages, req.add_generation_prompt, tools, kwargs,
-                                   chat_template=req.chat_template)
+                                   chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens))
             except (ValueError, TypeError, jinja2.TemplateError) as e:  # no template, or the template rejects the conversation
                 raise bus.RemoteError(codes.BAD_REQUEST, f"chat template: {e}") from None
-        return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))
 
     def _decode_sync(self, req: DecodeRequest) -> list[str]:
         return list(self.tokenizer.batch_decode(req.sequences, skip_special_tokens=req.skip_special_tokens))

@@ -35,11 +35,13 @@ def encode_chat(
     tools: list[dict] | None = None,
     template_kwargs: Mapping[str, object] | None = None,
     chat_template: str | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Prompt ids for `messages` ({"role", "content"} dicts) through the checkpoint's chat template.
 
     The template writes any BOS itself; no special tokens are added on top. `chat_template` replaces the
     checkpoint's own for this call (transformers renders it in its sandboxed Jinja environment).
+    add_special_tokens: the rendered text is tokenized with the tokenizer's special tokens added on top.
     """
     if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer of {tokenizer.name_or_path!r} has no chat template")
@@ -48,11 +50,13 @@ def encode_chat(
         [dict(m) for m in messages],
         add_generation_prompt=add_generation_prompt,
         tools=tools or None,
-        tokenize=True,
+        tokenize=not add_special_tokens,
         return_dict=False,
         **({"chat_template": chat_template} if chat_template else {}),
         **dict(template_kwargs or {}),
     )
+    if add_special_tokens:
+        return [int(i) for i in tokenizer.encode(out, add_special_tokens=True)]
     if isinstance(out, Mapping):  # a BatchEncoding, should a version ignore return_dict
         out = out["input_ids"]
     ids = list(out)

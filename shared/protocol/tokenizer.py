@@ -35,7 +35,9 @@ class EncodeRequest(Message):
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True  # only with messages
-    add_special_tokens: bool = True  # only with prompt
+    # The tokenizer's special tokens (BOS) added to the prompt: None is the default of each input, true for a
+    # prompt, false for messages (the chat template writes them; true adds them on top, as vLLM's chat does).
+    add_special_tokens: bool | None = None
     # Function tools for the chat template, as a JSON array of OpenAI tool objects (JSON schemas are
     # arbitrarily nested; as text they cross the wire without a schema of their own).
     tools_json: str | None = None
