@@ -179,3 +179,25 @@ def test_prompt_logprobs_over_chunked_prefill_match_transformers(checkpoints, ar
         assert [t for t, _ in lp.top] == ref[i - 1].topk(3).indices.tolist()
     one = engine.generate([[7]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     assert one.prompt_logprobs == [None]
+
+
+def test_bad_words_are_never_completed(checkpoints):
+    """vLLM's bad_words in the engine: a one-token word never appears; a two-token word's second token is
+    masked only right after its first (so the first alone may still be written)."""
+    engine = make_engine(checkpoints["llama"])
+    prompt = random_prompts([12], seed=21)[0]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    base = engine.generate([prompt], greedy, use_tqdm=False)[0].output_token_ids
+    one = [base[3]]
+    two = base[5:7]
+    out = engine.generate([prompt], greedy.model_copy(update={"bad_words_ids": [one, two]}),
+                          use_tqdm=False)[0].output_token_ids
+    assert one[0] not in out
+    assert not any(out[i:i + 2] == two for i in range(len(out) - 1))
+    assert out[:3] == base[:3] and out != base  # unchanged up to the first banned token
+    # Batched with unconstrained neighbours: the same tokens, and the neighbours unaffected.
+    outs = engine.generate([prompt, prompt], [greedy.model_copy(update={"bad_words_ids": [one, two]}), greedy],
+                           use_tqdm=False)
+    assert outs[0].output_token_ids == out and outs[1].output_token_ids == base
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        SamplingParams(bad_words_ids=[[]])
