@@ -105,13 +105,12 @@ class GenerateFormatter(Formatter):
         super().__init__(*args, **kwargs)
         self.request = request  # batching and logprob options
         self._ids: list[list[int]] = [[] for _ in range(self.n)]
-        self._cached = 0
 
     def add(self, d: Delta) -> tuple[str, str]:
         self._ids[d.index].extend(d.token_ids)
         return super().add(d)
 
-    def _item(self, i: int, cached: int) -> dict[str, Any]:
+    def _item(self, i: int, cached: int | None) -> dict[str, Any]:
         a = self._acc[i]
         prompt = self._prompt_ids(i)
         finish = None
@@ -120,7 +119,9 @@ class GenerateFormatter(Formatter):
         elif a.finish_reason is not None:
             finish = {"type": a.finish_reason, "matched": a.matched_stop}
         meta: dict[str, Any] = {"id": f"{self.id}-{i}", "finish_reason": finish, "prompt_tokens": len(prompt),
-                                "completion_tokens": len(self._ids[i]), "cached_tokens": cached}
+                                "completion_tokens": len(self._ids[i])}
+        if cached is not None:
+            meta["cached_tokens"] = cached
         r = self.request
         if r.return_logprob:
             meta["output_token_logprobs"] = [self._triple(lp.logprob, lp.token_id) for lp in a.logprobs]
@@ -142,9 +143,10 @@ class GenerateFormatter(Formatter):
         return [logprob, token_id, text]
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
-        # SGLang streams the text so far in every event (and the ids so far).
+        # SGLang streams the text so far in every event (and the ids so far). The request's cached tokens are
+        # known to the whole answer only (a formatter sees deltas), so stream events leave them out.
         self.add(d)
-        return self._item(d.index, self._cached)
+        return self._item(d.index, None)
 
     def final(self, u: Usage) -> Any:
         cached = (u.prompt_tokens_details or {}).get("cached_tokens", 0)
