@@ -552,3 +552,13 @@ def test_return_token_ids(client, tok) -> None:  # noqa: ANN001
         [r.model_extra["prompt_token_ids"]]
     assert sum(len(ch.choices[0].model_extra.get("token_ids") or []) for ch in chunks if ch.choices) == 4
     expect_error(openai.BadRequestError, lambda: complete(client, return_token_ids=1), 400, "return_token_ids")
+
+
+def test_sglang_model_info_health_generate_and_vllm_load(mesh, model_dir) -> None:  # noqa: ANN001
+    info = httpx.get(f"{mesh.url}/get_model_info", timeout=30).json()
+    assert info["model_path"] == str(model_dir) and info["is_generation"] is True
+    received = mesh.decoders["d0"].num_received
+    r = httpx.get(f"{mesh.url}/health_generate", timeout=30)
+    assert r.status_code == 200 and mesh.decoders["d0"].num_received == received + 1  # a real generation
+    assert httpx.post(f"{mesh.url}/health_generate", timeout=30).status_code == 200
+    assert httpx.get(f"{mesh.url}/load", timeout=30).json() == {"server_load": 0}

@@ -148,6 +148,25 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     async def info() -> JSONResponse:
         return JSONResponse(server_info(ctx))
 
+    @app.get("/get_model_info")
+    async def model_info() -> JSONResponse:  # SGLang's: what its clients read before sending work
+        return JSONResponse({"model_path": ctx.config.model_dir, "tokenizer_path": ctx.config.model_dir,
+                             "served_model_name": ctx.config.served_model_name, "is_generation": True,
+                             "max_model_len": ctx.max_model_len()})
+
+    @app.api_route("/health_generate", methods=["GET", "POST"])
+    async def health_generate(request: Request) -> Response:
+        # SGLang's deep health check: one real token through the whole path (tokenizer, router, a decode worker).
+        probe = CompletionRequest(prompt=[ctx.tokenizer.bos_token_id or 0], max_tokens=1, temperature=0)
+        answer = await serve_generation(ctx, request, probe, "/v1/completions", prepare_completion, CompletionFormatter)
+        if answer.status_code != 200:
+            return answer
+        return Response(status_code=200)
+
+    @app.get("/load")
+    async def server_load() -> JSONResponse:  # vLLM's server-load figure: requests the gateway is serving
+        return JSONResponse({"server_load": ctx.in_flight})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
