@@ -562,3 +562,15 @@ def test_sglang_model_info_health_generate_and_vllm_load(mesh, model_dir) -> Non
     assert r.status_code == 200 and mesh.decoders["d0"].num_received == received + 1  # a real generation
     assert httpx.post(f"{mesh.url}/health_generate", timeout=30).status_code == 200
     assert httpx.get(f"{mesh.url}/load", timeout=30).json() == {"server_load": 0}
+
+
+def test_chat_echo(client) -> None:  # noqa: ANN001
+    msgs = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "Well, "}]
+    kw = dict(messages=msgs, continue_final_message=True, add_generation_prompt=False, max_tokens=5)
+    plain = chat(client, **kw).choices[0].message.content
+    assert chat(client, echo=True, **kw).choices[0].message.content == "Well, " + plain
+    text, _ = streamed(chat(client, stream=True, echo=True, **kw))
+    assert text == "Well, " + plain
+    # The final message is the user's: nothing to echo.
+    assert chat(client, echo=True, max_tokens=5).choices[0].message.content == chat(client, max_tokens=5).choices[0].message.content
+    expect_error(openai.BadRequestError, lambda: chat(client, echo="yes"), 400, "echo")

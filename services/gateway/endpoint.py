@@ -23,7 +23,7 @@ from services.gateway.beam_search import BeamGeneration
 from services.gateway.generation import Generation, as_api_error
 from services.gateway.prepare import Prepared
 from services.gateway.formatters import Formatter, usage
-from services.gateway.schemas import _Common
+from services.gateway.schemas import ChatCompletionRequest, _Common
 from services.gateway.streaming import stream_events
 
 B = TypeVar("B", bound=_Common)
@@ -79,6 +79,8 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
         fmt.tokens_as_ids = body.return_tokens_as_token_ids
         fmt.prompt_logprobs = body.prompt_logprobs
         fmt.return_token_ids = body.return_token_ids
+        if isinstance(body, ChatCompletionRequest) and body.echo and body.messages[-1].role == "assistant":
+            fmt.echo_message = body.messages[-1].text()
         if p.reasoning is not None and getattr(body, "separate_reasoning", True):
             fmt.reason(p.reasoning)
         if body.stream:

@@ -220,6 +220,7 @@ class CompletionFormatter(Formatter):
 
 class ChatFormatter(Formatter):
     prefix = "chatcmpl"
+    echo_message = ""  # vLLM's chat echo: the final assistant message's text, put before each answer
 
     def _logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs | None:
         if self.logprobs is None:
@@ -240,6 +241,9 @@ class ChatFormatter(Formatter):
         # OpenAI opens every choice with a role-only delta.
         chunks = [dump(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]))
                   for i in range(self.n)]
+        if self.echo_message:  # then the echoed text, as its own chunk per choice (vLLM)
+            chunks += [dump(self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=self.echo_message))]))
+                       for i in range(self.n)]
         for c in chunks:
             c.pop("prompt_logprobs"), c.pop("prompt_token_ids"), c["choices"][0].pop("token_ids")
         return chunks
@@ -314,6 +318,8 @@ class ChatFormatter(Formatter):
         choices = []
         for i, a in enumerate(self._acc):
             message, reason = self._message(a)
+            if self.echo_message:
+                message.content = self.echo_message + (message.content or "")
             choices.append(ChatChoice(index=i, message=message, logprobs=self._logprobs(a.logprobs), finish_reason=reason,
                                       stop_reason=a.stop_reason, matched_stop=a.matched_stop,
                                       token_ids=a.token_ids if self.return_token_ids else None))

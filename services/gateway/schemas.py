@@ -214,6 +214,9 @@ class ChatCompletionRequest(_Common):
     documents: list[dict[str, Any]] | None = None
     # SGLang: false leaves a reasoning model's <think> text in content (no reasoning_content split).
     separate_reasoning: StrictBool = True
+    # vLLM: the answer starts with the final message's content when that message is the assistant's (with
+    # continue_final_message: the whole assistant message, not only its continuation).
+    echo: StrictBool = False
     # vLLM/SGLang: a Jinja chat template for this request instead of the model's own.
     chat_template: str | None = Field(None, min_length=1, max_length=65536)
 
