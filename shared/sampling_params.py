@@ -70,7 +70,8 @@ class SamplingParams(WireModel):
     cache_salt: str | None = None
     # Output shaping, applied where text is made (the gateway's detokenizer and stop matcher): keep the
     # stop string or stop token's text (vLLM's include_stop_str_in_output, SGLang's no_stop_trim);
-    # special tokens' text; spaces around it when kept.
+    # special tokens' text; with it kept, false writes adjacent special tokens bare (vLLM's rule,
+    # services/gateway/special_tokens.py).
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

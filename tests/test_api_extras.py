@@ -168,29 +168,44 @@ def test_special_tokens_in_output(client, tok) -> None:  # noqa: ANN001
     skipped = complete(client, **kw).choices[0]
     ids = output_ids(skipped)
     assert {eos, im_end} & set(ids) and word in ids, ids
-    assert skipped.text == tok.decode(ids, skip_special_tokens=True)
-    plain = complete(client, skip_special_tokens=False, spaces_between_special_tokens=False, **kw).choices[0]
-    assert output_ids(plain) == ids and plain.text == tok.decode(ids, skip_special_tokens=False)
-    # Slow tokenizers' rule: each special token is one item, items joined by one space.
-    items, run = [], []
-    for t in ids:
-        if t in (eos, im_end):
-            if run:
-                items.append(tok.decode(run))
-                run = []
-            items.append(tok.decode([t], skip_special_tokens=False))
-        else:
-            run.append(t)
-    if run:
-        items.append(tok.decode(run))
-    spaced = complete(client, skip_special_tokens=False, **kw).choices[0]
-    assert spaced.text == " ".join(items)
-    text, _ = streamed(complete(client, stream=True, skip_special_tokens=False, **kw))
-    assert text == " ".join(items)
-    text, _ = streamed(chat(client, stream=True, skip_special_tokens=False, spaces_between_special_tokens=False,
-                            max_tokens=10, temperature=1.0, seed=3, ignore_eos=True,
-                            allowed_token_ids=[eos, im_end, word]))
+    assert skipped.text == tok.decode(ids, skip_special_tokens=True) and "<|" not in skipped.text
+    kept = tok.decode(ids, skip_special_tokens=False)
+    assert "<|" in kept
+    for spaces in (True, False):  # a byte-level decoder puts nothing between tokens: both read the same
+        out = complete(client, skip_special_tokens=False, spaces_between_special_tokens=spaces, **kw).choices[0]
+        assert output_ids(out) == ids and out.text == kept
+        text, _ = streamed(complete(client, stream=True, skip_special_tokens=False,
+                                    spaces_between_special_tokens=spaces, **kw))
+        assert text == kept
+    text, _ = streamed(chat(client, stream=True, skip_special_tokens=False, max_tokens=10, temperature=1.0, seed=3,
+                            ignore_eos=True, allowed_token_ids=[eos, im_end, word]))
     assert "<|" in text
+
+
+def test_spaces_between_special_tokens_where_the_decoder_writes_spaces() -> None:
+    """A tokenizer without a decoder joins tokens with spaces: spaces_between_special_tokens=false writes a
+    special token that follows another bare, as vLLM does; true keeps the decoder's text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from services.gateway.special_tokens import added_tokens, output_detokenizer
+    from shared.sampling_params import SamplingParams
+
+    raw = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.add_special_tokens(["<s1>", "<s2>"])
+    t = PreTrainedTokenizerFast(tokenizer_object=raw)
+    s1, s2 = t.convert_tokens_to_ids(["<s1>", "<s2>"])
+    ids = [0, s1, s2, 1, s2]
+    assert t.decode(ids, skip_special_tokens=False) == "a <s1> <s2> b <s2>"
+
+    def text(**kw) -> str:  # noqa: ANN003
+        d = output_detokenizer(t, [0], SamplingParams(**kw), added_tokens(t))
+        return "".join(d.push([i]) for i in ids) + d.flush()
+
+    assert text(skip_special_tokens=False) == " a <s1> <s2> b <s2>"  # after the prompt's "a": a space first
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == " a <s1><s2> b <s2>"
+    assert text() == text(spaces_between_special_tokens=False) == " a b"
 
 
 def test_special_tokens_invalid(client) -> None:  # noqa: ANN001

@@ -22,6 +22,7 @@ from services.gateway.choice import Delta
 from services.gateway.context import GatewayContext
 from services.gateway.generation import Generation
 from services.gateway.prepare import Prepared
+from services.gateway.special_tokens import output_detokenizer
 from shared.protocol.generate import TokenLogprob
 
 
@@ -132,7 +133,8 @@ class BeamGeneration:
                 stopped = b.finish_reason == "stop"
                 if stopped and not params.include_stop_str_in_output:
                     text_ids = text_ids[:-1]
-                text = self.ctx.tokenizer.decode(text_ids, skip_special_tokens=params.skip_special_tokens)
+                detok = output_detokenizer(self.ctx.tokenizer, self.prepared.prompts[k], params, self.ctx.added_tokens)
+                text = detok.push(text_ids) + detok.flush()
                 last = b.tokens[-1] if stopped else None
                 yield Delta(index=k * len(self.prepared.samplings) + j, text=text, token_ids=list(b.tokens),
                             logprobs=b.logprobs if params.logprobs is not None else [], finish_reason=b.finish_reason,

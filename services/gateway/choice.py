@@ -13,10 +13,9 @@ from opentelemetry import trace
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, unavailable
 from services.gateway.router import NoWorkerError, OverloadedError
-from services.gateway.special_tokens import SpacedDetokenizer
+from services.gateway.special_tokens import output_detokenizer
 from services.gateway.stop import StopMatcher
 from shared import bus, subjects
-from shared.detokenizer import IncrementalDetokenizer
 from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
 from shared.sampling_params import SamplingParams
@@ -74,10 +73,7 @@ class Choice:
         self._generated: list[int] = []  # every token streamed so far, across migrations
         self.migrations = 0
         self._dead: set[str] = set()  # workers this choice lost
-        if not sampling.skip_special_tokens and sampling.spaces_between_special_tokens:
-            self._detok = SpacedDetokenizer(ctx.tokenizer, prompt, ctx.special_token_ids)
-        else:
-            self._detok = IncrementalDetokenizer(ctx.tokenizer, prompt, skip_special_tokens=sampling.skip_special_tokens)
+        self._detok = output_detokenizer(ctx.tokenizer, prompt, sampling, ctx.added_tokens)
         self._stop = StopMatcher(stops, include_stop=sampling.include_stop_str_in_output, regexes=stop_regex,
                                  streaming=streaming)
         self._stream: bus.ReplyStream[TokenChunk] | None = None

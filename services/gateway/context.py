@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
-from services.gateway.special_tokens import special_ids
+from services.gateway.special_tokens import added_tokens
 
 
 @dataclass
@@ -37,9 +37,9 @@ class GatewayContext:
         self._idle.set()
 
     @functools.cached_property
-    def special_token_ids(self) -> frozenset[int]:
-        """What skip_special_tokens drops (services/gateway/special_tokens.py), read once from the tokenizer."""
-        return special_ids(self.tokenizer)
+    def added_tokens(self) -> dict[int, str]:
+        """The tokenizer's added tokens (services/gateway/special_tokens.py), read once."""
+        return added_tokens(self.tokenizer)
 
     def max_model_len(self) -> int:
         """The checkpoint's limit, or less when the live workers were started with a shorter one."""

@@ -1,60 +1,54 @@
-"""Special tokens kept in the output text (skip_special_tokens=false), standing apart from the text around
-them when spaces_between_special_tokens is true (vLLM's default): each special token's text is one item,
-and items are joined by one space, as transformers' slow tokenizers decode. Fast tokenizers never add
-those spaces, so this is done here, over the incremental detokenizer of the text between them."""
+"""Output text under skip_special_tokens / spaces_between_special_tokens, as vLLM's detokenizer for fast
+tokenizers writes it.
+
+skip_special_tokens (default true) drops special tokens' text. With it false, spaces_between_special_tokens
+(default true) leaves the text as the tokenizer's decoder writes it; false writes a special token that follows
+another special token as its bare text, without whatever the decoder puts between tokens (a space, for
+tokenizers without a decoder or with a WordPiece one). Byte-level BPE decoders put nothing there, so for them
+both settings read the same (as in vLLM).
+"""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from shared.detokenizer import IncrementalDetokenizer
+from shared.sampling_params import SamplingParams
 
 
-def special_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids decode() drops under skip_special_tokens: the named special tokens and added tokens marked special."""
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    for i, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(added, "special", False):
-            ids.add(int(i))
-    return frozenset(ids)
+def added_tokens(tokenizer: Any) -> dict[int, str]:
+    """Token id -> text of every added token (vLLM's map for this rule: special or not)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {int(i): t.content for i, t in decoder.items()}
 
 
-class SpacedDetokenizer:
-    """push(ids) -> text delta, flush() -> the rest: the incremental detokenizer's contract."""
+def output_detokenizer(tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       added: dict[int, str]) -> Any:
+    """The incremental detokenizer (push(ids) -> delta, flush() -> rest) a request's settings call for."""
+    if not params.skip_special_tokens and not params.spaces_between_special_tokens and added:
+        return AdjacentSpecialDetokenizer(tokenizer, prompt_token_ids, added)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], special: frozenset[int]) -> None:
-        self._tok = tokenizer
-        self._special = special
+
+class AdjacentSpecialDetokenizer:
+    """skip_special_tokens=false, spaces_between_special_tokens=false: an added token right after another one
+    is written as its bare text (vLLM's FastIncrementalDetokenizer does the same, token by token)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], added: dict[int, str]) -> None:
         self._inner = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=False)
-        self._written = False  # some item is out: the next one is joined by a space
-        self._space_next = False  # the last item was a special token
+        self._added = added
+        self._last_added = False
 
     def push(self, token_ids: Iterable[int]) -> str:
-        out: list[str] = []
-        run: list[int] = []
+        out = []
         for t in token_ids:
-            if t not in self._special:
-                run.append(t)
-                continue
-            if run:
-                out.append(self._text(self._inner.push(run)))
-                run = []
-            out.append(self._text(self._inner.flush()))
-            out.append((" " if self._written else "") + self._tok.decode([t], skip_special_tokens=False))
-            self._written = self._space_next = True
-            # The text after a special token is a new item: it decodes on its own, without context.
-            self._inner = IncrementalDetokenizer(self._tok, (), skip_special_tokens=False)
-        if run:
-            out.append(self._text(self._inner.push(run)))
+            piece = self._inner.push([t])
+            bare = self._added.get(t)
+            if bare is not None and self._last_added:
+                piece = bare
+            self._last_added = bare is not None
+            out.append(piece)
         return "".join(out)
 
     def flush(self) -> str:
-        return self._text(self._inner.flush())
-
-    def _text(self, s: str) -> str:
-        if not s:
-            return ""
-        if self._space_next:
-            s, self._space_next = " " + s, False
-        self._written = True
-        return s
+        return self._inner.flush()
