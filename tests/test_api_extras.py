@@ -589,3 +589,15 @@ def test_chat_echo(client) -> None:  # noqa: ANN001
     # The final message is the user's: nothing to echo.
     assert chat(client, echo=True, max_tokens=5).choices[0].message.content == chat(client, max_tokens=5).choices[0].message.content
     expect_error(openai.BadRequestError, lambda: chat(client, echo="yes"), 400, "echo")
+
+
+def test_min_tokens_holds_back_stop_strings(client, tok) -> None:  # noqa: ANN001
+    """vLLM looks for stop strings only once the output is longer than min_tokens."""
+    base = complete(client, max_tokens=10, logprobs=0, return_tokens_as_token_ids=True).choices[0]
+    ids = output_ids(base)
+    stop = tok.decode(ids[:1]).strip() or tok.decode(ids[:2])
+    assert complete(client, max_tokens=10, stop=[stop]).choices[0].text == base.text[: base.text.index(stop)]
+    for stream in (False, True):
+        out = complete(client, stream=stream, max_tokens=10, min_tokens=4, stop=[stop])
+        text = streamed(out)[0] if stream else out.choices[0].text
+        assert text.startswith(tok.decode(ids[:4])), (text, stop)

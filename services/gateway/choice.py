@@ -281,14 +281,17 @@ class Choice:
                 # The engine ended on a stop token (a stop_token_id, eos, or a grammar's end): its text is
                 # not output unless asked (vLLM); its id still counts and is reported.
                 text_ids = text_ids[:-1]
-            delta.text = self._stop.push(self._detok.push(text_ids))
+            # Stop strings count only once the output is longer than min_tokens (vLLM's rule).
+            delta.text = self._stop.push(self._detok.push(text_ids),
+                                         armed=len(self._generated) > self._origin.sampling.min_tokens)
         if chunk.finished:
             self.sent = False  # the worker is done with it: nothing to cancel
         if self._stop.stopped:
             self.finish_reason, delta.stop_reason = "stop", self._stop.matched
             self.cancel_soon("stop string")  # the workers would otherwise run on to max_tokens
         elif chunk.finished:
-            delta.text += self._stop.push(self._detok.flush())
+            delta.text += self._stop.push(self._detok.flush(),
+                                          armed=len(self._generated) > self._origin.sampling.min_tokens)
             if self._stop.stopped:
                 self.finish_reason, delta.stop_reason = "stop", self._stop.matched
             else:

@@ -30,10 +30,13 @@ class StopMatcher:
         self.stopped = False
         self.matched: str | None = None  # the stop string (or regex pattern) that ended the text
 
-    def push(self, text: str) -> str:
-        """Returns the text that is safe to emit; sets `stopped` when a stop string appears."""
+    def push(self, text: str, armed: bool = True) -> str:
+        """Returns the text that is safe to emit; sets `stopped` when a stop string appears. Not `armed`
+        (min_tokens not yet reached: vLLM looks for stop strings only after them), the text passes as is."""
         if self.stopped or not text:
             return ""
+        if not armed:
+            return self._emit(self.flush() + text)
         if not self._stops and not self._regexes:
             return text
         buf = self._held + text
