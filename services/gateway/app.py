@@ -17,7 +17,7 @@ from services.gateway.openai_responses import ResponsesFormatter, ResponsesReque
 from services.gateway.health import check_health
 from services.gateway.load_info import get_load, server_info
 from services.gateway.score import ScoreRequest, serve_score
-from services.gateway.sglang_generate import GenerateFormatter, GenerateRequest
+from services.gateway.sglang_generate import GenerateFormatter, NativeGenerateRequest
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.sampling import first_message
 from services.gateway.prepare import check_model, prepare_chat, prepare_completion
@@ -59,7 +59,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         # SGLang's native API: its own body and answer around the completions path.
         raw = await _json_object(request)
         try:
-            native = GenerateRequest.model_validate(raw)
+            native = NativeGenerateRequest.model_validate(raw)
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
         body = native.completion()

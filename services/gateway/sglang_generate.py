@@ -47,7 +47,7 @@ class GenerateSampling(_Request):
     sampling_seed: int | None = Field(None, ge=0, lt=2**63)
 
 
-class GenerateRequest(_Request):
+class NativeGenerateRequest(_Request):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
@@ -59,7 +59,7 @@ class GenerateRequest(_Request):
     return_text_in_logprobs: StrictBool = False
 
     @model_validator(mode="after")
-    def _one_input(self) -> GenerateRequest:
+    def _one_input(self) -> NativeGenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text and input_ids")
         return self
@@ -101,7 +101,7 @@ class GenerateFormatter(Formatter):
 
     prefix = "gen"
 
-    def __init__(self, *args: Any, request: GenerateRequest, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, request: NativeGenerateRequest, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.request = request  # batching and logprob options
         self._ids: list[list[int]] = [[] for _ in range(self.n)]
