@@ -61,6 +61,7 @@ class MeshOptions:
     # Simulated engine workers per OS process (services/sim_pack.py): 80 of them fit in memory without 80
     # torch imports. 1: a process per worker, as for real workers.
     sim_workers_per_process: int = 1
+    routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -202,6 +203,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--reasoning-parser", opts.reasoning_parser]
         if opts.structured_outputs_in_reasoning:
             args.append("--structured-outputs-in-reasoning")
+        if opts.routing:
+            args += ["--routing", opts.routing]
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
     if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name:

@@ -106,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-workers-per-process", type=int, default=1, metavar="K",
                         help="--engine sim: run up to K simulated workers of a role in one process, each with its own "
                              "bus identity (a 64+16 worker mesh on a small machine; not with --planner)")
+    parser.add_argument("--routing", choices=["kv", "round-robin"], default=None,
+                        help="the gateway's routing: kv (default, KV-aware) or round-robin (a baseline)")
     parser.add_argument("--planner", choices=["load", "sla"], default=None,
                         help="scale prefill and decode workers while serving: load (queue and KV-usage thresholds) "
                              "or sla (predicted TTFT/ITL against --ttft-slo-ms/--itl-slo-ms); --prefill/--decode "
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
             engine=args.engine,
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
-            sim_workers_per_process=args.sim_workers_per_process,
+            sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
