@@ -1,4 +1,4 @@
-"""A simulated mesh as a real `kvmesh up --engine sim` (nats-server, gateway, tokenizer, simulated workers,
+"""A simulated mesh (or, with engine="real", one of real CPU workers) as a real `kvmesh up --engine sim` (nats-server, gateway, tokenizer, simulated workers,
 the supervisor) for the scale bench and the tests that run it: started, waited for until every worker has
 beaten to the gateway, measured (per-process CPU and memory from /proc, nats-server's /varz), stopped.
 Always torn down, also on an exception (the process group is killed if the drain does not end)."""
@@ -18,7 +18,8 @@ from pathlib import Path
 
 READY = re.compile(r"kvmesh is up at (http://\S+)/v1")
 STARTED = re.compile(r"^\[kvmesh\] started (\S+) \(pid (\d+)\)")
-MONITOR = re.compile(r"^\[kvmesh\] nats-0 at \S+ \(monitoring (\S+);")
+PLANNER = re.compile(r"decisions at (http://\S+)/decisions")
+MONITOR = re.compile(r"^\[kvmesh\] nats(?:-0)? at \S+ \(monitoring (\S+);")
 WORKER_SERIES = re.compile(r'^kvmesh:num_requests_running\{[^}]*role="(\w+)",worker="([^"]+)"')
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -54,18 +55,21 @@ class SimMesh:
     extra: Sequence[str] = ()
     log_path: Path | None = None
     startup_timeout_s: float = 240.0
+    engine: str = "sim"  # "real": real engine workers on the CPU (the planner's mechanism test)
     base: str = ""
+    planner: str = ""  # the planner's endpoint, when --planner is among the flags
     monitor: str = ""
     pids: dict[str, int] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
     _proc: subprocess.Popen | None = None
 
     def __enter__(self) -> SimMesh:
-        argv = [sys.executable, "-m", "shared.cli", "up", "--engine", "sim", "--model", str(self.model),
+        argv = [sys.executable, "-m", "shared.cli", "up", "--engine", self.engine, "--model", str(self.model),
                 "--served-model-name", "sim", "--kvstore", "0", "--port", str(free_port()),
-                "--decode", str(self.decode), "--prefill", str(self.prefill),
-                "--sim-workers-per-process", str(self.per_process), "--log-level", "warning",
+                "--decode", str(self.decode), "--prefill", str(self.prefill), "--log-level", "warning",
                 "--startup-timeout", str(self.startup_timeout_s), *self.extra]
+        if self.engine == "sim":
+            argv += ["--sim-workers-per-process", str(self.per_process)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "KVMESH_"))}
         self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True, env={**env, "PYTHONUNBUFFERED": "1"})
@@ -91,6 +95,8 @@ class SimMesh:
                 self.pids[m[1]] = int(m[2])
             elif m := MONITOR.search(line):
                 self.monitor = m[1]
+            elif m := PLANNER.search(line):
+                self.planner = m[1]
             elif m := READY.search(line):
                 self.base = m[1]
         if log:

@@ -62,6 +62,7 @@ class MeshOptions:
     # torch imports. 1: a process per worker, as for real workers.
     sim_workers_per_process: int = 1
     routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
+    max_num_seqs: int | None = None  # engine workers' batch limit (None: the workers' default)
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -71,6 +72,7 @@ class MeshOptions:
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
         assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
+        assert self.max_num_seqs is None or self.max_num_seqs > 0, "--max-num-seqs must be positive"
         assert self.engine in ("real", "sim"), "--engine must be real or sim"
         assert self.sim_speed > 0, "--sim-speed must be > 0"
         assert self.sim_workers_per_process >= 1, "--sim-workers-per-process must be >= 1"
@@ -226,6 +228,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--enforce-eager"]
         if opts.max_model_len:
             args += ["--max-model-len", str(opts.max_model_len)]
+        if opts.max_num_seqs:
+            args += ["--max-num-seqs", str(opts.max_num_seqs)]
         if opts.quantization:
             args += ["--quantization", opts.quantization]
         if opts.engine == "sim":

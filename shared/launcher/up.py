@@ -106,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-workers-per-process", type=int, default=1, metavar="K",
                         help="--engine sim: run up to K simulated workers of a role in one process, each with its own "
                              "bus identity (a 64+16 worker mesh on a small machine; not with --planner)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                        help="engine workers' batch limit (default: theirs, 128); the load planner reads it too")
     parser.add_argument("--routing", choices=["kv", "round-robin"], default=None,
                         help="the gateway's routing: kv (default, KV-aware) or round-robin (a baseline)")
     parser.add_argument("--planner", choices=["load", "sla"], default=None,
@@ -150,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             engine=args.engine,
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
             sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
+            max_num_seqs=args.max_num_seqs,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
@@ -247,7 +250,8 @@ def planner_config(args: argparse.Namespace, opts: MeshOptions) -> PlannerConfig
                                    for r in ("prefill", "decode")},
         budget=args.planner_budget, interval_s=args.planner_interval, ttft_slo_s=ms(args.ttft_slo_ms),
         itl_slo_s=ms(args.itl_slo_ms), profile=profile, speed=opts.sim_speed if opts.engine == "sim" else 1.0,
-        remote_prefill_threshold=opts.remote_prefill_threshold if opts.remote_prefill_threshold is not None else 512)
+        remote_prefill_threshold=opts.remote_prefill_threshold if opts.remote_prefill_threshold is not None else 512,
+        max_num_seqs=opts.max_num_seqs or WORKER_DEFAULTS.max_num_seqs)
 
 
 def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> MeshOptions:
@@ -258,7 +262,8 @@ def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> M
     sizes = parse_gpu_memory(gpu_memory, opts.devices) or gpu_memory_from_nvidia_smi(opts.devices)
     cfg = load_model_config(opts.model)
     d = WORKER_DEFAULTS
-    needs = worker_needs(cfg, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens, d.max_num_seqs)
+    needs = worker_needs(cfg, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens,
+                         opts.max_num_seqs or d.max_num_seqs)
     plan = plan_mesh(opts, sizes, needs, cfg.max_position_embeddings, d.block_size, layout_given)
     print(plan.table(), flush=True)
     keep_len = plan.max_model_len == (opts.max_model_len or cfg.max_position_embeddings)
