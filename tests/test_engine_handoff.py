@@ -100,6 +100,26 @@ def test_release_held_falls_back_to_local_compute(checkpoints, hf_reference):
     assert_all_free(decode)
 
 
+def test_reserve_commits_a_local_prompt_in_the_same_command(checkpoints, hf_reference):
+    """A decode worker with nothing below its device pool commits a local prompt in its Reserve command (one
+    engine round trip): above the bound it stays held, below it runs from its prefix cache, like a local run."""
+    from shared.engine.commands import Reserve
+
+    ckpt = checkpoints["llama"]
+    decode = make_engine(ckpt)
+    prompt = random_prompts([40], seed=17)[0]
+    held = Reserve("h", prompt, greedy(8), commit_if_uncached_below=40).run(decode)
+    assert held is not None and not held.committed and decode.is_held("h")
+    decode.release_held("h")
+    first = run_to_completion(decode)["h"]
+    again = Reserve("c", prompt, greedy(8), commit_if_uncached_below=41).run(decode)
+    assert again is not None and again.committed and again.num_cached_tokens == 32 and not decode.is_held("c")
+    out = run_to_completion(decode)["c"]
+    assert out.output_token_ids == first.output_token_ids
+    assert_matches_hf(ckpt, hf_reference, [prompt], [out], 8)
+    assert_all_free(decode)
+
+
 def test_fp8_kv_moves_between_engines_byte_for_byte(checkpoints):
     """An FP8 KV cache's blocks, read chunk by chunk on one engine and written into another, give the
     tokens a local FP8 run gives (the bytes are the same; FP8 has no CPU index_copy, reads use index_select)."""

@@ -72,6 +72,22 @@ def test_router_prefers_longest_cached_prefix_and_avoids_overloaded() -> None:
     assert r.pick(prompt).cached_blocks == 0
 
 
+def test_round_robin_routing_ignores_caches_and_skips_full_workers() -> None:
+    clock = Clock()
+    r = Router(RouterConfig(expiry_s=3.0, max_waiting=4, policy="round-robin"), clock)
+    prompt = list(range(40))
+    for w in ("b", "a", "c"):
+        r.on_beat(beat(w))
+    r.on_stored(BlockStored(worker_id="c", hashes=hash_blocks(ROOT, prompt, 4)))  # c holds it all
+    picks = [r.pick(prompt) for _ in range(6)]
+    assert [p.worker_id for p in picks] == ["a", "b", "c"] * 2
+    assert [p.cached_blocks for p in picks[:3]] == [0, 0, 10]  # what the chosen worker holds, still reported
+    r.on_beat(beat("b", waiting=4))  # at the bound: skipped
+    assert {r.pick(prompt).worker_id for _ in range(4)} == {"a", "c"}
+    with pytest.raises(AssertionError, match="routing"):
+        RouterConfig(policy="random")
+
+
 def test_router_scores_the_host_tier_and_the_kvstore() -> None:
     """Issue 10 item 5: a block in a worker's host tier is cheap on that worker; a block in the kvstore
     is cheap on every worker, which lets load decide where a small device prefix would have won."""

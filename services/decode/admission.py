@@ -59,6 +59,9 @@ class AdmissionSettings:
     remote_prefill_timeout_s: float
     kv_transfer_timeout_s: float
     remote_prefill_timeout_per_token_s: float = 0.0
+    # No host tier and no kvstore: nothing below the device pool can add to a prompt's prefix, so a prompt
+    # that stays local is committed by its Reserve command (one engine round trip, not two).
+    nothing_below_device: bool = False
 
 
 class Host(Protocol):
@@ -116,9 +119,16 @@ class Admission:
     async def _admit(self) -> None:
         req, rid, host = self.req, self.rid, self.host
         params = req.sampling
+        here = params.prompt_logprobs is not None  # prompt logprobs need every prompt position computed here
+        s = self.settings
+        # Each engine command waits for the step in progress to end: a local prompt committed by Reserve itself
+        # starts a step sooner (`kvmesh bench scale` measured ~0.7 of a step of TTFT for the second round trip).
+        commit_below = len(req.prompt_token_ids) + 1 if here else (
+            s.remote_prefill_threshold if s.nothing_below_device else 0)
         with _tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(self.span)) as span:
             try:
-                res = await host.thread.run(Reserve(rid, req.prompt_token_ids, params, req.priority))
+                res = await host.thread.run(Reserve(rid, req.prompt_token_ids, params, req.priority,
+                                                    commit_if_uncached_below=commit_below))
             except ValueError as e:
                 self.state = State.FAILED
                 raise InvalidRequest(str(e)) from None
@@ -130,9 +140,13 @@ class Admission:
                 self.state = State.QUEUED
                 span.set_attribute("kvmesh.prefill", "local-queued")
                 return
+            if res.committed:
+                self.reservation, self.num_cached_tokens, self.state = res, res.num_cached_tokens, State.RUNNING
+                span.set_attribute("kvmesh.cached_tokens", res.num_cached_tokens)
+                span.set_attribute("kvmesh.prefill", "local")
+                return
             self.reservation, self.state = res, State.RESERVED
             # Prompt logprobs need the logits of every prompt position: computed here, nothing fetched.
-            here = params.prompt_logprobs is not None
             cached = res.num_cached_tokens if here else await host.load_prefix(rid, res)
             if self.state is State.CANCELLED:
                 return

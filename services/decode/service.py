@@ -77,7 +77,9 @@ class DecodeService(EngineWorker):
         s = self.settings
         self.admission_settings = AdmissionSettings(s.worker_id, self.block_size, s.remote_prefill_threshold,
                                                     s.remote_prefill_timeout_s, s.kv_transfer_timeout_s,
-                                                    s.remote_prefill_timeout_per_token_s)
+                                                    s.remote_prefill_timeout_per_token_s,
+                                                    nothing_below_device=self.kvstore is None
+                                                    and not self.engine.config.host_kv_bytes)
         self.outbox = Outbox(nc, subjects.decode_events(s.worker_id))
         await self.transport.start(s.worker_id)
         self.cancel_sub = await bus.subscribe(nc, subjects.DECODE_CANCEL, self._on_cancel, CancelRequest)

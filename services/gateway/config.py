@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ROUTING = ("kv", "round-robin")
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -29,8 +31,12 @@ class GatewayConfig:
     # vLLM's structured_outputs_config.enable_in_reasoning: constraints (structured outputs, forced tool calls)
     # cover a reasoning model's <think> text too, instead of starting after it.
     structured_outputs_in_reasoning: bool = False
+    # "kv": the worker caching most of the prompt, weighed by load (router.py); "round-robin": the next alive
+    # worker in turn, blind to caches (the baseline KV-aware routing is measured against: `kvmesh bench scale`).
+    routing: str = "kv"
 
     def __post_init__(self) -> None:
+        assert self.routing in ROUTING, f"routing must be one of {', '.join(ROUTING)}"
         assert self.max_waiting > 0, "max_waiting must be positive"
         assert self.default_max_tokens >= 0
         assert self.migration_limit >= 0

@@ -74,6 +74,10 @@ class RouterConfig:
     # of 16-token blocks is 4M tokens of host tier, about 40 MB of router memory per worker at the cap.
     max_worker_hashes: int = 1 << 18
     forget_after_expiries: int = 10  # a worker silent this many expiry periods is dropped with its blocks
+    policy: str = "kv"  # "round-robin": the next open worker in turn, caches ignored (a baseline)
+
+    def __post_init__(self) -> None:
+        assert self.policy in ("kv", "round-robin"), f"unknown routing policy {self.policy!r}"
 
 
 class Router:
@@ -82,6 +86,7 @@ class Router:
         self._clock = clock
         self._workers: dict[str, WorkerState] = {}
         self._kvstore_blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._turn = 0  # round robin's position
 
     # --- events -----------------------------------------------------------------------------------
 
@@ -183,6 +188,10 @@ class Router:
         open_ = [w for w in workers if w.beat and w.beat.waiting < self.config.max_waiting]
         if not open_:
             raise OverloadedError(f"every decode worker has {self.config.max_waiting} or more requests waiting")
+        if self.config.policy == "round-robin":
+            open_.sort(key=lambda w: w.worker_id)
+            open_ = [open_[self._turn % len(open_)]]  # scored alone below: the route still says what it holds
+            self._turn += 1
         hashes: dict[tuple[bytes, int], list[bytes]] = {}  # workers of one model share a hashing scheme
         best: tuple[float, int, str] | None = None
         best_route: Route | None = None

@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from services.gateway.app import create_app
 from services.gateway.beat_check import beat_problem
-from services.gateway.config import GatewayConfig
+from services.gateway.config import ROUTING, GatewayConfig
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
@@ -73,7 +73,7 @@ class GatewayService(Service):
         cfg = self.config
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir)
         model_config = load_model_config(cfg.model_dir)
-        router = Router(RouterConfig(expiry_s=cfg.worker_expiry_s, max_waiting=cfg.max_waiting))
+        router = Router(RouterConfig(expiry_s=cfg.worker_expiry_s, max_waiting=cfg.max_waiting, policy=cfg.routing))
         self.ctx = ctx = GatewayContext(
             config=cfg, nc=nc, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
             model_max_len=min(cfg.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings),
@@ -191,6 +191,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: they start after it, as vLLM)")
 
 
+    parser.add_argument("--routing", choices=ROUTING, default="kv",
+                        help="kv (default): the decode worker caching most of the prompt, weighed by load; "
+                             "round-robin: each alive worker in turn, blind to caches (a baseline)")
+
+
 def build(args: argparse.Namespace) -> GatewayService:
     return GatewayService(GatewayConfig(
         model_dir=args.model,
@@ -200,6 +205,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
+        routing=args.routing,
     ))
 
 

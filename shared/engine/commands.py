@@ -9,7 +9,7 @@ by the engine thread, so it reaches the event loop before any later step's token
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
@@ -37,10 +37,18 @@ class Reserve(Command[Reservation | None]):
     params: SamplingParams
     priority: int = 0
     capture_kv_from_block: int | None = None
+    # When fewer prompt tokens than this are left after the prefix cache, commit at once (computed here): the
+    # caller knows nothing below the device could add to the prefix, and saves a second wait for the step
+    # boundary (a command runs between steps). 0: never.
+    commit_if_uncached_below: int = 0
 
     def run(self, engine: LLMEngine) -> Reservation | None:
-        return engine.reserve(self.request_id, self.prompt_token_ids, self.params, self.priority,
-                              capture_kv_from_block=self.capture_kv_from_block)
+        res = engine.reserve(self.request_id, self.prompt_token_ids, self.params, self.priority,
+                             capture_kv_from_block=self.capture_kv_from_block)
+        if res is not None and len(self.prompt_token_ids) - res.num_cached_tokens < self.commit_if_uncached_below:
+            engine.commit_held(self.request_id, res.num_cached_tokens)
+            return replace(res, committed=True)
+        return res
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class Reservation:
     num_cached_tokens: int  # prompt tokens already in this engine's prefix cache (whole blocks)
     block_hashes: list[bytes]  # hashes of the prompt's full blocks that may be fetched (never the last token's)
     num_blocks: int  # blocks reserved for the whole prompt
+    committed: bool = False  # Reserve committed it at once (computed here from its prefix cache: commands.Reserve)
 
 
 class Scheduler:

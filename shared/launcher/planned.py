@@ -10,13 +10,13 @@ from shared.planner.config import PlannerConfig
 from shared.planner.endpoint import PlannerEndpoint
 from shared.planner.observe import GatewayMetrics
 from shared.planner.planner import Planner
-from shared.planner.policy import LoadPolicy, SlaPolicy
+from shared.planner.policy import LoadPolicy, LoadThresholds, SlaPolicy
 from shared.planner.scaler import Scaler
 
 
 def build_policy(config: PlannerConfig):  # noqa: ANN201 - LoadPolicy | SlaPolicy
     if config.mode == "load":
-        return LoadPolicy()
+        return LoadPolicy(LoadThresholds(max_num_seqs=config.max_num_seqs))
     from shared.engine.sim_profile import CostModel, load_profile
 
     assert config.profile and config.ttft_slo_s and config.itl_slo_s

@@ -19,6 +19,10 @@ DEFAULT_PORT = 8000
 # Environment every service process gets, locally and in compose. Unbuffered output so the
 # launcher's `[name]` prefixing and `docker logs` show lines as they are written.
 SERVICE_ENV: Mapping[str, str] = {"PYTHONUNBUFFERED": "1"}
+# A pack of simulated workers (services/sim_pack.py) gets its members' bus credentials here, as a JSON object
+# {worker id: {"user", "password", "inbox_prefix"}}: what NATS_USER/NATS_PASSWORD/NATS_INBOX_PREFIX are to a
+# one-worker process.
+PACK_IDENTITIES_ENV = "KVMESH_PACK_IDENTITIES"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,11 @@ class MeshOptions:
     engine: str = "real"
     sim_profile: str | None = None  # the simulated engine's cost-model profile (None: the workers' default)
     sim_speed: float = 1.0
+    # Simulated engine workers per OS process (services/sim_pack.py): 80 of them fit in memory without 80
+    # torch imports. 1: a process per worker, as for real workers.
+    sim_workers_per_process: int = 1
+    routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
+    max_num_seqs: int | None = None  # engine workers' batch limit (None: the workers' default)
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -63,8 +72,12 @@ class MeshOptions:
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
         assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
+        assert self.max_num_seqs is None or self.max_num_seqs > 0, "--max-num-seqs must be positive"
         assert self.engine in ("real", "sim"), "--engine must be real or sim"
         assert self.sim_speed > 0, "--sim-speed must be > 0"
+        assert self.sim_workers_per_process >= 1, "--sim-workers-per-process must be >= 1"
+        assert self.sim_workers_per_process == 1 or self.engine == "sim", \
+            "--sim-workers-per-process is for simulated workers (--engine sim) only"
 
     def replicas(self, service: str) -> int:
         return 1 if service == "gateway" else int(getattr(self, service))
@@ -113,6 +126,9 @@ class ProcessSpec:
     name: str
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)  # on top of the launcher's environment
+    # The bus identities (worker instance names) a pack of simulated workers runs; () for a one-service
+    # process, whose identity is its name.
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,7 @@ class ServiceSpec:
     args: tuple[str, ...]
     env: Mapping[str, str]
     placement: Mapping[str, Placement] = field(default_factory=dict)  # instance name -> GPU (local runs only)
+    pack: int = 1  # simulated engine workers per process (services/sim_pack.py)
 
     @property
     def module(self) -> str:
@@ -149,6 +166,16 @@ class ServiceSpec:
         return {"CUDA_VISIBLE_DEVICES": where.device} if where is not None else {}
 
     def processes(self, python: str, env: Mapping[str, str]) -> list[ProcessSpec]:
+        if self.pack > 1 and self.service in ENGINE_SERVICES:
+            packs = []
+            for k, first in enumerate(range(0, self.replicas, self.pack)):
+                names = tuple(self.instance_name(i) for i in range(first, min(self.replicas, first + self.pack)))
+                packs.append(ProcessSpec(
+                    name=f"{self.service}-pack-{k}",
+                    argv=(python, "-m", "services.sim_pack", "--role", self.service, *self.args,
+                          "--worker-ids", ",".join(names)),
+                    env={**self.env, **env}, members=names))
+            return packs
         return [
             ProcessSpec(
                 name=self.instance_name(i),
@@ -162,7 +189,8 @@ class ServiceSpec:
 def mesh_services(opts: MeshOptions) -> list[ServiceSpec]:
     where = placement(opts)
     return [ServiceSpec(name, opts.replicas(name), _service_args(name, opts), dict(SERVICE_ENV),
-                        {k: v for k, v in where.items() if k.startswith(name + "-")}) for name in SERVICES]
+                        {k: v for k, v in where.items() if k.startswith(name + "-")}, opts.sim_workers_per_process)
+            for name in SERVICES]
 
 
 def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
@@ -177,6 +205,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--reasoning-parser", opts.reasoning_parser]
         if opts.structured_outputs_in_reasoning:
             args.append("--structured-outputs-in-reasoning")
+        if opts.routing:
+            args += ["--routing", opts.routing]
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
     if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name:
@@ -198,6 +228,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--enforce-eager"]
         if opts.max_model_len:
             args += ["--max-model-len", str(opts.max_model_len)]
+        if opts.max_num_seqs:
+            args += ["--max-num-seqs", str(opts.max_num_seqs)]
         if opts.quantization:
             args += ["--quantization", opts.quantization]
         if opts.engine == "sim":

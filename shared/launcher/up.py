@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import os
 import secrets
 import signal
@@ -26,8 +27,8 @@ from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
 from shared.engine.sim_profile import ProfileError
 from shared.launcher.planned import start_planner
-from shared.launcher.spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, SERVICES, MeshOptions, ProcessSpec,
-                                  mesh_services)
+from shared.launcher.spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, PACK_IDENTITIES_ENV, SERVICES,
+                                  MeshOptions, ProcessSpec, mesh_services)
 from shared.planner.config import PlannerConfig, PlannerConfigError, RoleLimits
 from shared.planner.scaler import SupervisorScaler
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
@@ -102,6 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost-model profile of the simulated workers (default: the shipped H100 Llama-3.1-8B one)")
     parser.add_argument("--sim-speed", type=float, default=1.0,
                         help="the simulated workers run this many times faster than their profile (default 1)")
+    parser.add_argument("--sim-workers-per-process", type=int, default=1, metavar="K",
+                        help="--engine sim: run up to K simulated workers of a role in one process, each with its own "
+                             "bus identity (a 64+16 worker mesh on a small machine; not with --planner)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                        help="engine workers' batch limit (default: theirs, 128); the load planner reads it too")
+    parser.add_argument("--routing", choices=["kv", "round-robin"], default=None,
+                        help="the gateway's routing: kv (default, KV-aware) or round-robin (a baseline)")
     parser.add_argument("--planner", choices=["load", "sla"], default=None,
                         help="scale prefill and decode workers while serving: load (queue and KV-usage thresholds) "
                              "or sla (predicted TTFT/ITL against --ttft-slo-ms/--itl-slo-ms); --prefill/--decode "
@@ -143,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
             engine=args.engine,
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
+            sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
+            max_num_seqs=args.max_num_seqs,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
@@ -177,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
         print("kvmesh up: --nats-servers must be at least 1", file=sys.stderr)
         return 2
     planner = None
+    if args.planner and opts.sim_workers_per_process > 1:
+        # The planner starts and drains workers one process each; a packed worker cannot be drained alone.
+        print("kvmesh up: --sim-workers-per-process does not combine with --planner (it scales one process per "
+              "worker)", file=sys.stderr)
+        return 2
     if args.planner:
         try:
             planner = planner_config(args, opts)
@@ -235,7 +250,8 @@ def planner_config(args: argparse.Namespace, opts: MeshOptions) -> PlannerConfig
                                    for r in ("prefill", "decode")},
         budget=args.planner_budget, interval_s=args.planner_interval, ttft_slo_s=ms(args.ttft_slo_ms),
         itl_slo_s=ms(args.itl_slo_ms), profile=profile, speed=opts.sim_speed if opts.engine == "sim" else 1.0,
-        remote_prefill_threshold=opts.remote_prefill_threshold if opts.remote_prefill_threshold is not None else 512)
+        remote_prefill_threshold=opts.remote_prefill_threshold if opts.remote_prefill_threshold is not None else 512,
+        max_num_seqs=opts.max_num_seqs or WORKER_DEFAULTS.max_num_seqs)
 
 
 def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> MeshOptions:
@@ -246,7 +262,8 @@ def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> M
     sizes = parse_gpu_memory(gpu_memory, opts.devices) or gpu_memory_from_nvidia_smi(opts.devices)
     cfg = load_model_config(opts.model)
     d = WORKER_DEFAULTS
-    needs = worker_needs(cfg, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens, d.max_num_seqs)
+    needs = worker_needs(cfg, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens,
+                         opts.max_num_seqs or d.max_num_seqs)
     plan = plan_mesh(opts, sizes, needs, cfg.max_position_embeddings, d.block_size, layout_given)
     print(plan.table(), flush=True)
     keep_len = plan.max_model_len == (opts.max_model_len or cfg.max_position_embeddings)
@@ -333,7 +350,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
 
     services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service))]
     if cluster:
-        services = [replace(p, env={**p.env, **cluster[0].role_env(p.name)}) for p in services]
+        services = [replace(p, env={**p.env, **_bus_env(cluster[0], p)}) for p in services]
     if len(cluster) > 1:  # spread the services: each starts at the next server and fails over along the list
         services = [replace(p, env={**p.env, "NATS_URL": _rotate(nats_url, i), "NATS_NO_RANDOMIZE": "1"})
                     for i, p in enumerate(services)]
@@ -389,6 +406,20 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
     await supervisor.stop([server.name for server in cluster], timeout=5)
     return rc or (1 if unclean else 0)
+
+
+def _bus_env(server: LocalNats, proc: ProcessSpec) -> dict[str, str]:
+    """The bus credentials of a process: its own identity's, or each member's for a pack of simulated workers."""
+    if not proc.members:
+        return server.role_env(proc.name)
+    env = server.role_env(proc.members[0])
+    creds = {m: {"user": e.get("NATS_USER"), "password": e.get("NATS_PASSWORD"),
+                 "inbox_prefix": e.get("NATS_INBOX_PREFIX")} for m in proc.members if (e := server.role_env(m))}
+    for k in ("NATS_USER", "NATS_PASSWORD", "NATS_INBOX_PREFIX"):
+        env.pop(k, None)  # the members connect under their own names, from the JSON below
+    if any(c["user"] for c in creds.values()):
+        env[PACK_IDENTITIES_ENV] = json.dumps(creds)
+    return env
 
 
 def _rotate(urls: str, i: int) -> str:

@@ -32,6 +32,7 @@ class PlannerConfig:
     down_after: int = 2
     max_step: int = 1
     remote_prefill_threshold: int = 512  # prompts with fewer uncached tokens never reach a prefill worker
+    max_num_seqs: int = 128  # the decode workers' batch limit (the load policy's "running" share is of it)
 
     def __post_init__(self) -> None:
         if self.mode not in ("load", "sla"):

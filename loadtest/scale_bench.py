@@ -1,0 +1,313 @@
+"""`kvmesh bench scale`: a simulated mesh of 64 decode + 16 prefill workers (issue 25 section 1) under streaming
+load, on this machine.
+
+One real `kvmesh up --engine sim` (nats-server on its locked-down bus, gateway, tokenizer, the workers packed
+--per-process to an OS process: services/sim_pack.py). Measured:
+- idle: each process's memory (RSS, PSS) and CPU over --idle-s, per simulated worker;
+- per concurrency level (closed loop: N streams each sending its next request when one ends, for --level-s):
+  requests/s and tokens/s through the gateway, NATS messages/s (nats-server's /varz), CPU per service (cores),
+  and what the mesh adds beyond the engine: the client's TTFT against the worker's own queue + first step time,
+  and the client's first-to-last token span against the worker's own decode time (both from the gateway's
+  worker-timing histograms, which the workers fill from their engine's clock);
+- KV-aware routing's prefix hits against round robin on a shared-prefix workload (groups of requests sharing a
+  long system prefix), the same requests for both, a fresh mesh each.
+
+Time runs at --speed (the simulated GPU that much slower) so the token rate stays within what the gateway of a
+2-core machine carries; which process saturates first is the question the bench answers (`saturated`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.sim_mesh import SimMesh, cpu_seconds, memory_mib
+
+HIST = re.compile(r'^kvmesh:(request_queue_time_seconds|request_prefill_time_seconds|request_decode_time_seconds|'
+                  r'request_generation_tokens|time_to_first_token_seconds|e2e_request_latency_seconds)_(sum|count)\{[^}]*\} (\S+)')
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", required=True, metavar="PATH")
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--prefill", type=int, default=16)
+    parser.add_argument("--per-process", type=int, default=16, help="simulated workers per OS process")
+    parser.add_argument("--levels", default="100,500,2000@0.001/16/90",
+                        help="concurrency levels, comma separated: STREAMS[@SPEED[/OSL[/SECONDS]]] (defaults: --speed, "
+                             "--osl, --level-s); a level at another speed gets a fresh mesh (the workers' --sim-speed)")
+    parser.add_argument("--level-s", type=float, default=30.0, help="seconds measured per level")
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument("--speed", type=float, default=0.02, help="simulated GPU speed (1: the profile's)")
+    parser.add_argument("--isl", type=int, default=200, help="prompt tokens of the streaming levels")
+    parser.add_argument("--osl", type=int, default=32, help="output tokens of the streaming levels")
+    parser.add_argument("--prefix-groups", type=int, default=32, help="shared-prefix workload: distinct prefixes")
+    parser.add_argument("--prefix-tokens", type=int, default=1024, help="shared-prefix workload: prefix length")
+    parser.add_argument("--prefix-requests", type=int, default=512)
+    parser.add_argument("--prefix-concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+@dataclass
+class Result:
+    ttft: float | None = None
+    span: float | None = None  # first token -> last token, at the client
+    tokens: int = 0
+    cached: int = 0
+    prompt: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Level:
+    streams: int
+    results: list[Result] = field(default_factory=list)
+
+
+async def _stream(client, base: str, prompt: list[int], osl: int) -> Result:  # noqa: ANN001
+    body = {"model": "sim", "prompt": prompt, "max_tokens": osl, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    res, t0 = Result(), time.monotonic()
+    first = last = None
+    try:
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if "error" in msg:
+                    res.error = str(msg["error"])[:200]
+                    return res
+                if msg.get("usage"):
+                    u = msg["usage"]
+                    res.tokens, res.prompt = u["completion_tokens"], u["prompt_tokens"]
+                    res.cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                if msg.get("choices"):
+                    now = time.monotonic()
+                    first = first or now
+                    last = now
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, never fatal
+        res.error = f"{type(e).__name__}: {e}"[:200]
+        return res
+    if first is not None:
+        res.ttft, res.span = first - t0, last - first
+    return res
+
+
+def _machine_busy_s() -> float:
+    """CPU-seconds every core of the machine spent busy (all processes, other people's work included)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + (f[4] if len(f) > 4 else 0)
+    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _histograms(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if m := HIST.search(line):
+            out[f"{m[1]}_{m[2]}"] = out.get(f"{m[1]}_{m[2]}", 0.0) + float(m[3])
+    return out
+
+
+def _cpu_by_service(mesh: SimMesh, client_pid: int) -> dict[str, float]:
+    cpu = mesh.cpu()
+    cpu["client"] = cpu_seconds(client_pid)
+    out: dict[str, float] = {}
+    for name, s in cpu.items():
+        key = re.sub(r"-(pack-)?\d+$", "", name)  # decode-pack-3 -> decode, gateway-0 -> gateway
+        out[key] = out.get(key, 0.0) + s
+    return out
+
+
+async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: float, seed: int, vocab: int) -> dict:
+    import httpx
+
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=level.streams + 16, max_keepalive_connections=level.streams + 16)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        # Ramp: every stream's first request is out before the window opens.
+        metrics0 = varz0 = cpu0 = None
+        t_open = t_close = 0.0
+        measuring = asyncio.Event()
+        closing = asyncio.Event()
+
+        async def stream_loop() -> None:
+            while not closing.is_set():
+                prompt = [rng.randrange(10, vocab - 10) for _ in range(isl)]
+                r = await _stream(client, mesh.base, prompt, osl)
+                if measuring.is_set() and not closing.is_set():
+                    level.results.append(r)
+                if r.error:
+                    await asyncio.sleep(0.5)  # an overloaded gateway's 503: back off, as a client would
+
+        tasks = []
+        for _ in range(level.streams):
+            tasks.append(asyncio.create_task(stream_loop()))
+            await asyncio.sleep(min(0.01, 5.0 / level.streams))
+        await asyncio.sleep(3.0)
+        metrics0 = _histograms((await client.get(f"{mesh.base}/metrics")).text)
+        varz0, cpu0, t_open = mesh.varz(), _cpu_by_service(mesh, os.getpid()), time.monotonic()
+        busy0 = _machine_busy_s()
+        measuring.set()
+        await asyncio.sleep(seconds)
+        closing.set()
+        t_close = time.monotonic()
+        varz1, cpu1, busy1 = mesh.varz(), _cpu_by_service(mesh, os.getpid()), _machine_busy_s()
+        metrics1 = _histograms((await client.get(f"{mesh.base}/metrics")).text)
+        window = t_close - t_open
+        await asyncio.wait(tasks, timeout=120)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    ok = [r for r in level.results if not r.error and r.ttft is not None]
+    d = {k: metrics1.get(k, 0.0) - metrics0.get(k, 0.0) for k in metrics1}
+    n_worker = d.get("request_decode_time_seconds_count", 0.0)
+    worker_ttft = ((d.get("request_queue_time_seconds_sum", 0) + d.get("request_prefill_time_seconds_sum", 0)) / n_worker
+                   if n_worker else None)
+    worker_span = d.get("request_decode_time_seconds_sum", 0) / n_worker if n_worker else None
+    n_gw = d.get("time_to_first_token_seconds_count", 0.0)
+    gateway_ttft = d.get("time_to_first_token_seconds_sum", 0.0) / n_gw if n_gw else None
+    client_ttft = sum(r.ttft for r in ok) / len(ok) if ok else None
+    client_span = sum(r.span for r in ok) / len(ok) if ok else None
+    tokens = sum(r.tokens for r in ok)
+    cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / window for k in cpu1}
+    per_token = (client_span - worker_span) / max(1, osl - 1) if client_span is not None and worker_span else None
+    return {
+        "streams": level.streams, "window_s": window, "finished": len(ok),
+        "errors": len(level.results) - len(ok),
+        "error_examples": sorted({r.error for r in level.results if r.error})[:3],
+        "requests_per_s": len(ok) / window, "output_tokens_per_s": tokens / window,
+        "nats_msgs_per_s": {"in": (varz1.get("in_msgs", 0) - varz0.get("in_msgs", 0)) / window,
+                            "out": (varz1.get("out_msgs", 0) - varz0.get("out_msgs", 0)) / window},
+        "nats_bytes_per_s": {"in": (varz1.get("in_bytes", 0) - varz0.get("in_bytes", 0)) / window,
+                             "out": (varz1.get("out_bytes", 0) - varz0.get("out_bytes", 0)) / window},
+        "cpu_cores_by_service": {k: round(v, 3) for k, v in sorted(cores.items())},
+        # The whole machine's busy cores in the window: the mesh and the client, plus everyone else's work.
+        "machine_busy_cores": (busy1 - busy0) / window, "machine_cores": os.cpu_count(),
+        # gateway_mean: HTTP arrival at the gateway -> first chunk out of it (what the client adds is the rest).
+        "ttft_s": {"client_mean": client_ttft, "gateway_mean": gateway_ttft, "worker_mean": worker_ttft,
+                   "mesh_added_s": client_ttft - worker_ttft if client_ttft and worker_ttft else None,
+                   "mesh_added_fraction": client_ttft / worker_ttft - 1 if client_ttft and worker_ttft else None},
+        "per_output_token_s": {"client_mean": client_span / max(1, osl - 1) if client_span is not None else None,
+                               "worker_mean": worker_span / max(1, osl - 1) if worker_span is not None else None,
+                               "mesh_added_s": per_token,
+                               "mesh_added_fraction": client_span / worker_span - 1
+                               if client_span is not None and worker_span else None},
+    }
+
+
+async def prefix_run(mesh: SimMesh, reqs: list[list[int]], concurrency: int) -> dict:
+    import httpx
+
+    sem = asyncio.Semaphore(concurrency)
+    results: list[Result] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        async def one(prompt: list[int]) -> None:
+            async with sem:
+                results.append(await _stream(client, mesh.base, prompt, 4))
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(p) for p in reqs))
+        wall = time.monotonic() - t0
+    ok = [r for r in results if not r.error]
+    prompt = sum(r.prompt for r in ok)
+    return {"requests": len(reqs), "finished": len(ok), "errors": len(results) - len(ok),
+            "prefix_hit_rate": sum(r.cached for r in ok) / prompt if prompt else None,
+            "cached_tokens": sum(r.cached for r in ok), "prompt_tokens": prompt, "wall_s": wall,
+            "ttft_mean_s": sum(r.ttft for r in ok if r.ttft) / len(ok) if ok else None}
+
+
+def _idle(mesh: SimMesh, seconds: float, per_process: int) -> dict:
+    pids = {n: p for n, p in mesh.service_pids().items() if not n.startswith("nats")} | \
+           {n: p for n, p in mesh.service_pids().items() if n.startswith("nats")}
+    c0 = {n: cpu_seconds(p) for n, p in pids.items()}
+    time.sleep(seconds)
+    c1 = {n: cpu_seconds(p) for n, p in pids.items()}
+    procs = {n: {**memory_mib(p), "idle_cpu_cores": (c1[n] - c0[n]) / seconds} for n, p in pids.items()}
+    packs = [v for n, v in procs.items() if "pack" in n]
+    workers = mesh.decode + mesh.prefill
+    return {"processes": procs, "worker_processes": len(packs),
+            "per_worker": {"pss_mib": sum(v["pss_mib"] for v in packs) / workers,
+                           "rss_mib": sum(v["rss_mib"] for v in packs) / workers,
+                           "idle_cpu_cores": sum(v["idle_cpu_cores"] for v in packs) / workers},
+            "workers_per_process": per_process}
+
+
+def _level_spec(text: str, args: argparse.Namespace) -> tuple[int, float, int, float]:
+    """STREAMS[@SPEED[/OSL[/SECONDS]]] -> (streams, speed, osl, seconds)."""
+    streams, _, rest = text.strip().partition("@")
+    parts = rest.split("/") if rest else []
+    return (int(streams), float(parts[0]) if parts else args.speed, int(parts[1]) if len(parts) > 1 else args.osl,
+            float(parts[2]) if len(parts) > 2 else args.level_s)
+
+
+def _saturated(levels: list[dict]) -> list[dict]:
+    """Per level: the busiest service (cores) and the machine's busy cores, beside the mesh's added time."""
+    out = []
+    for lv in levels:
+        cores = lv["cpu_cores_by_service"]
+        name = max(cores, key=cores.get)
+        out.append({"streams": lv["streams"], "busiest": name, "cores": cores[name],
+                    "mesh_and_client_cores": sum(cores.values()), "machine_busy_cores": lv["machine_busy_cores"],
+                    "per_token_added_fraction": lv["per_output_token_s"]["mesh_added_fraction"],
+                    "errors": lv["errors"]})
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from loadtest.sim_model import build_sim_model
+
+    t_start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="kvmesh-scale-bench-"))
+    model = build_sim_model(work / "model")
+    vocab = min(json.loads((model / "config.json").read_text())["vocab_size"], 2000)
+    common = ["--sim-speed", f"{args.speed:g}"]
+    out: dict = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
+    levels: list[dict] = []
+    specs = [_level_spec(x, args) for x in args.levels.split(",")]
+    out["stopped_cleanly"] = True
+    for speed in dict.fromkeys(sp for _, sp, _, _ in specs):  # one mesh per speed, in the order given
+        t_up = time.monotonic()
+        with SimMesh(model, args.decode, args.prefill, args.per_process, ["--sim-speed", f"{speed:g}"],
+                     work / f"mesh-{speed:g}.log") as mesh:
+            if "idle" not in out:
+                out["startup_s"] = time.monotonic() - t_up
+                out["idle"] = _idle(mesh, args.idle_s, args.per_process)
+                print(f"[bench scale] up in {out['startup_s']:.0f}s; idle per worker "
+                      f"{json.dumps(out['idle']['per_worker'])}", flush=True)
+            for i, (n, sp, osl, seconds) in enumerate(specs):
+                if sp != speed:
+                    continue
+                lv = asyncio.run(run_level(mesh, Level(n), args.isl, osl, seconds, args.seed + i, vocab))
+                lv["sim_speed"] = speed
+                levels.append(lv)
+                print(f"[bench scale] {n} streams at speed {speed:g}: {json.dumps(lv)}", flush=True)
+            out["stopped_cleanly"] &= mesh.stop() == 0
+    out["levels"] = levels
+    out["saturated"] = _saturated(levels)
+    rng = random.Random(args.seed)
+    prefixes = [[rng.randrange(10, vocab - 10) for _ in range(args.prefix_tokens)] for _ in range(args.prefix_groups)]
+    reqs = [prefixes[rng.randrange(args.prefix_groups)] + [rng.randrange(10, vocab - 10) for _ in range(64)]
+            for _ in range(args.prefix_requests)]
+    out["prefix_routing"] = {}
+    for routing in ("kv", "round-robin"):
+        with SimMesh(model, args.decode, args.prefill, args.per_process, [*common, "--routing", routing],
+                     work / f"mesh-{routing}.log") as mesh:
+            out["prefix_routing"][routing] = asyncio.run(prefix_run(mesh, reqs, args.prefix_concurrency))
+        print(f"[bench scale] shared prefixes, {routing}: {json.dumps(out['prefix_routing'][routing])}", flush=True)
+    out["machine"] = {"cpu_count": os.cpu_count(), "loadavg_1m_5m_15m": list(os.getloadavg()),
+                      "note": "2-core machine shared with other work: figures are noisy"}
+    out["bench_wall_s"] = time.monotonic() - t_start
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps({"saturated": out["saturated"],
+                      "prefix_hit_rate": {k: v["prefix_hit_rate"] for k, v in out["prefix_routing"].items()}}))
+    return 0
