@@ -54,6 +54,9 @@ class MeshOptions:
     engine: str = "real"
     sim_profile: str | None = None  # the simulated engine's cost-model profile (None: the workers' default)
     sim_speed: float = 1.0
+    # Tensor-parallel degree of each engine role's workers (each worker is that many processes: shared/engine/tp/).
+    decode_tp: int = 1
+    prefill_tp: int = 1
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -65,6 +68,9 @@ class MeshOptions:
         assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
         assert self.engine in ("real", "sim"), "--engine must be real or sim"
         assert self.sim_speed > 0, "--sim-speed must be > 0"
+        assert self.decode_tp >= 1 and self.prefill_tp >= 1, "--decode-tp and --prefill-tp must be >= 1"
+        assert not (self.devices and max(self.decode_tp, self.prefill_tp) > 1), \
+            "tensor parallelism on GPUs is not planned by kvmesh up yet (--decode-tp/--prefill-tp run on CPU)"
 
     def replicas(self, service: str) -> int:
         return 1 if service == "gateway" else int(getattr(self, service))
@@ -200,6 +206,9 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--max-model-len", str(opts.max_model_len)]
         if opts.quantization:
             args += ["--quantization", opts.quantization]
+        tp = opts.decode_tp if service == "decode" else opts.prefill_tp
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp)]
         if opts.engine == "sim":
             args += ["--engine", "sim", "--sim-speed", f"{opts.sim_speed:g}"]
             if opts.sim_profile:

@@ -93,6 +93,7 @@ class TPWorkers:
                       for r in range(1, self.size)]
         atexit.register(self.kill)
         self.failed = False
+        self.closed = False  # the group left (a later engine in this process may have its own by then)
         try:
             self.group, self.channel = join_groups(0, self.size, init, config.device)
         except BaseException:
@@ -122,7 +123,9 @@ class TPWorkers:
                               f"{'; '.join(dead) if dead else 'a collective failed'} ({e})") from e
 
     def shutdown(self) -> None:
-        """Tell the followers to stop and wait for them (killing any that do not), then leave the group."""
+        """Tell the followers to stop and wait for them (killing any that do not), then leave the group; once."""
+        if self.closed:
+            return
         if not self.failed and not self.dead():
             try:
                 self.channel.send(Header(Op.STOP))
@@ -141,6 +144,7 @@ class TPWorkers:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        if dist.is_initialized():
+        if not self.closed and dist.is_initialized():
             dist.destroy_process_group()
+        self.closed = True
         atexit.unregister(self.kill)
