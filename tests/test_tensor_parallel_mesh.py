@@ -5,6 +5,7 @@ greedy tokens equal transformers'. (One TP engine per process: the other worker 
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -58,3 +59,63 @@ def test_blocks_a_tp2_worker_offloads_serve_a_tp1_worker(nats_server, checkpoint
             await wait_idle(d0, d1)
 
     asyncio.run(main())
+
+
+def test_up_spec_passes_each_roles_degree() -> None:
+    from shared.launcher.spec import MeshOptions, mesh_services
+
+    args = {s.service: " ".join(s.args) for s in mesh_services(MeshOptions(model="m", prefill_tp=1, decode_tp=2))}
+    assert "--tensor-parallel-size 2" in args["decode"] and "--tensor-parallel-size" not in args["prefill"]
+    with pytest.raises(AssertionError, match="--decode-tp and --prefill-tp must be >= 1"):
+        MeshOptions(decode_tp=0)
+
+
+@pytest.mark.slow
+def test_kvmesh_up_prefill_tp1_decode_tp2_exact(tmp_path) -> None:
+    """The whole mesh through the launcher (`kvmesh up --prefill-tp 1 --decode-tp 2`, every prompt prefilled
+    remotely): a long prompt's completion over HTTP equals the single-device engine's greedy tokens; a second
+    request hits the decode worker's prefix cache; Ctrl-C leaves no rank behind."""
+    import signal
+    import subprocess
+    import sys
+
+    import openai
+
+    from shared.bus.natsd import free_port
+    from shared.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.launcher.up import READY
+    from shared.models.demo import build_demo_model
+    from shared.sampling_params import SamplingParams
+    from tests.test_launcher import ROOT, Lines, _alive, _env
+
+    model = build_demo_model(tmp_path / "demo")
+    prompt = random_prompts([120], seed=31, vocab=200)[0]
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=64))
+    expected = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)[0].output_token_ids
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "up", "--model", str(model), "--port", str(port), "--prefill-tp", "1",
+         "--decode-tp", "2", "--remote-prefill-threshold", "0", "--kvstore-disk-dir", str(tmp_path / "kvs"),
+         "--startup-timeout", "150"],
+        cwd=ROOT, env=_env(KVMESH_CPU_DTYPE="float32"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = Lines(proc.stdout)
+        base = out.wait_for(rf"{READY} (http://\S+)/v1", timeout=180)[1]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60)
+        name = client.models.list().data[0].id
+        for _ in range(2):
+            got = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            ids = [int(t.removeprefix("token_id:")) for t in got.choices[0].logprobs.tokens]
+            assert ids == expected
+        ranks = [int(m[1]) for line in out.lines if (m := re.search(r"followers pids \[(\d+)\]", line))]
+        assert len(ranks) == 1, "one decode worker of two ranks"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, "\n".join(out.lines[-30:])
+        assert not _alive(ranks[0]), "the follower rank outlived its worker"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

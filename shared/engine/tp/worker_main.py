@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     args = p.parse_args(argv)
     die_with_parent(args.parent)
+    # A supervisor's SIGTERM / a terminal's Ctrl-C reach the whole process group; rank 0 drains first (its
+    # offload still gathers KV from this rank) and then stops this rank: STOP, or dying takes it along.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{args.rank} %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
