@@ -155,3 +155,69 @@ def test_killed_rank_fails_the_engine_loudly(checkpoints, tp2_engines):
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_follower_dies_with_rank_0(checkpoints, tmp_path):
+    """Rank 0's process killed outright (no shutdown path runs): its follower does not linger."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time\n"
+        "from shared.config import EngineConfig\n"
+        "from shared.engine.llm_engine import LLMEngine\n"
+        f"e = LLMEngine(EngineConfig(model={str(checkpoints['llama'].path)!r}, num_kv_blocks=32, "
+        "tensor_parallel_size=2))\n"
+        "print(e.tp.procs[0].pid, flush=True)\n"
+        "time.sleep(60)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=root, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})
+    try:
+        follower = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(follower):
+            time.sleep(0.1)
+        assert not _alive(follower), "the follower outlived rank 0"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1(smollm2_dir):
+    """The real model at TP=3: 9 query heads and 3 KV heads split 3/1 per rank, a 49,152-token vocabulary split in
+    three; greedy tokens equal the single-device engine's (itself checked against transformers in
+    tests/test_smollm2.py) and top-5 logprobs agree."""
+    from shared.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(smollm2_dir))
+    prompts = [tok.encode(t) for t in ["The capital of France is", "def fibonacci(n):",
+                                       "Once upon a time, in a small village,"]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=5)
+    outs = {}
+    for tp in (1, 3):
+        engine = LLMEngine(EngineConfig(model=str(smollm2_dir), dtype="float32", num_kv_blocks=64,
+                                        tensor_parallel_size=tp))
+        try:
+            outs[tp] = engine.generate(prompts, params, use_tqdm=False)
+        finally:
+            engine.shutdown()
+    for a, b in zip(outs[1], outs[3]):
+        assert a.output_token_ids == b.output_token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-4
