@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's dtype on CUDA; on CPU bfloat16 where it is native, else float32 (both systems)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="kvmesh's KV cache dtype")
     p.add_argument("--enforce-eager", action="store_true", help="kvmesh without CUDA graphs")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="kvmesh's engine split across this many ranks (on this CPU TP is for correctness, not speed)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="kvmesh's share of the GPU")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="kvmesh's context limit (default: the workload's longest request, not the model's)")
@@ -129,7 +131,9 @@ def engine_config(model: str, args: argparse.Namespace, wl: Workload):
                         load_format="auto" if has_weights(model) else "dummy", max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=args.kv_cache_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-                        enforce_eager=args.enforce_eager, max_model_len=args.max_model_len or longest + 1)
+                        enforce_eager=args.enforce_eager or args.tensor_parallel_size > 1,
+                        max_model_len=args.max_model_len or longest + 1,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def greedy(max_tokens: int):
@@ -156,7 +160,8 @@ def run_kvmesh(model: str, wl: Workload, args: argparse.Namespace) -> RunResult:
     details = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                "kv_cache_bytes": kv_bytes, "num_kv_blocks": engine.num_blocks, "dtype": str(engine.dtype),
                "kv_cache_dtype": str(engine.kv_dtype), "cuda_graphs": engine.runner.graphs is not None,
-               "max_model_len": engine.max_model_len}
+               "max_model_len": engine.max_model_len, "tensor_parallel_size": engine.config.tensor_parallel_size}
+    engine.shutdown()
     del engine
     gc.collect()  # free its KV pool before transformers allocates its own
     return RunResult("kvmesh", seconds, wl.total_output_tokens, sum(map(len, outputs)), outputs, details)

@@ -52,6 +52,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
     parser.set_defaults(cache_salt=os.environ.get("KVMESH_CACHE_SALT", ""))
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                        default=int(os.environ.get("KVMESH_TENSOR_PARALLEL_SIZE", 1)),
+                        help="split the model across this many ranks: this process is rank 0 and starts the others "
+                             "(gloo on CPU, NCCL on CUDA; env KVMESH_TENSOR_PARALLEL_SIZE)")
     parser.add_argument("--engine", choices=["real", "sim"], default=os.environ.get("KVMESH_ENGINE", "real"),
                         help="sim: a SIMULATED engine for scale tests and planner studies: the real scheduler, "
                              "block manager, prefix cache and bus protocol, but no model: each step waits the time "
@@ -77,7 +81,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
                         model_id=args.served_model_name, cache_salt=args.cache_salt, quantization=args.quantization,
-                        cpu_weight_packing=getattr(args, "cpu_weight_packing", True))
+                        cpu_weight_packing=getattr(args, "cpu_weight_packing", True),
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def engine_factory_from_args(args: argparse.Namespace):  # noqa: ANN201 - Callable[[EngineConfig], LLMEngine]

@@ -50,12 +50,17 @@ class EngineConfig:
     # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
     # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).
     cpu_weight_packing: bool = True
+    # Ranks one engine's model is split across (shared/engine/tp/): rank 0 is this engine, the others are
+    # follower processes it starts; 1 is the single-device engine, unchanged.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block size {self.block_size}: the KV block size must be a power of 2 >= {MIN_BLOCK_SIZE} "
                               f"(the attention kernels compute over a block's tokens with tl.dot, which needs 16)")
         assert self.max_num_seqs > 0
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor-parallel size must be >= 1, got {self.tensor_parallel_size}")
         assert self.max_num_batched_tokens > 0
         assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"
         assert self.load_format in ("auto", "dummy"), f"unknown load_format {self.load_format!r}"

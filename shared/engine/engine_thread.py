@@ -136,6 +136,14 @@ class EngineThread:
         finally:
             self._stopped.set()
             self._fail_pending()
+            # The engine's other processes (tensor-parallel ranks) end with its thread, on the thread that
+            # ran their collectives.
+            shutdown = getattr(self.engine, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except Exception:  # noqa: BLE001 - the worker is going down either way
+                    log.exception("engine shutdown failed")
 
     def _fail_pending(self) -> None:
         """Commands queued after the loop ended would wait forever: fail them."""

@@ -18,10 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model across this many ranks (processes; gloo on CPU, NCCL on CUDA)")
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size))
+    try:
+        return _chat(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _chat(engine: LLMEngine, args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     history: list[dict[str, str]] = []

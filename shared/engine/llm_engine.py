@@ -34,6 +34,7 @@ from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from shared.engine.sequence import Sequence
 from shared.engine.step_metrics import CumulativeHistogram
+from shared.engine.tp.launch import TPWorkers
 from shared.models.loader import load_model
 from shared.prompt_check import check_prompt, check_token_ids
 from shared.sampling_params import SamplingParams
@@ -48,19 +49,45 @@ class LLMEngine:
         self.config = c = config
         # Taken before the weights load: the memory budget needs what was free before this worker.
         start = snapshot(c.device) if c.device.startswith("cuda") else None
+        # Rank 0 of a tensor-parallel engine: start the follower ranks (a bad degree fails before any starts).
+        self.tp: TPWorkers | None = self._start_tensor_parallel(c) if c.tensor_parallel_size > 1 else None
+        try:
+            self._build(c, start)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @staticmethod
+    def _start_tensor_parallel(c: EngineConfig) -> TPWorkers:
+        from shared.models.model_config import load_model_config
+        from shared.models.tp.degree import check_degree
+
+        check_degree(load_model_config(c.model), c.tensor_parallel_size)
+        if c.device.startswith("cuda") and c.num_kv_blocks is None and c.kv_cache_bytes is None:
+            raise ValueError("tensor parallelism on CUDA needs --num-kv-blocks or --kv-cache-bytes (the memory "
+                             "profile does not run across ranks yet)")
+        return TPWorkers(c)
+
+    def _build(self, c: EngineConfig, start) -> None:  # noqa: ANN001 - a DeviceSnapshot or None
         self.model, self.model_config = load_model(c.model, dtype=c.dtype, device=c.device, load_format=c.load_format,
                                                    seed=c.seed, max_positions=c.max_model_len,
-                                                   quantization=c.quantization, pack_weights=c.cpu_weight_packing)
+                                                   quantization=c.quantization, pack_weights=c.cpu_weight_packing,
+                                                   tp=self.tp.group if self.tp else None)
         mc = self.model_config
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
         self.dtype = next(self.model.parameters()).dtype
         self.kv_dtype = kv_dtype(self.dtype, c.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, c.block_size, c.device)
+        if self.tp is None:
+            self.runner = ModelRunner(self.model, c.block_size, c.device)
+        else:
+            from shared.engine.tp.driver_runner import TPDriverRunner
+
+            self.runner = TPDriverRunner(self.model, c.block_size, c.device, self.tp)
         self.sampler = Sampler(mc.eos_token_ids, c.seed, c.device)
         self.num_blocks = plan_num_blocks(c, self.runner, self.sampler, self.kv_dtype, self.max_model_len, start)
         self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
-        if c.device.startswith("cuda") and not c.enforce_eager:
+        if c.device.startswith("cuda") and not c.enforce_eager and self.tp is None:
             self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
         model_id = c.model_id or Path(c.model).resolve().name
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
@@ -209,7 +236,7 @@ class LLMEngine:
         prompt_rows = prompt_logprob_rows(plan.scheduled, last_row)
         if prompt_rows:
             logits, hidden = self.runner.execute_rows(plan.scheduled, rows, [r for r, _, _ in prompt_rows])
-            record_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
+            record_prompt_logprobs(self.runner.prompt_logits, hidden, prompt_rows)
         else:
             logits = self.runner.execute(plan.scheduled, rows)
         # On CUDA the forward is still running here: the grammar masks are filled on the host meanwhile.
@@ -237,6 +264,11 @@ class LLMEngine:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[rid] for rid in ids]
+
+    def shutdown(self) -> None:
+        """Stop the follower ranks of a tensor-parallel engine (nothing to do for one rank); idempotent."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # --- introspection --------------------------------------------------------------------------
 

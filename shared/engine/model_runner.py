@@ -111,7 +111,7 @@ class ModelRunner:
     # --- the KV pool and the graphs over it ----------------------------------------------------
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        self.kv_caches = allocate_kv_cache(self.model.cfg, num_blocks, self.block_size, dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.model.cache_config, num_blocks, self.block_size, dtype, self.device)
 
     @contextmanager
     def temporary_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> Iterator[int]:
@@ -243,6 +243,10 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
             return self.model.compute_logits(self.graphs.run(plan))
         return self.execute_rows(plan, sample_rows, [])[0]
+
+    def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden rows execute_rows returned (prompt logprobs compute them in slices)."""
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int]

@@ -63,6 +63,9 @@ class MeshOptions:
     sim_workers_per_process: int = 1
     routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
     max_num_seqs: int | None = None  # engine workers' batch limit (None: the workers' default)
+    # Tensor-parallel degree of each engine role's workers (each worker is that many processes: shared/engine/tp/).
+    decode_tp: int = 1
+    prefill_tp: int = 1
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -78,6 +81,9 @@ class MeshOptions:
         assert self.sim_workers_per_process >= 1, "--sim-workers-per-process must be >= 1"
         assert self.sim_workers_per_process == 1 or self.engine == "sim", \
             "--sim-workers-per-process is for simulated workers (--engine sim) only"
+        assert self.decode_tp >= 1 and self.prefill_tp >= 1, "--decode-tp and --prefill-tp must be >= 1"
+        assert not (self.devices and max(self.decode_tp, self.prefill_tp) > 1), \
+            "tensor parallelism on GPUs is not planned by kvmesh up yet (--decode-tp/--prefill-tp run on CPU)"
 
     def replicas(self, service: str) -> int:
         return 1 if service == "gateway" else int(getattr(self, service))
@@ -232,6 +238,9 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--max-num-seqs", str(opts.max_num_seqs)]
         if opts.quantization:
             args += ["--quantization", opts.quantization]
+        tp = opts.decode_tp if service == "decode" else opts.prefill_tp
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp)]
         if opts.engine == "sim":
             args += ["--engine", "sim", "--sim-speed", f"{opts.sim_speed:g}"]
             if opts.sim_profile:

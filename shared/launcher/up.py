@@ -85,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
                              "(groups of 32): 2-4x fewer bytes a decode step than bf16")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="every engine worker split across this many ranks (processes; gloo on CPU)")
+    parser.add_argument("--decode-tp", type=int, default=None, help="decode workers' tensor-parallel size "
+                        "(default --tensor-parallel-size)")
+    parser.add_argument("--prefill-tp", type=int, default=None, help="prefill workers' tensor-parallel size "
+                        "(default --tensor-parallel-size); KV moves between different degrees whole, by heads")
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--nats-tls", action="store_true",
@@ -153,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
             sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
             max_num_seqs=args.max_num_seqs,
+            decode_tp=args.decode_tp or args.tensor_parallel_size,
+            prefill_tp=args.prefill_tp or args.tensor_parallel_size,
         )
     except AssertionError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)

@@ -1,11 +1,16 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 q/k/v and gate/up are stored fused so each layer runs two matmuls where transformers runs five;
-the loader splits checkpoint tensors into these fused parameters. The hot path runs on kernels/
+the loader splits checkpoint tensors into these fused parameters.
+With a tensor-parallel group of more than one rank the projections and the embedding/head are the parallel
+layers of shared/models/tp/ over this rank's heads; with none (or one rank) the modules are plain nn.Linear
+and nn.Embedding, the single-device path unchanged. The hot path runs on kernels/
 (Triton on CUDA, their torch twins on CPU): rotary in place, the residual stream carried through fused
 add+RMSNorm (vLLM's layout: each layer returns (hidden, residual)), store-KV and paged attention.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -16,6 +21,12 @@ from kernels.qk_rope_store import qk_rope_store
 from kernels.silu_mul import silu_mul
 from shared.models.model_config import ModelConfig
 from shared.models.rope import cos_sin_cache
+from shared.models.tp.column_linear import ColumnParallelLinear
+from shared.models.tp.degree import shard_of
+from shared.models.tp.group import TPGroup
+from shared.models.tp.lm_head import ParallelLMHead
+from shared.models.tp.row_linear import RowParallelLinear
+from shared.models.tp.vocab_embedding import VocabParallelEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -32,12 +43,23 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def _split(tp: TPGroup | None) -> bool:
+    return tp is not None and tp.size > 1
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if _split(tp):
+            s = shard_of(cfg, tp.rank, tp.size)
+            self.num_heads, self.num_kv_heads, self.q_size = s.num_heads, s.num_kv_heads, s.q_size
+            self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, s.q_size + 2 * s.kv_size, cfg.qkv_bias, tp.size)
+            self.o_proj = RowParallelLinear(s.q_size, cfg.hidden_size, cfg.o_bias, tp)
+        else:
+            self.num_heads, self.num_kv_heads, self.q_size = cfg.num_heads, cfg.num_kv_heads, cfg.q_size
+            self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+            self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -52,30 +74,35 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q/k norm, rotary and storing K/V in one kernel (kernels/qk_rope_store.py); q comes back contiguous.
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
-        q = qk_rope_store(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qw, kw, cfg.rms_norm_eps, positions,
+        q = qk_rope_store(qkv, self.num_heads, self.num_kv_heads, cfg.head_dim, qw, kw, cfg.rms_norm_eps, positions,
                           cos_sin_cache, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
         out = paged_attention(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale)
-        return self.o_proj(out.view(tokens, cfg.q_size))
+        return self.o_proj(out.view(tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        if _split(tp):
+            self.inter = inter = shard_of(cfg, tp.rank, tp.size).intermediate_size
+            self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * inter, cfg.mlp_bias, tp.size)
+            self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp)
+        else:
+            self.inter = cfg.intermediate_size
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, residual, positions, cos_sin_cache, meta, kv_cache):
         """(hidden, residual) in, (hidden, residual) out; the first layer gets residual None."""
@@ -90,16 +117,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamilyForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp if _split(tp) else None
+        # Modules in the single-device order: dummy weights are drawn parameter by parameter in this order.
+        vocab = shard_of(cfg, tp.rank, tp.size).vocab_per_rank if self.tp is not None else cfg.vocab_size
+        if self.tp is not None:
+            self.embed_tokens = VocabParallelEmbedding(vocab, cfg.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tp is not None:
+            self.lm_head = ParallelLMHead(vocab, cfg.hidden_size, cfg.vocab_size, tp)
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("cos_sin", self.rope_table(cfg, max_positions), persistent=False)
+        # The shape of this rank's KV cache: its own KV heads only.
+        self.cache_config = cfg if self.tp is None else dataclasses.replace(
+            cfg, num_heads=shard_of(cfg, tp.rank, tp.size).num_heads,
+            num_kv_heads=shard_of(cfg, tp.rank, tp.size).num_kv_heads)
 
     @staticmethod
     def rope_table(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
@@ -114,5 +154,6 @@ class LlamaFamilyForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model dtype: the sampler makes float32 rows only when it needs them (not for greedy)."""
+        """Logits in the model dtype: the sampler makes float32 rows only when it needs them (not for greedy).
+        Under tensor parallelism every rank must call this (the head gathers), and only rank 0 gets logits."""
         return self.lm_head(hidden)

@@ -18,6 +18,9 @@ from shared.models.errors import CheckpointError
 from shared.models.llama import LlamaFamilyForCausalLM
 from shared.models.cpu_dtype import default_cpu_dtype
 from shared.models.model_config import ModelConfig, load_model_config
+from shared.models.tp.degree import TPShard, shard_of
+from shared.models.tp.group import TPGroup
+from shared.models.tp.shard_read import read_shard
 
 log = logging.getLogger(__name__)
 
@@ -30,39 +33,45 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: a parameter, at a row offset (fused weights)."""
+    """Where one checkpoint tensor goes: a parameter, at a row offset (fused weights; the offset within this
+    rank's share under tensor parallelism). shape is the checkpoint's (whole) shape; split says how a
+    tensor-parallel rank slices it: "rows", "cols", "vocab" (rows, the last share short) or None (replicated)."""
 
     param: str
     row_offset: int
     shape: tuple[int, ...]
+    split: str | None = None
 
 
-def weight_plan(cfg: ModelConfig) -> dict[str, Target]:
+def weight_plan(cfg: ModelConfig, shard: TPShard | None = None) -> dict[str, Target]:
+    """Every checkpoint tensor's target; with a shard, offsets are within that rank's fused parameters."""
     plan: dict[str, Target] = {}
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    plan["model.embed_tokens.weight"] = Target("embed_tokens.weight", 0, (cfg.vocab_size, h))
+    # Offsets of the parts of the fused q/k/v and gate/up parameters: one rank holds a share of each part.
+    lq, lkv, linter = (q, kv, inter) if shard is None else (shard.q_size, shard.kv_size, shard.intermediate_size)
+    plan["model.embed_tokens.weight"] = Target("embed_tokens.weight", 0, (cfg.vocab_size, h), "vocab")
     plan["model.norm.weight"] = Target("norm.weight", 0, (h,))
     if not cfg.tie_word_embeddings:
-        plan["lm_head.weight"] = Target("lm_head.weight", 0, (cfg.vocab_size, h))
+        plan["lm_head.weight"] = Target("lm_head.weight", 0, (cfg.vocab_size, h), "vocab")
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}", f"layers.{i}"
         plan[f"{src}.input_layernorm.weight"] = Target(f"{dst}.input_layernorm.weight", 0, (h,))
         plan[f"{src}.post_attention_layernorm.weight"] = Target(f"{dst}.post_attention_layernorm.weight", 0, (h,))
-        for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-            plan[f"{src}.self_attn.{name}.weight"] = Target(f"{dst}.self_attn.qkv_proj.weight", off, (rows, h))
+        for name, off, rows in (("q_proj", 0, q), ("k_proj", lq, kv), ("v_proj", lq + lkv, kv)):
+            plan[f"{src}.self_attn.{name}.weight"] = Target(f"{dst}.self_attn.qkv_proj.weight", off, (rows, h), "rows")
             if cfg.qkv_bias:
-                plan[f"{src}.self_attn.{name}.bias"] = Target(f"{dst}.self_attn.qkv_proj.bias", off, (rows,))
-        plan[f"{src}.self_attn.o_proj.weight"] = Target(f"{dst}.self_attn.o_proj.weight", 0, (h, q))
+                plan[f"{src}.self_attn.{name}.bias"] = Target(f"{dst}.self_attn.qkv_proj.bias", off, (rows,), "rows")
+        plan[f"{src}.self_attn.o_proj.weight"] = Target(f"{dst}.self_attn.o_proj.weight", 0, (h, q), "cols")
         if cfg.o_bias:
             plan[f"{src}.self_attn.o_proj.bias"] = Target(f"{dst}.self_attn.o_proj.bias", 0, (h,))
         if cfg.qk_norm:
             plan[f"{src}.self_attn.q_norm.weight"] = Target(f"{dst}.self_attn.q_norm.weight", 0, (cfg.head_dim,))
             plan[f"{src}.self_attn.k_norm.weight"] = Target(f"{dst}.self_attn.k_norm.weight", 0, (cfg.head_dim,))
-        for name, off in (("gate_proj", 0), ("up_proj", inter)):
-            plan[f"{src}.mlp.{name}.weight"] = Target(f"{dst}.mlp.gate_up_proj.weight", off, (inter, h))
+        for name, off in (("gate_proj", 0), ("up_proj", linter)):
+            plan[f"{src}.mlp.{name}.weight"] = Target(f"{dst}.mlp.gate_up_proj.weight", off, (inter, h), "rows")
             if cfg.mlp_bias:
-                plan[f"{src}.mlp.{name}.bias"] = Target(f"{dst}.mlp.gate_up_proj.bias", off, (inter,))
-        plan[f"{src}.mlp.down_proj.weight"] = Target(f"{dst}.mlp.down_proj.weight", 0, (h, inter))
+                plan[f"{src}.mlp.{name}.bias"] = Target(f"{dst}.mlp.gate_up_proj.bias", off, (inter,), "rows")
+        plan[f"{src}.mlp.down_proj.weight"] = Target(f"{dst}.mlp.down_proj.weight", 0, (h, inter), "cols")
         if cfg.mlp_bias:
             plan[f"{src}.mlp.down_proj.bias"] = Target(f"{dst}.mlp.down_proj.bias", 0, (h,))
     return plan
@@ -145,15 +154,21 @@ def load_model(
     max_positions: int | None = None,
     quantization: str | None = None,
     pack_weights: bool = False,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaFamilyForCausalLM, ModelConfig]:
+    """tp: this process's tensor-parallel rank; with more than one rank it loads only its shard (dummy weights
+    are then drawn per shard: random all the same, but not the single-device model's values)."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
-    plan = None if load_format == "dummy" else weight_plan(cfg)
+    shard = shard_of(cfg, tp.rank, tp.size) if tp is not None and tp.size > 1 else None  # raises on a bad degree
+    if shard is not None and quantization:
+        raise ValueError(f"--quantization {quantization} is not supported with tensor parallelism yet")
+    plan = None if load_format == "dummy" else weight_plan(cfg, shard)
     located = None if plan is None else _validate(_shard_files(model_dir), plan, model_dir)
 
     with torch.device("meta"):
-        model = LlamaFamilyForCausalLM(cfg, max_positions or cfg.max_position_embeddings)
+        model = LlamaFamilyForCausalLM(cfg, max_positions or cfg.max_position_embeddings, tp)
     model = model.to_empty(device=device).to(torch_dtype)
     # The rope table is a computed buffer (to_empty left it uninitialised) and stays float32.
     if cfg.tie_word_embeddings:  # to_empty/to re-create parameters one module at a time, untying them
@@ -172,7 +187,13 @@ def load_model(
                     for name in names:
                         t = plan[name]
                         dst = params[t.param]
-                        dst[t.row_offset : t.row_offset + t.shape[0]].copy_(f.get_tensor(name))
+                        if shard is None:
+                            dst[t.row_offset : t.row_offset + t.shape[0]].copy_(f.get_tensor(name))
+                        else:
+                            part = read_shard(f, name, t.split, t.shape, shard)
+                            if t.split == "vocab":  # the last rank's padding rows past the vocabulary
+                                dst.zero_()
+                            dst[t.row_offset : t.row_offset + part.shape[0]].copy_(part)
     if quantization:
         from shared.models.quant_linear import quantize_model
 

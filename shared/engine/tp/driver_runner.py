@@ -1,0 +1,122 @@
+"""Rank 0's model runner under tensor parallelism: the single-device runner, with every operation that touches
+the model or the KV cache first broadcast to the follower ranks (shared/engine/tp/follower.py does the same
+operation on its shards), and KV blocks gathered from / scattered to the ranks' head shards.
+
+Decode graphs are not used: every step runs eagerly (the followers replay no graph)."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+
+import torch
+
+from shared.engine.kv_cache import gather_blocks, write_blocks
+from shared.engine.kv_placeholder import PLACEHOLDER_MESSAGE, is_placeholder
+from shared.engine.model_runner import ModelRunner
+from shared.engine.sequence import Sequence
+from shared.engine.tp.kv_heads import gather_heads, scatter_heads
+from shared.engine.tp.launch import TPWorkers
+from shared.engine.tp.step_message import KV_DTYPES, Header, Op, StepLayout
+from shared.models.llama import LlamaFamilyForCausalLM
+
+
+class TPDriverRunner(ModelRunner):
+    def __init__(self, model: LlamaFamilyForCausalLM, block_size: int, device: str, workers: TPWorkers) -> None:
+        super().__init__(model, block_size, device)
+        self.workers = workers
+        self.channel = workers.channel
+        self.size = workers.size
+        self._kept: torch.Tensor | None = None  # the last step's hidden rows, for LOGITS
+
+    # --- the KV pool ----------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        with self.workers.guard("allocating the KV cache"):
+            self.channel.send(Header(Op.ALLOCATE, 0, (num_blocks, KV_DTYPES.index(dtype))))
+            super().allocate_kv_cache(num_blocks, dtype)
+
+    @contextmanager
+    def temporary_kv_cache(self, num_blocks: int, dtype: torch.dtype):
+        raise NotImplementedError("the memory profile does not run under tensor parallelism: give --num-kv-blocks "
+                                  "or --kv-cache-bytes")
+        yield 0  # pragma: no cover
+
+    def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True):
+        raise NotImplementedError("decode graphs are not captured under tensor parallelism (use --enforce-eager)")
+
+    def _local_shape(self, whole: torch.Tensor) -> list[int]:
+        shape = list(whole.shape)
+        shape[3] //= self.size
+        return shape
+
+    def gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of physical blocks with all heads, [layers, n, block_size, kv_heads, head_dim], on the device."""
+        ids = list(block_ids)
+        with self.workers.guard("gathering KV blocks"):
+            self.channel.send(Header(Op.GATHER, len(ids)), torch.tensor(ids, dtype=torch.int32, device=self.device))
+            k, v = gather_blocks(self.kv_caches, ids)
+            group = self.channel.compute
+            return gather_heads(k, self.size, 0, group), gather_heads(v, self.size, 0, group)
+
+    def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.gather_blocks(block_ids)
+        return k.cpu(), v.cpu()
+
+    def write_blocks(self, block_ids: Seq[int], k: torch.Tensor, v: torch.Tensor, first_layer: int = 0) -> None:
+        if is_placeholder(k) or is_placeholder(v):
+            raise ValueError(PLACEHOLDER_MESSAGE)
+        ids = list(block_ids)
+        layers = self.kv_caches[first_layer : first_layer + k.shape[0]]
+        cache = self.kv_caches[0][0]
+        whole = (len(layers), len(ids), cache.shape[1], cache.shape[2] * self.size, cache.shape[3])
+        # Checked here, before any rank is told: a bad write must fail this request, not the ranks.
+        if not layers or tuple(k.shape) != whole or tuple(v.shape) != whole:
+            raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)} from layer {first_layer}, "
+                             f"expected {whole}")
+        if k.dtype != cache.dtype and torch.float8_e4m3fn in (k.dtype, cache.dtype):
+            raise ValueError(f"KV blocks in {k.dtype} cannot be written into a {cache.dtype} cache")
+        with self.workers.guard("writing KV blocks"):
+            self.channel.send(Header(Op.WRITE, len(ids), (first_layer, len(layers))),
+                              torch.tensor(ids, dtype=torch.int32, device=self.device))
+            group = self.channel.compute
+            mine = []
+            for whole_t in (k, v):
+                whole_t = whole_t.to(self.device, cache.dtype)
+                out = torch.empty(self._local_shape(whole_t), dtype=cache.dtype, device=self.device)
+                mine.append(scatter_heads(whole_t, out, self.size, 0, group))
+            write_blocks(self.kv_caches, ids, mine[0], mine[1], first_layer)
+
+    # --- a step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
+        return self.execute_rows(plan, sample_rows, [])[0]
+
+    @torch.inference_mode()
+    def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
+        layout = StepLayout.of(self.buffers.dev, [
+            ids, positions, meta.slot_mapping, meta.prefill_query_start, meta.prefill_context_lens,
+            meta.decode_context_lens, rows, meta.prefill_block_tables, meta.decode_block_tables],
+            meta.num_prefill_tokens, meta.max_prefill_query_len, len(sample_rows), len(hidden_rows))
+        with self.workers.guard("running a step"):
+            self.channel.send(Header(Op.STEP, layout.payload_len, layout.args()),
+                              self.buffers.dev[: layout.payload_len])
+            hidden = self.model(ids, positions, meta, self.kv_caches)
+            rows = rows.long()
+            n = len(sample_rows)
+            logits = self.model.compute_logits(hidden[rows[:n]])
+        self._kept = hidden[rows[n:]]
+        return logits, self._kept
+
+    def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of a slice of the last step's hidden rows (record_prompt_logprobs slices them): the followers
+        are told which rows, and run the head over their own copy of the same rows."""
+        kept = self._kept
+        assert kept is not None and hidden.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr(), \
+            "prompt logits only of the last step's hidden rows"
+        start = (hidden.storage_offset() - kept.storage_offset()) // kept.stride(0)
+        with self.workers.guard("computing prompt logits"):
+            self.channel.send(Header(Op.LOGITS, 0, (start, start + hidden.shape[0])))
+            return self.model.compute_logits(hidden)

@@ -1,0 +1,150 @@
+"""Starting and stopping a tensor-parallel engine's follower ranks, from rank 0.
+
+Followers are plain subprocesses (`python -m shared.engine.tp.worker_main`) given the engine config as JSON on
+their command line, so nothing is pickled. Rank 0 joins the process group with them on the thread that will
+compute (torch.distributed's default group is per process: one TP engine per process at a time). A follower
+that dies makes rank 0's next collective fail at once (gloo sees the closed connection); `guard` turns that
+into one clear error and takes the other ranks down, and followers die with rank 0 (PR_SET_PDEATHSIG)."""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from shared.config import EngineConfig
+from shared.engine.tp.channel import TPChannel
+from shared.engine.tp.step_message import Header, Op
+from shared.models.tp.group import TPGroup
+
+log = logging.getLogger(__name__)
+
+# A collective that has not finished in this long is stuck (a rank hung, not dead: dead ones fail at once).
+COMPUTE_TIMEOUT_S = float(os.environ.get("KVMESH_TP_TIMEOUT_S", 120))
+# Followers wait for the next step on the control group while the engine idles, for as long as it idles.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+STOP_WAIT_S = 10.0
+
+
+class TPRankError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the engine cannot go on."""
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:(first + r) on CUDA, the CPU otherwise."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.split(":")[1]) if ":" in device else 0
+    return f"cuda:{first + rank}"
+
+
+def backend_for(device: str) -> str:
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+
+
+def config_to_json(config: EngineConfig) -> str:
+    return json.dumps(dataclasses.asdict(config))
+
+
+def config_from_json(text: str) -> EngineConfig:
+    raw = json.loads(text)
+    if raw.get("gpu_capability") is not None:
+        raw["gpu_capability"] = tuple(raw["gpu_capability"])
+    return EngineConfig(**raw)
+
+
+def join_groups(rank: int, size: int, init_method: str, device: str) -> tuple[TPGroup, TPChannel]:
+    """Join the process group (the compute group: the model's collectives and payloads) and make the control
+    group; every rank calls this in the same order."""
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=COMPUTE_TIMEOUT_S))
+    control = dist.new_group(list(range(size)), timeout=CONTROL_TIMEOUT, backend="gloo")
+    compute = dist.group.WORLD
+    return TPGroup(rank, size, compute), TPChannel(control, compute, device)
+
+
+class TPWorkers:
+    """Rank 0's handle on its followers: the group, the channel, the processes and their one shutdown path."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a tensor-parallel engine (torch.distributed is initialised)")
+        self.size = config.tensor_parallel_size
+        with socket.socket() as s:  # a free port for the rendezvous (the store lives in rank 0)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        init = f"tcp://127.0.0.1:{port}"
+        text = config_to_json(config)
+        # Each rank gets an equal share of rank 0's CPU threads (they would otherwise all take every core).
+        threads = max(1, torch.get_num_threads() // self.size)
+        self.procs = [subprocess.Popen([sys.executable, "-m", "shared.engine.tp.worker_main", "--rank", str(r),
+                                        "--size", str(self.size), "--init", init, "--parent", str(os.getpid()),
+                                        "--threads", str(threads), "--config", text])
+                      for r in range(1, self.size)]
+        atexit.register(self.kill)
+        self.failed = False
+        self.closed = False  # the group left (a later engine in this process may have its own by then)
+        try:
+            self.group, self.channel = join_groups(0, self.size, init, config.device)
+        except BaseException:
+            self.kill()
+            raise
+        torch.set_num_threads(threads)
+        log.info("tensor parallel: %d ranks (followers pids %s)", self.size, [p.pid for p in self.procs])
+
+    def dead(self) -> list[str]:
+        return [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
+                for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+
+    @contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Run rank 0's side of an operation; a failed collective takes every rank down with one clear error."""
+        if self.failed:
+            raise TPRankError(f"tensor-parallel engine already failed; not {what}")
+        try:
+            yield
+        except (RuntimeError, dist.DistBackendError) as e:
+            if isinstance(e, (NotImplementedError, TPRankError)):
+                raise
+            self.failed = True
+            dead = self.dead()
+            self.kill()
+            raise TPRankError(f"tensor parallelism failed while {what}: "
+                              f"{'; '.join(dead) if dead else 'a collective failed'} ({e})") from e
+
+    def shutdown(self) -> None:
+        """Tell the followers to stop and wait for them (killing any that do not), then leave the group; once."""
+        if self.closed:
+            return
+        if not self.failed and not self.dead():
+            try:
+                self.channel.send(Header(Op.STOP))
+            except RuntimeError:
+                log.warning("tensor parallel: a follower was gone at shutdown")
+        for p in self.procs:
+            try:
+                p.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if not self.closed and dist.is_initialized():
+            dist.destroy_process_group()
+        self.closed = True
+        atexit.unregister(self.kill)

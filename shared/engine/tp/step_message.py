@@ -1,0 +1,93 @@
+"""What rank 0 tells the follower ranks: one fixed-size int64 header (the op and its integers), broadcast on
+the control group, then, for the ops that carry one, an int32 payload broadcast on the compute group. No pickle:
+two tensors of known dtype and a layout both sides read from this one module."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+HEADER_LEN = 48
+MAX_ARGS = HEADER_LEN - 2
+
+
+class Op(IntEnum):
+    STOP = 1  # leave the loop and exit 0
+    ALLOCATE = 2  # args: num_blocks, dtype code: allocate the KV cache shard
+    STEP = 3  # args: StepLayout; payload: the step's packed int32 buffer
+    LOGITS = 4  # args: start, end: the output head over rows [start, end) of the last step's hidden rows
+    GATHER = 5  # payload: block ids: send this rank's heads of those blocks to rank 0
+    WRITE = 6  # args: first_layer, num_layers; payload: block ids: receive this rank's heads and write them
+
+
+# The KV cache dtypes a follower can be told to allocate, by code (torch dtypes have no stable integer).
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class Header:
+    op: Op
+    payload_len: int = 0  # int32 elements of the payload that follows (0: none)
+    args: tuple[int, ...] = ()
+
+    def encode(self) -> torch.Tensor:
+        assert len(self.args) <= MAX_ARGS, f"{len(self.args)} header args, at most {MAX_ARGS}"
+        t = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        t[0], t[1] = int(self.op), self.payload_len
+        if self.args:
+            t[2 : 2 + len(self.args)] = torch.tensor(self.args, dtype=torch.int64)
+        return t
+
+    @staticmethod
+    def decode(t: torch.Tensor) -> Header:
+        values = t.tolist()
+        return Header(Op(values[0]), values[1], tuple(values[2:]))
+
+
+# A step's payload is the driver's packed buffer (shared/engine/model_runner.StepBuffers): these views of it,
+# in this order, each (offset, rows, cols) with cols -1 for a 1-D view.
+STEP_VIEWS = ("ids", "positions", "slot_mapping", "prefill_query_start", "prefill_context_lens",
+              "decode_context_lens", "rows", "prefill_block_tables", "decode_block_tables")
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    num_prefill_tokens: int
+    max_prefill_query_len: int
+    num_sample_rows: int
+    num_hidden_rows: int
+    views: tuple[tuple[int, int, int], ...]  # per STEP_VIEWS entry: (offset, rows, cols)
+
+    def args(self) -> tuple[int, ...]:
+        flat = [x for v in self.views for x in v]
+        return (self.num_prefill_tokens, self.max_prefill_query_len, self.num_sample_rows, self.num_hidden_rows,
+                *flat)
+
+    @staticmethod
+    def from_args(args: tuple[int, ...]) -> StepLayout:
+        n = len(STEP_VIEWS)
+        views = tuple(tuple(args[4 + 3 * i : 7 + 3 * i]) for i in range(n))
+        return StepLayout(args[0], args[1], args[2], args[3], views)  # type: ignore[arg-type]
+
+    @staticmethod
+    def of(buffer: torch.Tensor, views: list[torch.Tensor], num_prefill_tokens: int, max_prefill_query_len: int,
+           num_sample_rows: int, num_hidden_rows: int) -> StepLayout:
+        """The layout of `views`, each a view into `buffer` (1-D int32)."""
+        base = buffer.storage_offset()
+        out = []
+        for v in views:
+            assert v.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), "a view of another buffer"
+            out.append((v.storage_offset() - base, v.shape[0], v.shape[1] if v.dim() == 2 else -1))
+        return StepLayout(num_prefill_tokens, max_prefill_query_len, num_sample_rows, num_hidden_rows, tuple(out))
+
+    @property
+    def payload_len(self) -> int:
+        return max(off + rows * (cols if cols >= 0 else 1) for off, rows, cols in self.views)
+
+    def unpack(self, payload: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (off, rows, cols) in zip(STEP_VIEWS, self.views):
+            out[name] = (payload[off : off + rows] if cols < 0
+                         else payload[off : off + rows * cols].view(rows, cols))
+        return out
