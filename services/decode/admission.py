@@ -20,6 +20,7 @@ import asyncio
 import enum
 import logging
 import secrets
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
@@ -90,6 +91,7 @@ class Admission:
         self.settings = settings
         self.span = span
         self.state = State.RECEIVED
+        self.arrival_time = time.time()  # the worker's queue time starts here (RequestTimings.queued_s)
         self.reservation: Reservation | None = None
         self.num_cached_tokens = 0
         self.transfer_id: str | None = None
@@ -128,7 +130,8 @@ class Admission:
         with _tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(self.span)) as span:
             try:
                 res = await host.thread.run(Reserve(rid, req.prompt_token_ids, params, req.priority,
-                                                    commit_if_uncached_below=commit_below))
+                                                    commit_if_uncached_below=commit_below,
+                                                    arrival_time=self.arrival_time))
             except ValueError as e:
                 self.state = State.FAILED
                 raise InvalidRequest(str(e)) from None
@@ -136,7 +139,8 @@ class Admission:
                 await host.thread.run(Abort(rid))
                 return
             if res is None:  # the pool is full right now: queue it like any local request
-                await host.thread.run(Enqueue(rid, req.prompt_token_ids, params, req.priority))
+                await host.thread.run(Enqueue(rid, req.prompt_token_ids, params, req.priority,
+                                              arrival_time=self.arrival_time))
                 self.state = State.QUEUED
                 span.set_attribute("kvmesh.prefill", "local-queued")
                 return

@@ -41,10 +41,13 @@ class Reserve(Command[Reservation | None]):
     # caller knows nothing below the device could add to the prefix, and saves a second wait for the step
     # boundary (a command runs between steps). 0: never.
     commit_if_uncached_below: int = 0
+    # When the request reached the worker (None: now). A command waits for the step in progress to end; that
+    # wait is the request's time in the worker's queue, as its timings report it.
+    arrival_time: float | None = None
 
     def run(self, engine: LLMEngine) -> Reservation | None:
         res = engine.reserve(self.request_id, self.prompt_token_ids, self.params, self.priority,
-                             capture_kv_from_block=self.capture_kv_from_block)
+                             arrival_time=self.arrival_time, capture_kv_from_block=self.capture_kv_from_block)
         if res is not None and len(self.prompt_token_ids) - res.num_cached_tokens < self.commit_if_uncached_below:
             engine.commit_held(self.request_id, res.num_cached_tokens)
             return replace(res, committed=True)
@@ -60,10 +63,11 @@ class Enqueue(Command[None]):
     params: SamplingParams
     priority: int = 0
     capture_kv_from_block: int | None = None
+    arrival_time: float | None = None  # as Reserve's
 
     def run(self, engine: LLMEngine) -> None:
         engine.add_request(self.request_id, self.prompt_token_ids, self.params, self.priority,
-                           capture_kv_from_block=self.capture_kv_from_block)
+                           arrival_time=self.arrival_time, capture_kv_from_block=self.capture_kv_from_block)
 
 
 @dataclass(frozen=True)
