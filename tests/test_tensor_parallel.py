@@ -109,6 +109,28 @@ def test_blocks_move_whole_between_tp1_and_tp2(checkpoints, hf_reference, tp2_en
         assert_all_free(target)
 
 
+def test_tp3_pads_the_vocabulary_and_samples_like_tp1(tmp_path, hf_reference, tp2_engines):
+    """6 query heads, 3 KV heads at TP=3 (two follower processes): the 512-token vocabulary splits 171/171/170,
+    the last rank's padding row is zero and cut off after the gather. Greedy equals transformers; seeded
+    sampling (penalties, top-p over the gathered logits) equals TP=1 token for token."""
+    from tests.checkpoints import build_checkpoint
+
+    ckpt = build_checkpoint("llama", tmp_path / "llama6", hidden_size=96, num_attention_heads=6,
+                            num_key_value_heads=3, intermediate_size=192)
+    prompts = random_prompts([9, 40, 23], seed=8)
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=5, frequency_penalty=0.3, logprobs=3)
+    tp1 = make_engine(ckpt).generate(prompts, sampled, use_tqdm=False)
+    engine = make_engine(ckpt, tensor_parallel_size=3)
+    try:
+        assert engine.model.lm_head.weight.shape[0] == 171
+        assert_matches_hf(ckpt, hf_reference, prompts, engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False),
+                          MAX_NEW)
+        tp3 = engine.generate(prompts, sampled, use_tqdm=False)
+        assert [o.output_token_ids for o in tp3] == [o.output_token_ids for o in tp1]
+    finally:
+        engine.shutdown()
+
+
 def test_bad_degrees_are_refused_before_any_rank_starts(checkpoints):
     ckpt = checkpoints["llama"]  # 4 query heads, 2 KV heads, intermediate 160
     cfg = load_model_config(ckpt.path)
