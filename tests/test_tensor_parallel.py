@@ -243,3 +243,24 @@ def test_smollm2_tp3_matches_tp1(smollm2_dir):
         for x, y in zip(a.logprobs, b.logprobs):
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
             assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-4
+
+
+def test_rank_dying_while_idle_crashes_the_engine_thread(checkpoints):
+    """A worker's engine thread idles between requests: a rank that dies then must end the worker at once (its
+    supervisor restarts it), not fail the next request that happens to arrive."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from shared.engine.engine_thread import EngineThread
+
+    async def main():
+        thread = EngineThread(asyncio.get_running_loop(), lambda *a: None)
+        engine = await thread.start(lambda: make_engine(checkpoints["llama"], tensor_parallel_size=2))
+        os.kill(engine.tp.procs[0].pid, signal.SIGKILL)
+        await asyncio.wait_for(thread.crashed.wait(), 10)
+        assert isinstance(thread.error, TPRankError) and "died while the engine was idle" in str(thread.error)
+        thread.stop()
+
+    asyncio.run(main())
+    assert not dist.is_initialized()

@@ -51,6 +51,8 @@ class LLMEngine:
         start = snapshot(c.device) if c.device.startswith("cuda") else None
         # Rank 0 of a tensor-parallel engine: start the follower ranks (a bad degree fails before any starts).
         self.tp: TPWorkers | None = self._start_tensor_parallel(c) if c.tensor_parallel_size > 1 else None
+        # What an idle engine thread calls to learn that a rank died (raises TPRankError); None: one process.
+        self.check_alive = self.tp.check_alive if self.tp is not None else None
         try:
             self._build(c, start)
         except BaseException:

@@ -106,6 +106,14 @@ class TPWorkers:
         return [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
                 for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
 
+    def check_alive(self) -> None:
+        """Raise TPRankError (taking the other ranks down) if a follower has exited."""
+        dead = self.dead()
+        if dead and not self.closed:
+            self.failed = True
+            self.kill()
+            raise TPRankError(f"tensor-parallel rank died while the engine was idle: {'; '.join(dead)}")
+
     @contextmanager
     def guard(self, what: str) -> Iterator[None]:
         """Run rank 0's side of an operation; a failed collective takes every rank down with one clear error."""
