@@ -109,6 +109,26 @@ def test_blocks_move_whole_between_tp1_and_tp2(checkpoints, hf_reference, tp2_en
         assert_all_free(target)
 
 
+def test_fp8_kv_cache_shards_and_moves_whole(checkpoints, tp2_engines):
+    """An FP8 KV cache split by heads: blocks cross the ranks as bytes (gloo has no float8) and come back whole."""
+    ckpt = checkpoints["llama"]
+    prompt = random_prompts([70], seed=17)[0]
+    tp1 = make_engine(ckpt, kv_cache_dtype="fp8")
+    tp2 = tp2_engines(ckpt, kv_cache_dtype="fp8")
+    a = tp1.generate([prompt], greedy(MAX_NEW, None), use_tqdm=False)[0]
+    b = tp2.generate([prompt], greedy(MAX_NEW, None), use_tqdm=False)[0]
+    assert a.output_token_ids == b.output_token_ids
+    hashes = tp2.reserve("probe", prompt, greedy(1)).block_hashes
+    tp2.abort("probe")
+    ids = [tp2.block_manager.cached[h] for h in hashes]
+    k, v = tp2.read_blocks(ids)
+    assert k.dtype == torch.float8_e4m3fn and k.shape[3] == 2
+    tp2.runner.write_blocks(ids, k, v)  # scattered back by heads, byte for byte
+    k2, v2 = tp2.read_blocks(ids)
+    assert torch.equal(k2.view(torch.uint8), k.view(torch.uint8)) and torch.equal(v2.view(torch.uint8),
+                                                                                  v.view(torch.uint8))
+
+
 def test_tp3_pads_the_vocabulary_and_samples_like_tp1(tmp_path, hf_reference, tp2_engines):
     """6 query heads, 3 KV heads at TP=3 (two follower processes): the 512-token vocabulary splits 171/171/170,
     the last rank's padding row is zero and cut off after the gather. Greedy equals transformers; seeded
