@@ -7,6 +7,11 @@
 2. TTFT for a prompt of the same length through real decode/prefill/kvstore services: prefilled on
    the decode worker, by a prefill worker (remote prefill + KV push), and with the prefix served from
    the kvstore to a decode worker that never saw it.
+
+--decode-tp / --prefill-tp: the receiving (decode) or sending (prefill) engine runs tensor-parallel, so the
+figures include gathering whole blocks from the ranks' head shards or scattering them by heads (in the TTFT
+part, the "remote" decode worker or the prefill worker). One of the two only: torch.distributed allows one TP
+engine per process. On this CPU TP is for correctness: the figures show what resharding costs, not a speed-up.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="KV pool of each engine")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the receiving decode engine")
+    p.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of the sending prefill engine")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="the prefill worker's long_prefill_token_threshold (default: a prefill worker's default; "
                         "0: the whole prompt in one step, its KV pushed at the end)")
@@ -74,7 +81,9 @@ async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Ran
     from shared.engine.llm_engine import LLMEngine
     from shared.sampling_params import SamplingParams
 
-    src, dst = LLMEngine(_engine_config(model, args)), LLMEngine(_engine_config(model, args))
+    base = _engine_config(model, args)
+    src = LLMEngine(dataclasses.replace(base, tensor_parallel_size=args.prefill_tp))
+    dst = LLMEngine(dataclasses.replace(base, tensor_parallel_size=args.decode_tp))
     vocab = src.model_config.vocab_size
     paths: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-nats-") as tmp, NatsServer(workdir=tmp) as nats:
@@ -116,6 +125,8 @@ async def measure_transfer(model: str, args: argparse.Namespace, rng: random.Ran
             paths[path] = _figures(sent, int(k.shape[1]), runs)
         await nc_send.drain()
         await nc_recv.drain()
+    src.shutdown()  # a TP engine's ranks: the TTFT part starts its own
+    dst.shutdown()
     for shm in (True, False):  # the direct channel again with the receiver in its own process, as in a mesh
         name = "shm-2proc" if shm else "tcp-2proc"
         runs = await _two_process_runs(k, v, args.repeats, shm)
@@ -201,11 +212,13 @@ async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random)
     cfg = dataclasses.replace(_engine_config(model, args), offload_policy="write-through")
     store = KVStoreService(CPUTier(4 << 30))
     chunk = PREFILL_CHUNK_TOKENS if args.prefill_chunk_tokens is None else args.prefill_chunk_tokens
-    prefill = PrefillService(dataclasses.replace(cfg, long_prefill_token_threshold=chunk),
+    prefill = PrefillService(dataclasses.replace(cfg, long_prefill_token_threshold=chunk,
+                                                 tensor_parallel_size=args.prefill_tp),
                              PrefillSettings(use_kvstore=False))
     workers = {
         "local": DecodeService(cfg, DecodeSettings("d-local", remote_prefill_threshold=1 << 30)),
-        "remote": DecodeService(cfg, DecodeSettings("d-remote", remote_prefill_threshold=0, use_kvstore=False)),
+        "remote": DecodeService(dataclasses.replace(cfg, tensor_parallel_size=args.decode_tp),
+                                DecodeSettings("d-remote", remote_prefill_threshold=0, use_kvstore=False)),
         "kvstore": DecodeService(cfg, DecodeSettings("d-store", remote_prefill_threshold=1 << 30)),
     }
     vocab = None
@@ -259,6 +272,10 @@ async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.decode_tp > 1 and args.prefill_tp > 1:
+        print("kvmesh bench kv-transfer: --decode-tp and --prefill-tp cannot both be > 1 (one tensor-parallel "
+              "engine per process)", file=sys.stderr)
+        return 2
     warn_if_busy()
     rng = random.Random(args.seed)
     with model_dir(args) as model:
@@ -267,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         print("time to first token: local, remote, kvstore ...", file=sys.stderr)
         ttft = asyncio.run(measure_ttft(model, args, rng))
         result = {"prompt_len": args.prompt_len, "model": read_shape(model), "transfer": transfer, "ttft": ttft,
+                  "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
                   "machine": machine_info("cpu"), "torch_threads": torch.get_num_threads()}
     for path, t in transfer["paths"].items():
         print(f"KV transfer {path:>4}  {t['bytes'] / 1e6:8.1f} MB ({t['blocks']} blocks) in {t['seconds']:.3f} s = "

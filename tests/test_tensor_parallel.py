@@ -109,6 +109,48 @@ def test_blocks_move_whole_between_tp1_and_tp2(checkpoints, hf_reference, tp2_en
         assert_all_free(target)
 
 
+def test_fp8_kv_cache_shards_and_moves_whole(checkpoints, tp2_engines):
+    """An FP8 KV cache split by heads: blocks cross the ranks as bytes (gloo has no float8) and come back whole."""
+    ckpt = checkpoints["llama"]
+    prompt = random_prompts([70], seed=17)[0]
+    tp1 = make_engine(ckpt, kv_cache_dtype="fp8")
+    tp2 = tp2_engines(ckpt, kv_cache_dtype="fp8")
+    a = tp1.generate([prompt], greedy(MAX_NEW, None), use_tqdm=False)[0]
+    b = tp2.generate([prompt], greedy(MAX_NEW, None), use_tqdm=False)[0]
+    assert a.output_token_ids == b.output_token_ids
+    hashes = tp2.reserve("probe", prompt, greedy(1)).block_hashes
+    tp2.abort("probe")
+    ids = [tp2.block_manager.cached[h] for h in hashes]
+    k, v = tp2.read_blocks(ids)
+    assert k.dtype == torch.float8_e4m3fn and k.shape[3] == 2
+    tp2.runner.write_blocks(ids, k, v)  # scattered back by heads, byte for byte
+    k2, v2 = tp2.read_blocks(ids)
+    assert torch.equal(k2.view(torch.uint8), k.view(torch.uint8)) and torch.equal(v2.view(torch.uint8),
+                                                                                  v.view(torch.uint8))
+
+
+def test_tp3_pads_the_vocabulary_and_samples_like_tp1(tmp_path, hf_reference, tp2_engines):
+    """6 query heads, 3 KV heads at TP=3 (two follower processes): the 512-token vocabulary splits 171/171/170,
+    the last rank's padding row is zero and cut off after the gather. Greedy equals transformers; seeded
+    sampling (penalties, top-p over the gathered logits) equals TP=1 token for token."""
+    from tests.checkpoints import build_checkpoint
+
+    ckpt = build_checkpoint("llama", tmp_path / "llama6", hidden_size=96, num_attention_heads=6,
+                            num_key_value_heads=3, intermediate_size=192)
+    prompts = random_prompts([9, 40, 23], seed=8)
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=5, frequency_penalty=0.3, logprobs=3)
+    tp1 = make_engine(ckpt).generate(prompts, sampled, use_tqdm=False)
+    engine = make_engine(ckpt, tensor_parallel_size=3)
+    try:
+        assert engine.model.lm_head.weight.shape[0] == 171
+        assert_matches_hf(ckpt, hf_reference, prompts, engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False),
+                          MAX_NEW)
+        tp3 = engine.generate(prompts, sampled, use_tqdm=False)
+        assert [o.output_token_ids for o in tp3] == [o.output_token_ids for o in tp1]
+    finally:
+        engine.shutdown()
+
+
 def test_bad_degrees_are_refused_before_any_rank_starts(checkpoints):
     ckpt = checkpoints["llama"]  # 4 query heads, 2 KV heads, intermediate 160
     cfg = load_model_config(ckpt.path)
@@ -221,3 +263,24 @@ def test_smollm2_tp3_matches_tp1(smollm2_dir):
         for x, y in zip(a.logprobs, b.logprobs):
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
             assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-4
+
+
+def test_rank_dying_while_idle_crashes_the_engine_thread(checkpoints):
+    """A worker's engine thread idles between requests: a rank that dies then must end the worker at once (its
+    supervisor restarts it), not fail the next request that happens to arrive."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from shared.engine.engine_thread import EngineThread
+
+    async def main():
+        thread = EngineThread(asyncio.get_running_loop(), lambda *a: None)
+        engine = await thread.start(lambda: make_engine(checkpoints["llama"], tensor_parallel_size=2))
+        os.kill(engine.tp.procs[0].pid, signal.SIGKILL)
+        await asyncio.wait_for(thread.crashed.wait(), 10)
+        assert isinstance(thread.error, TPRankError) and "died while the engine was idle" in str(thread.error)
+        thread.stop()
+
+    asyncio.run(main())
+    assert not dist.is_initialized()

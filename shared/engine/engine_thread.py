@@ -27,6 +27,7 @@ from shared.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+IDLE_CHECK_S = 1.0  # how often an idle engine thread checks that the engine's processes live
 
 # post_step(engine, outputs, events) runs on the engine thread right after a step, while every block
 # still holds what the step left there (offload reads KV here); its result goes to on_step.
@@ -113,7 +114,7 @@ class EngineThread:
             while True:
                 # Block for commands when idle; otherwise drain what arrived and step.
                 if not self.engine.has_work():
-                    if not self._run_command(self._commands.get()):
+                    if not self._run_command(self._idle_wait()):
                         return
                 while True:
                     try:
@@ -144,6 +145,16 @@ class EngineThread:
                     shutdown()
                 except Exception:  # noqa: BLE001 - the worker is going down either way
                     log.exception("engine shutdown failed")
+
+    def _idle_wait(self):  # noqa: ANN202 - the next queue item
+        """The next command, checking meanwhile that the engine's other processes live (a tensor-parallel rank
+        that died while the engine idles must end the worker now, not fail the next request)."""
+        check = getattr(self.engine, "check_alive", None)  # None for a single-process engine: plain blocking get
+        while True:
+            try:
+                return self._commands.get(timeout=IDLE_CHECK_S if check is not None else None)
+            except queue.Empty:
+                check()
 
     def _fail_pending(self) -> None:
         """Commands queued after the loop ended would wait forever: fail them."""

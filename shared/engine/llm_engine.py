@@ -51,6 +51,8 @@ class LLMEngine:
         start = snapshot(c.device) if c.device.startswith("cuda") else None
         # Rank 0 of a tensor-parallel engine: start the follower ranks (a bad degree fails before any starts).
         self.tp: TPWorkers | None = self._start_tensor_parallel(c) if c.tensor_parallel_size > 1 else None
+        # What an idle engine thread calls to learn that a rank died (raises TPRankError); None: one process.
+        self.check_alive = self.tp.check_alive if self.tp is not None else None
         try:
             self._build(c, start)
         except BaseException:
@@ -63,6 +65,13 @@ class LLMEngine:
         from shared.models.tp.degree import check_degree
 
         check_degree(load_model_config(c.model), c.tensor_parallel_size)
+        if c.device.startswith("cuda"):
+            from shared.engine.tp.launch import rank_device
+
+            last = rank_device(c.device, c.tensor_parallel_size - 1)
+            if int(last.split(":")[1]) >= torch.cuda.device_count():
+                raise ValueError(f"tensor-parallel size {c.tensor_parallel_size} from {c.device} needs {last}, but "
+                                 f"this machine has {torch.cuda.device_count()} CUDA device(s)")
         if c.device.startswith("cuda") and c.num_kv_blocks is None and c.kv_cache_bytes is None:
             raise ValueError("tensor parallelism on CUDA needs --num-kv-blocks or --kv-cache-bytes (the memory "
                              "profile does not run across ranks yet)")

@@ -11,16 +11,22 @@ import torch.distributed as dist
 HEAD_DIM_AXIS = 3  # [layers, blocks, block_size, kv_heads, head_dim]
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as the collectives carry it: an FP8 cache's bytes as uint8 (gloo has no float8 types)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
 def gather_heads(local: torch.Tensor, size: int, rank: int, group: Any) -> torch.Tensor | None:
     """Every rank's head shard of the same blocks, concatenated by heads on rank 0 (None elsewhere)."""
     local = local.contiguous()
-    parts = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
-    dist.gather(local, parts, dst=0, group=group)
-    return torch.cat(parts, dim=HEAD_DIM_AXIS) if parts is not None else None
+    wire = _wire(local)
+    parts = [torch.empty_like(wire) for _ in range(size)] if rank == 0 else None
+    dist.gather(wire, parts, dst=0, group=group)
+    return torch.cat(parts, dim=HEAD_DIM_AXIS).view(local.dtype) if parts is not None else None
 
 
 def scatter_heads(whole: torch.Tensor | None, out: torch.Tensor, size: int, rank: int, group: Any) -> torch.Tensor:
     """Rank 0's whole blocks cut by heads, rank r's share into `out` (shaped like one share, on the device)."""
-    parts = [p.contiguous() for p in whole.chunk(size, dim=HEAD_DIM_AXIS)] if rank == 0 else None
-    dist.scatter(out, parts, src=0, group=group)
+    parts = [_wire(p.contiguous()) for p in whole.chunk(size, dim=HEAD_DIM_AXIS)] if rank == 0 else None
+    dist.scatter(_wire(out), parts, src=0, group=group)
     return out

@@ -94,17 +94,27 @@ class TPWorkers:
         atexit.register(self.kill)
         self.failed = False
         self.closed = False  # the group left (a later engine in this process may have its own by then)
+        self._threads_before = torch.get_num_threads()  # given back at shutdown
         try:
             self.group, self.channel = join_groups(0, self.size, init, config.device)
-        except BaseException:
+        except Exception as e:
+            dead = self.dead()  # a follower that failed to start leaves the rendezvous waiting for its timeout
             self.kill()
-            raise
+            raise TPRankError(f"tensor-parallel ranks did not join: {'; '.join(dead) or e}") from e
         torch.set_num_threads(threads)
         log.info("tensor parallel: %d ranks (followers pids %s)", self.size, [p.pid for p in self.procs])
 
     def dead(self) -> list[str]:
         return [f"rank {r} (pid {p.pid}) exited with code {p.returncode}"
                 for r, p in enumerate(self.procs, start=1) if p.poll() is not None]
+
+    def check_alive(self) -> None:
+        """Raise TPRankError (taking the other ranks down) if a follower has exited."""
+        dead = self.dead()
+        if dead and not self.closed:
+            self.failed = True
+            self.kill()
+            raise TPRankError(f"tensor-parallel rank died while the engine was idle: {'; '.join(dead)}")
 
     @contextmanager
     def guard(self, what: str) -> Iterator[None]:
@@ -146,5 +156,6 @@ class TPWorkers:
                 p.wait()
         if not self.closed and dist.is_initialized():
             dist.destroy_process_group()
+            torch.set_num_threads(self._threads_before)
         self.closed = True
         atexit.unregister(self.kill)
