@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.errors import ConfigError
+from shared.spec_config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -50,6 +51,8 @@ class EngineConfig:
     # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
     # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).
     cpu_weight_packing: bool = True
+    # Speculative decoding (shared/spec_config.py; shared/engine/spec/): None, no speculation.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):

@@ -5,6 +5,8 @@ import argparse
 import sys
 
 from shared.config import EngineConfig
+from shared.engine.errors import ConfigError
+from shared.spec_config import SpeculativeConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
 from shared.models.tokenizer import encode_chat, load_tokenizer
@@ -17,11 +19,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4} '
+                             'or {"method": "suffix"}')
     parser.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    try:
+        spec = SpeculativeConfig.parse(args.speculative_config)
+    except ConfigError as e:
+        print(f"kvmesh generate: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, speculative_config=spec))
     tokenizer = load_tokenizer(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     history: list[dict[str, str]] = []
