@@ -25,6 +25,7 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 8
     suffix_decoding_max_cached_requests: int = 256
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_spec_factor: float = 1.0  # a draft is at most this many times the matched suffix's length
     # No speculation in a step whose running decode batch is larger than this (0: never switch off): at a large
     # batch the verify forward's extra rows cost more than the accepted tokens save (vLLM's key of the name).
     disable_by_batch_size: int = 8
@@ -44,6 +45,9 @@ class SpeculativeConfig:
                               f"prompt_lookup_max ({self.prompt_lookup_max})")
         if not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 0:
             raise ConfigError("--speculative-config: disable_by_batch_size must be an integer >= 0 (0: never)")
+        f = self.suffix_decoding_max_spec_factor
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or f <= 0:
+            raise ConfigError(f"--speculative-config: suffix_decoding_max_spec_factor must be > 0, got {f!r}")
         p = self.suffix_decoding_min_token_prob
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
             raise ConfigError(f"--speculative-config: suffix_decoding_min_token_prob must be in [0, 1], got {p!r}")
