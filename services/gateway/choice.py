@@ -267,12 +267,23 @@ class Choice:
             else:
                 m.inter_token(now - self._last_chunk_time)
             self._last_chunk_time = now
-            self.num_tokens += len(chunk.token_ids)
-            self._generated.extend(chunk.token_ids)
-            m.generation_tokens.labels(m.model).inc(len(chunk.token_ids))
-            delta.token_ids = list(chunk.token_ids)
-            delta.logprobs = list(chunk.logprobs or [])
-            delta.text = self._stop.push(self._detok.push(chunk.token_ids))
+            ids, lps = list(chunk.token_ids), list(chunk.logprobs or [])
+            if len(ids) > 1 and self._stop.active:
+                # Several tokens at once (a speculative verify step): cut them where a stop string ends, so the
+                # tokens, logprobs and usage are those of decoding one token at a time.
+                delta.text = ""
+                for n, token in enumerate(ids, 1):
+                    delta.text += self._stop.push(self._detok.push([token]))
+                    if self._stop.stopped:
+                        ids, lps = ids[:n], lps[:n]
+                        break
+            else:
+                delta.text = self._stop.push(self._detok.push(ids))
+            self.num_tokens += len(ids)
+            self._generated.extend(ids)
+            m.generation_tokens.labels(m.model).inc(len(ids))
+            delta.token_ids = ids
+            delta.logprobs = lps
         if chunk.finished:
             self.sent = False  # the worker is done with it: nothing to cancel
         if self._stop.stopped:

@@ -14,6 +14,11 @@ class StopMatcher:
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
 
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
     def push(self, text: str) -> str:
         """Returns the text that is safe to emit; sets `stopped` when a stop string appears."""
         if self.stopped or not text:

@@ -16,6 +16,20 @@ from __future__ import annotations
 import torch
 
 
+def _draw(shape_rows: list[int], generators: list[torch.Generator], fill, like: torch.Tensor) -> torch.Tensor:
+    """One tensor of random draws, request by request in order (a request's rows from its own generator); runs
+    of requests sharing a generator draw together: one call for a whole batch of unseeded requests."""
+    parts, i = [], 0
+    while i < len(generators):
+        j = i
+        while j < len(generators) and generators[j] is generators[i]:
+            j += 1
+        n = sum(shape_rows[i:j])
+        parts.append(fill(like.new_empty((n,) + tuple(like.shape[1:])), generators[i]))
+        i = j
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
 @torch.inference_mode()
 def rejection_sample(probs: torch.Tensor, drafts: list[list[int]], generators: list[torch.Generator],
                      draft_probs: torch.Tensor | None = None) -> list[list[int]]:
@@ -23,39 +37,33 @@ def rejection_sample(probs: torch.Tensor, drafts: list[list[int]], generators: l
     draft_probs: [sum(len(d)), vocab] of a draft model, or None for point-mass drafts.
     Returns each request's emitted tokens: its accepted drafts, then one corrected or bonus token."""
     dev = probs.device
-    accepted_parts, alt_parts = [], []
-    row = qrow = 0
-    for d, gen in zip(drafts, generators):
-        k = len(d)
-        p = probs[row : row + k + 1]
-        ids = torch.tensor(d, dtype=torch.long, device=dev)
-        at = torch.arange(k, device=dev)
-        pd = p[at, ids]
-        u = torch.rand(k, generator=gen, device=dev)
-        if draft_probs is None:
-            accept = u < pd
-            residual = p[:k].clone()
-            residual[at, ids] = 0.0
-        else:
-            q = draft_probs[qrow : qrow + k]
-            accept = u * q[at, ids] < pd  # u < p/q without dividing by a zero q
-            residual = (p[:k] - q).clamp_(min=0.0)
-            qrow += k
-        dist = torch.cat([residual, p[k:]])
-        noise = torch.empty_like(dist).exponential_(generator=gen)
-        alt_parts.append((dist / noise).argmax(-1))
-        accepted_parts.append(accept)
-        row += k + 1
+    ks = [len(d) for d in drafts]
+    # Row of each draft in probs (a request's k draft rows, then its bonus row).
+    draft_rows, at = [], 0
+    for k in ks:
+        draft_rows.extend(range(at, at + k))
+        at += k + 1
+    rows = torch.tensor(draft_rows, dtype=torch.long, device=dev)
+    ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=dev)
+    pd = probs[rows, ids]
+    u = _draw(ks, generators, lambda t, g: t.uniform_(generator=g), pd)
+    dist = probs.clone()
+    if draft_probs is None:
+        accept = u < pd
+        dist[rows, ids] = 0.0  # the residual of a point mass: p without the drafted token
+    else:
+        accept = u * draft_probs[torch.arange(len(draft_rows), device=dev), ids] < pd  # u < p/q, q never divides
+        dist[rows] = (probs[rows] - draft_probs).clamp_(min=0.0)
+    noise = _draw([k + 1 for k in ks], generators, lambda t, g: t.exponential_(generator=g), dist)
+    alt = (dist / noise).argmax(-1)
     # One copy to the host for the whole batch.
-    flat = torch.cat([torch.cat(accepted_parts).long(), torch.cat(alt_parts)]).tolist()
-    n_acc_rows = sum(len(d) for d in drafts)
-    acc, alt = flat[:n_acc_rows], flat[n_acc_rows:]
+    flat = torch.cat([accept.long(), alt]).tolist()
+    acc, alt_ids = flat[: len(draft_rows)], flat[len(draft_rows) :]
     out: list[list[int]] = []
     a = b = 0
-    for d in drafts:
-        k = len(d)
+    for d, k in zip(drafts, ks):
         n = next((j for j in range(k) if not acc[a + j]), k)
-        out.append(list(d[:n]) + [alt[b + n]])
+        out.append(list(d[:n]) + [alt_ids[b + n]])
         a += k
         b += k + 1
     return out
