@@ -123,9 +123,8 @@ def test_real_model_greedy_equals_no_speculation(smollm2_dir):
     tok = load_tokenizer(smollm2_dir)
     text = ("The committee met on Tuesday to review the budget. The committee agreed that the budget for the "
             "library would rise by ten percent, and that the budget for the park would stay the same.")
-    prompts = [encode_chat(tok, [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}]),
-               encode_chat(tok, [{"role": "user", "content": f"Quote the first sentence of this text: {text}"}])]
-    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2)
+    prompts = [encode_chat(tok, [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}])]
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2)
     cfg = dict(model=str(smollm2_dir), num_kv_blocks=128, max_num_batched_tokens=512, dtype="float32")
     plain = LLMEngine(EngineConfig(**cfg)).generate(prompts, params, use_tqdm=False)
     for name, config in METHODS.items():
@@ -318,3 +317,52 @@ def test_no_speculation_above_the_batch_size_threshold(checkpoints):
     engine = make_engine(ckpt, speculative_config=SpeculativeConfig(method="ngram", disable_by_batch_size=4))
     engine.generate(prompts, greedy(8, logprobs=None), use_tqdm=False)
     assert engine.speculator.stats.num_drafts == 0 and engine.speculator.steps_off > 0
+
+
+# --- across the mesh --------------------------------------------------------------------------------
+
+
+def test_mesh_decode_worker_speculates_after_remote_prefill(checkpoints, tmp_path):
+    """A decode worker with --speculative-config behind the real gateway, fed by a prefill worker: the same text
+    and usage as the engine without speculation, a stop string cut inside a verify step's tokens, and the
+    spec_decode counters on /metrics."""
+    import httpx
+    import openai
+
+    from shared.models.tokenizer import load_tokenizer
+    from tests.gateway_harness import Mesh
+    from tests.test_metrics import sample
+
+    ckpt = checkpoints["llama"]
+    prompt = repetitive_prompts([30], seed=5)[0]
+    out = make_engine(ckpt).generate([prompt], greedy(MAX_NEW, logprobs=None), use_tqdm=False)[0].output_token_ids
+    tok = load_tokenizer(ckpt.path)
+    text = tok.decode(out)
+    mesh = Mesh(tmp_path, ckpt.path)
+    try:
+        mesh.start_tokenizer()
+        mesh.start_prefill()
+        mesh.start_decoder("d0", threshold=8, speculative_config=NGRAM)  # the prompt is prefilled remotely
+        mesh.wait_until(lambda: mesh.gateway.ctx.router.alive() and mesh.gateway.ctx.metrics.prefill_workers.alive())
+        client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        assert r.choices[0].text == text and r.usage.completion_tokens == len(out)
+        # A stop string: the text of a token at its first occurrence; the answer ends before it, and usage counts
+        # the tokens up to it, as decoding one token at a time would.
+        for j in range(len(out) - 1, 0, -1):
+            before, piece = tok.decode(out[:j]), tok.decode(out[: j + 1])
+            stop = piece[len(before):]
+            if stop.strip() and piece.startswith(before) and text.find(stop) == len(before):
+                break
+        else:
+            pytest.skip("no token text usable as a stop string")
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0, stop=[stop])
+        assert r.choices[0].text == before and r.usage.completion_tokens == j + 1
+        metrics = httpx.get(f"{mesh.url}/metrics", timeout=10).text
+        assert sample(metrics, "spec_decode_num_drafts_total", worker="d0") > 0
+        assert sample(metrics, "spec_decode_num_accepted_tokens_total", worker="d0") > 0
+        assert sample(metrics, "spec_decode_num_accepted_tokens_per_pos_total", worker="d0", position="0") > 0
+        assert sample(metrics, "spec_decode_num_draft_tokens_total", worker="d0") >= sample(
+            metrics, "spec_decode_num_accepted_tokens_total", worker="d0")
+    finally:
+        mesh.close()

@@ -292,7 +292,8 @@ class LLMEngine:
     # --- introspection --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens)
+        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens,
+                            None if self.speculator is None else self.speculator.stats)
 
     def check_integrity(self) -> None:
         live = self.scheduler.sequences()
