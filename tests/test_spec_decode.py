@@ -227,15 +227,23 @@ def test_preemption_prefix_hits_and_aborts(checkpoints):
     assert_all_free(spec)
 
 
-def test_sampled_requests_run_and_seeded_ones_repeat(checkpoints):
+def test_sampled_and_greedy_requests_in_one_batch(checkpoints):
+    """Seeded sampled requests repeat their tokens run after run (same config); greedy requests beside them, and
+    one with logit_bias and a repetition penalty (processed through the drafts before each row), equal decoding
+    without speculation."""
     ckpt = checkpoints["qwen2"]
-    prompts = repetitive_prompts([20, 45], seed=9)
-    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=s, logprobs=1)
-              for s in (1, 2)]
+    prompts = repetitive_prompts([20, 45, 33, 27], seed=9)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=s, logprobs=1) for s in (1, 2)]
+    params += [greedy(16), SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
+                                           logit_bias={7: 2.0}, logprobs=1)]
+    want = make_engine(ckpt).generate(prompts[2:], params[2:], use_tqdm=False)
     runs = []
     for _ in range(2):
         engine = make_engine(ckpt, speculative_config=NGRAM)
-        runs.append([o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)])
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        runs.append([o.output_token_ids for o in outs])
+        assert [o.output_token_ids for o in outs[2:]] == [o.output_token_ids for o in want]
+        assert all(len(o.logprobs) == len(o.output_token_ids) for o in outs)
         assert_all_free(engine)
     assert runs[0] == runs[1], "a seeded request's tokens must repeat (same config, same seed)"
 
