@@ -139,7 +139,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{method:7s} {workload:8s} c={c:<3d} {cell['output_tok_s']:8.1f} tok/s  ITL "
                       f"{cell['mean_itl_ms']:7.1f} ms  acceptance length {cell['mean_acceptance_length']}",
                       file=sys.stderr, flush=True)
+                _write(args, model, methods, machine, results)  # a cell at a time: a cut-short run keeps what it measured
         del engine
+    _write(args, model, methods, machine, results)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+def _write(args: argparse.Namespace, model: str, methods: list[str], machine: dict, results: dict) -> None:
     for cells in results.values():
         for by_method in cells.values():
             base = by_method.get("off")
@@ -152,8 +159,6 @@ def run(args: argparse.Namespace) -> int:
               "workloads": {w: [t[:60] for t in WORKLOADS[w]] for w in WORKLOADS}, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(results, indent=1))
-    return 0
 
 
 def _warm(max_tokens: int):  # noqa: ANN202
