@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV budget for kvmesh and transformers CB (default: 1 GiB on CPU; on CUDA kvmesh's memory "
                         "budget, and transformers CB gets the bytes kvmesh's pool ended up with)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='kvmesh decodes speculatively: vLLM\'s JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
     p.add_argument("--skip-hf", action="store_true", help="run kvmesh only")
     p.add_argument("--skip-kvmesh", action="store_true", help="run the transformers baselines only")
     p.add_argument("--baselines", default=",".join(BASELINES), help=f"comma list out of {','.join(BASELINES)}")
@@ -125,6 +127,7 @@ def resolved_dtype(model: str, args: argparse.Namespace) -> str:
 
 def engine_config(model: str, args: argparse.Namespace, wl: Workload):
     from shared.config import EngineConfig
+    from shared.spec_config import SpeculativeConfig
 
     longest = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens))
     return EngineConfig(model=model, dtype=resolved_dtype(model, args), device=args.device,
@@ -133,7 +136,8 @@ def engine_config(model: str, args: argparse.Namespace, wl: Workload):
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
                         enforce_eager=args.enforce_eager or args.tensor_parallel_size > 1,
                         max_model_len=args.max_model_len or longest + 1,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        speculative_config=SpeculativeConfig.parse(args.speculative_config))
 
 
 def greedy(max_tokens: int):
@@ -239,6 +243,13 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(which) - set(BASELINES)
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}; choose from {', '.join(BASELINES)}")
+    from shared.engine.errors import ConfigError
+    from shared.spec_config import SpeculativeConfig
+
+    try:  # before any model is built: a bad config is the first thing said
+        SpeculativeConfig.parse(args.speculative_config)
+    except ConfigError as e:
+        raise SystemExit(f"kvmesh bench offline: {e}") from None
     resolve(args)
     machine = machine_info(args.device)  # before anything runs: its load average is other people's work
     warn_if_busy()

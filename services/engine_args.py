@@ -5,6 +5,7 @@ import argparse
 import os
 
 from shared.config import EngineConfig
+from shared.spec_config import SpeculativeConfig
 
 
 # A prefill worker's chunk: its KV goes out while the next chunk computes, so the decode worker waits
@@ -47,6 +48,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only quantized linear layers on CPU (int8 per row, int4 in groups of 32)")
     parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                         help="bf16 on CPU: plain F.linear instead of oneDNN pre-packed weights (same results, slower)")
+    parser.add_argument("--speculative-config", default=os.environ.get("KVMESH_SPECULATIVE_CONFIG"), metavar="JSON",
+                        help='speculative decoding as vLLM\'s JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "suffix"} '
+                             '(env KVMESH_SPECULATIVE_CONFIG)')
     parser.add_argument("--served-model-name", default=None, help="model id folded into block hashes")
     # Not a flag (it would show in `ps`): the mesh's secret, folded into every block hash so nobody can
     # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
@@ -82,7 +87,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
                         model_id=args.served_model_name, cache_salt=args.cache_salt, quantization=args.quantization,
                         cpu_weight_packing=getattr(args, "cpu_weight_packing", True),
-                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                        speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)))
 
 
 def engine_factory_from_args(args: argparse.Namespace):  # noqa: ANN201 - Callable[[EngineConfig], LLMEngine]

@@ -80,6 +80,7 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
               kv_endpoint: str = "", kv_push: PushStats | None = None, bus_reconnects: int = 0) -> LoadBeat:
     push = kv_push or PushStats()
     hist = stats.iteration_tokens
+    spec = stats.spec_decode
     return LoadBeat(
         worker_id=worker_id, role=role, running=stats.running, waiting=stats.waiting,
         free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, block_size=block_size,
@@ -91,4 +92,7 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         offloaded_blocks=offloaded, offload_dropped_blocks=offload_dropped, host_tier_hit_tokens=host_hit_tokens,
         kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes, kv_endpoint=kv_endpoint,
         kv_pushes=push.pushes, kv_push_bytes=push.bytes, kv_push_wait_seconds=push.wait_s,
-        bus_reconnects=bus_reconnects)
+        bus_reconnects=bus_reconnects,
+        spec_num_drafts=spec.num_drafts if spec else 0, spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+        spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos) if spec else [])

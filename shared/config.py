@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.errors import ConfigError
+from shared.spec_config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -53,6 +54,8 @@ class EngineConfig:
     # Ranks one engine's model is split across (shared/engine/tp/): rank 0 is this engine, the others are
     # follower processes it starts; 1 is the single-device engine, unchanged.
     tensor_parallel_size: int = 1
+    # Speculative decoding (shared/spec_config.py; shared/engine/spec/): None, no speculation.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):

@@ -110,11 +110,12 @@ class Mesh:
 
     def start_decoder(self, worker_id: str, num_kv_blocks: int = 96, threshold: int = 1 << 30,
                       use_kvstore: bool = False, remote_timeout_s: float = 10.0,
-                      beat_interval_s: float = 0.2) -> DecodeService:
+                      beat_interval_s: float = 0.2, **engine) -> DecodeService:
+        """engine: more EngineConfig fields (speculative_config, ...)."""
         async def go() -> DecodeService:
             d = decode_service(self.model_dir, worker_id, threshold, kvstore=use_kvstore, num_kv_blocks=num_kv_blocks,
                                transfer_timeout=remote_timeout_s, remote_timeout=remote_timeout_s,
-                               beat_interval_s=beat_interval_s)
+                               beat_interval_s=beat_interval_s, **engine)
             await d.start(await self._connect(f"decode-{worker_id}"))
             self.decoders[worker_id] = d
             return d

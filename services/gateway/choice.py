@@ -271,19 +271,31 @@ class Choice:
             else:
                 m.inter_token(now - self._last_chunk_time)
             self._last_chunk_time = now
-            self.num_tokens += len(chunk.token_ids)
-            self._generated.extend(chunk.token_ids)
-            m.generation_tokens.labels(m.model).inc(len(chunk.token_ids))
-            delta.token_ids = list(chunk.token_ids)
-            delta.logprobs = list(chunk.logprobs or [])
-            text_ids = chunk.token_ids
+            ids, lps = list(chunk.token_ids), list(chunk.logprobs or [])
+            n_text = len(ids)
             if chunk.finish_reason == "stop" and not self._origin.sampling.include_stop_str_in_output:
                 # The engine ended on a stop token (a stop_token_id, eos, or a grammar's end): its text is
                 # not output unless asked (vLLM); its id still counts and is reported.
-                text_ids = text_ids[:-1]
+                n_text -= 1
             # Stop strings count only once the output is longer than min_tokens (vLLM's rule).
-            delta.text = self._stop.push(self._detok.push(text_ids),
-                                         armed=len(self._generated) > self._origin.sampling.min_tokens)
+            min_tokens, before = self._origin.sampling.min_tokens, len(self._generated)
+            if len(ids) > 1 and self._stop.active:
+                # Several tokens at once (a speculative verify step): cut them where a stop string ends, so the
+                # tokens, logprobs and usage are those of decoding one token at a time.
+                delta.text = ""
+                for n, token in enumerate(ids, 1):
+                    if n <= n_text:
+                        delta.text += self._stop.push(self._detok.push([token]), armed=before + n > min_tokens)
+                    if self._stop.stopped:
+                        ids, lps = ids[:n], lps[:n]
+                        break
+            else:
+                delta.text = self._stop.push(self._detok.push(ids[:n_text]), armed=before + len(ids) > min_tokens)
+            self.num_tokens += len(ids)
+            self._generated.extend(ids)
+            m.generation_tokens.labels(m.model).inc(len(ids))
+            delta.token_ids = ids
+            delta.logprobs = lps
         if chunk.finished:
             self.sent = False  # the worker is done with it: nothing to cancel
         if self._stop.stopped:

@@ -112,6 +112,15 @@ class _WorkerCollector(Collector):
         push_wait = CounterMetricFamily(f"{PREFIX}kv_push_wait_seconds", "Seconds decode workers waited for pushed "
                                         "KV after the prompt's last chunk computed (what compute did not hide)",
                                         labels=labels)
+        # vLLM's spec_decode counters (vllm:spec_decode_num_drafts, ...) under the kvmesh prefix.
+        drafts = CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Verify steps of a request with drafted "
+                                     "tokens (speculative decoding)", labels=labels)
+        draft_tokens = CounterMetricFamily(f"{PREFIX}spec_decode_num_draft_tokens", "Tokens drafted for verification",
+                                           labels=labels)
+        accepted = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens", "Drafted tokens the target accepted",
+                                       labels=labels)
+        per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this "
+                                      "position was accepted", labels=labels + ["position"])
         alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
                                   labels=["model_name", "role"])
         decode = [w.beat for w in self._router.alive() if w.beat is not None]
@@ -138,11 +147,17 @@ class _WorkerCollector(Collector):
                     acc += n
                     cumulative.append((le, acc))
                 iteration.add_metric(v, cumulative, b.iteration_tokens_sum)
+            if b.spec_num_drafts:
+                drafts.add_metric(v, b.spec_num_drafts)
+                draft_tokens.add_metric(v, b.spec_num_draft_tokens)
+                accepted.add_metric(v, b.spec_num_accepted_tokens)
+                for pos, n in enumerate(b.spec_num_accepted_tokens_per_pos):
+                    per_pos.add_metric(v + [str(pos)], n)
             config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
         alive.add_metric([self._model, "decode"], len(decode))
         alive.add_metric([self._model, "prefill"], len(prefill))
         yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
-                    pushes, push_bytes, push_wait, iteration, config, alive)
+                    pushes, push_bytes, push_wait, iteration, config, drafts, draft_tokens, accepted, per_pos, alive)
 
 
 class GatewayMetrics:

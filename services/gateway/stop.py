@@ -30,6 +30,11 @@ class StopMatcher:
         self.stopped = False
         self.matched: str | None = None  # the stop string (or regex pattern) that ended the text
 
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string or stop regex to look for."""
+        return bool(self._stops or self._regexes)
+
     def push(self, text: str, armed: bool = True) -> str:
         """Returns the text that is safe to emit; sets `stopped` when a stop string appears. Not `armed`
         (min_tokens not yet reached: vLLM looks for stop strings only after them), the text passes as is."""

@@ -135,6 +135,21 @@ class BlockManager:
                 self._stored(h, seq.block_hashes[i - 1] if i else None, block_id)
         self.num_registered[seq.request_id] = full
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those seq's tokens need: after a verify step, the ones that held only rejected
+        drafts. They are private (never cached: nothing past the computed tokens is) and go to the front of the
+        free list. The list is replaced, not cut in place: the runner's block tables (block_tables.py) mirror a
+        list that only grows, and copy a new one from the start."""
+        keep = self.blocks_for(seq.num_tokens)
+        if len(seq.block_table) <= keep:
+            return
+        for block_id in seq.block_table[keep:]:
+            assert self.ref_counts[block_id] == 1 and self.block_hash[block_id] is None, f"block {block_id} is shared"
+            self.ref_counts[block_id] = 0
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)
+        seq.block_table = seq.block_table[:keep]
+
     def free_blocks(self, seq: Sequence) -> None:
         # Reverse order: a chain's tail is least useful, so it lands first in the eviction order.
         for block_id in reversed(seq.block_table):

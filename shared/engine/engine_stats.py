@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.scheduler import Scheduler
+from shared.engine.spec.stats import SpecDecodeStats
 from shared.engine.step_metrics import CumulativeHistogram
 
 
@@ -19,9 +20,11 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in this engine's prefix cache (cumulative)
     prefix_cache_hits: int = 0  # of those, tokens found (cumulative)
     iteration_tokens: CumulativeHistogram | None = None  # tokens computed per step (cumulative)
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding counters (None: the engine does not speculate)
 
 
-def engine_stats(scheduler: Scheduler, bm: BlockManager, iteration_tokens: CumulativeHistogram) -> EngineStats:
+def engine_stats(scheduler: Scheduler, bm: BlockManager, iteration_tokens: CumulativeHistogram,
+                 spec: SpecDecodeStats | None = None) -> EngineStats:
     """Copies, not views: the snapshot crosses to the event loop while the engine steps on."""
     return EngineStats(
         running=scheduler.num_running,
@@ -34,4 +37,7 @@ def engine_stats(scheduler: Scheduler, bm: BlockManager, iteration_tokens: Cumul
         prefix_cache_hits=bm.hits,
         iteration_tokens=CumulativeHistogram(iteration_tokens.buckets, list(iteration_tokens.counts),
                                              iteration_tokens.total),
+        spec_decode=None if spec is None else SpecDecodeStats(spec.num_drafts, spec.num_draft_tokens,
+                                                              spec.num_accepted_tokens,
+                                                              list(spec.num_accepted_tokens_per_pos)),
     )

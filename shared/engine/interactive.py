@@ -5,6 +5,8 @@ import argparse
 import sys
 
 from shared.config import EngineConfig
+from shared.engine.errors import ConfigError
+from shared.spec_config import SpeculativeConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
 from shared.models.tokenizer import encode_chat, load_tokenizer
@@ -17,13 +19,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4} '
+                             'or {"method": "suffix"}')
     parser.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model across this many ranks (processes; gloo on CPU, NCCL on CUDA)")
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size))
+    try:
+        spec = SpeculativeConfig.parse(args.speculative_config)
+    except ConfigError as e:
+        print(f"kvmesh generate: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                                    speculative_config=spec))
     try:
         return _chat(engine, args)
     finally:

@@ -33,6 +33,8 @@ from shared.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_log
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from shared.engine.sequence import Sequence
+from shared.engine.spec.speculator import Speculator
+from shared.engine.spec.verify import verify
 from shared.engine.step_metrics import CumulativeHistogram
 from shared.engine.tp.launch import TPWorkers
 from shared.models.loader import load_model
@@ -111,6 +113,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.long_prefill_token_threshold, outputs)
         self.iteration_tokens = CumulativeHistogram()
+        # Speculative decoding (shared/engine/spec/): drafts before scheduling, a verify inside the step.
+        self.speculator = Speculator(c.speculative_config, self.max_model_len) if c.speculative_config else None
         self._grammar: GrammarBackend | None = None
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
                  c.block_size, self.dtype, self.kv_dtype)
@@ -222,6 +226,8 @@ class LLMEngine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(s for _, s in self.scheduler.running)
         plan = self.scheduler.schedule()
         # Before the forward overwrites blocks this schedule took from the cache; they reach the tier at the end.
         self.tiers.spill(wait=False)
@@ -238,9 +244,14 @@ class LLMEngine:
         for seq, _ in plan.scheduled:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        # A sequence samples when this step brings its computed tokens up to all its tokens.
+        # A sequence samples when this step brings its computed tokens up to all its tokens; one that verifies
+        # k drafts computes k more than that and samples at each of its last k + 1 rows.
         sampling = [(i, s) for i, (s, n) in enumerate(plan.scheduled) if s.num_computed_tokens + n == s.num_tokens]
         last_row = [end - 1 for end in accumulate(n for _, n in plan.scheduled)]
+        drafts = [(i, s, s.num_computed_tokens + n - s.num_tokens) for i, (s, n) in enumerate(plan.scheduled)
+                  if s.num_computed_tokens + n > s.num_tokens]
+        if drafts:
+            return self._verify_step(plan, sampling, drafts, last_row)
         rows = [last_row[i] for i, _ in sampling]
         prompt_rows = prompt_logprob_rows(plan.scheduled, last_row)
         if prompt_rows:
@@ -254,7 +265,47 @@ class LLMEngine:
         bitmask = self.grammar().token_bitmask(matchers) if any(m is not None for m in matchers) else None
         samples = self.sampler.sample(logits, seqs, token_bitmask=bitmask) if rows else []
         sampled = [(seq, token, lp) for seq, (token, lp) in zip(seqs, samples)]
-        return self.scheduler.update_from_output(plan, sampled, time.time())
+        outs = self.scheduler.update_from_output(plan, sampled, time.time())
+        if self.speculator is not None:
+            self._finished(seqs)
+        return outs
+
+    def _verify_step(self, plan: SchedulerOutput, sampling: list[tuple[int, Sequence]],
+                     drafts: list[tuple[int, Sequence, int]], last_row: list[int]) -> list[RequestOutput]:
+        """A step in which some sequences verify drafts: one forward over every row (the drafts go through the
+        prompt/extend path, several query tokens a sequence), the normal sampler for the others' last rows,
+        verify.py for each drafting sequence's k + 1 rows."""
+        assert self.speculator is not None
+        rows = [last_row[i] for i, _ in sampling]
+        spec_rows = [r for i, _, k in drafts for r in range(last_row[i] - k, last_row[i] + 1)]
+        prompt_rows = prompt_logprob_rows(plan.scheduled, last_row)
+        logits, hidden = self.runner.execute_rows(plan.scheduled, rows + spec_rows, [r for r, _, _ in prompt_rows])
+        if prompt_rows:
+            record_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
+        seqs = [s for _, s in sampling]
+        sampled = []
+        if seqs:
+            matchers = [s.matcher if s.reasoning_over else None for s in seqs]
+            bitmask = self.grammar().token_bitmask(matchers) if any(m is not None for m in matchers) else None
+            samples = self.sampler.sample(logits[: len(rows)], seqs, token_bitmask=bitmask)
+            sampled = [(seq, token, lp) for seq, (token, lp) in zip(seqs, samples)]
+        spec_seqs = [s for _, s, _ in drafts]
+        ks = [k for _, _, k in drafts]
+        kept = verify(self.sampler, logits[len(rows):], spec_seqs, ks)
+        verified = []
+        for seq, k, (tokens, lps) in zip(spec_seqs, ks, kept):
+            self.speculator.verified(seq, k, len(tokens) - 1)
+            verified.append((seq, tokens, lps))
+        outs = self.scheduler.update_from_output(plan, sampled, time.time(), verified)
+        self._finished(seqs + spec_seqs)
+        return outs
+
+    def _finished(self, seqs: list[Sequence]) -> None:
+        """Finished outputs feed the proposer's worker-wide table (suffix decoding)."""
+        assert self.speculator is not None
+        for seq in seqs:
+            if seq.is_finished:
+                self.speculator.finished(seq)
 
     # --- offline --------------------------------------------------------------------------------
 
@@ -282,7 +333,8 @@ class LLMEngine:
     # --- introspection --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens)
+        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens,
+                            None if self.speculator is None else self.speculator.stats)
 
     def check_integrity(self) -> None:
         live = self.scheduler.sequences()

@@ -181,6 +181,8 @@ class ModelRunner:
             row = tables.sync(seq, nblk)
             if n > 1:
                 ids.extend(seq.token_ids[start:ctx])
+                if ctx > seq.num_tokens:  # a verify step: the drafts follow the last token
+                    ids.extend(seq.spec_token_ids[: ctx - seq.num_tokens])
                 positions.extend(range(start, ctx))
                 slots.extend(self._slots(seq.block_table, start, ctx))
                 qstart.append(qstart[-1] + n)

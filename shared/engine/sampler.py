@@ -126,6 +126,15 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> None:
         logits.masked_fill_(probs < min_p * probs.amax(-1, keepdim=True), NEG_INF)
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: processed float32 logits (modified in place) divided by
+    the temperature (1 for greedy rows), filtered by top-k/top-p/min-p, softmaxed."""
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
+    logits.div_(temps.to(logits.device, non_blocking=True).unsqueeze(1))
+    filter_logits(logits, params)
+    return logits.softmax(-1)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...], seed: int = 0, device: str | torch.device = "cpu") -> None:
         self.eos_token_ids = eos_token_ids
@@ -142,6 +151,10 @@ class Sampler:
         if seq.generator is None:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
         return seq.generator
+
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """Where a row's random draws come from: a seeded request's own generator, else the sampler's."""
+        return self._own_generator(seq) if seq.params.seed is not None else self.generator
 
     @torch.inference_mode()
     def skip_draw(self, seq: Sequence, vocab_size: int) -> None:
@@ -179,20 +192,22 @@ class Sampler:
         return any(s.params.uses_penalties or s.params.logit_bias or s.params.allowed_token_ids is not None
                    or s.params.bad_words_ids or s.num_output_tokens < s.params.min_tokens for s in seqs)
 
-    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        dev = logits.device
-        params = [s.params for s in seqs]
+    def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """In place, on float32 logits: logit_bias and allowed ids, penalties, min_tokens (what a greedy row's
+        argmax is taken over). The rejection sampler (shared/engine/rejection_sampler.py) calls this too."""
         self._apply_bias_and_allowed(logits, seqs)
         apply_bad_words(logits, seqs)
         apply_penalties(logits, seqs)
         self._apply_min_tokens(logits, seqs)
+
+    def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        params = [s.params for s in seqs]
+        self.process_logits(logits, seqs)
         greedy = [p.greedy for p in params]
         if all(greedy):
             return logits.argmax(-1)
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
-        logits.div_(temps.to(dev, non_blocking=True).unsqueeze(1))
-        filter_logits(logits, params)
-        probs = logits.softmax(-1)
+        probs = sampling_probs(logits, params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, s in enumerate(seqs):
             if s.params.seed is not None and not s.params.greedy:

@@ -111,18 +111,47 @@ class Scheduler:
     # --- after a step ---------------------------------------------------------------------------
 
     def update_from_output(self, plan: SchedulerOutput, sampled: list[tuple[Sequence, int, TokenLogprobs | None]],
-                           now: float) -> list[RequestOutput]:
-        """The step computed plan's tokens and sampled `sampled`: advance, cache, append, finish, free."""
+                           now: float, verified: list[tuple[Sequence, list[int], list[TokenLogprobs | None]]] = ()
+                           ) -> list[RequestOutput]:
+        """The step computed plan's tokens and sampled `sampled`: advance, cache, append, finish, free.
+
+        verified: sequences that verified drafts this step, with the tokens they keep (accepted drafts, then the
+        target's own). Only the KV of their last token and of the accepted drafts counts as computed; the blocks
+        past what they keep are given back, so a rejected token never reaches a block hash."""
         assert self.outputs is not None
+        drafted = {id(seq) for seq, _, _ in verified}
         for seq, n in plan.scheduled:
+            if id(seq) in drafted:
+                seq.num_computed_tokens += 1  # its last token; the accepted drafts after they are appended
+                continue
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
         pieces = self.outputs.captured_pieces(plan.scheduled)
-        return pieces + [self.append_token(seq, token, lp, now) for seq, token, lp in sampled]
+        outs = pieces + [self.append_token(seq, token, lp, now) for seq, token, lp in sampled]
+        for seq, tokens, lps in verified:
+            outs.append(self.append_tokens(seq, tokens, lps, now))
+            seq.spec_token_ids = []
+            if not seq.is_finished:
+                seq.num_computed_tokens = seq.num_tokens - 1  # every kept token but the last came from a draft
+                self.bm.cache_full_blocks(seq)
+                self.bm.trim(seq)
+        return outs
 
     def append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
+        return self.append_tokens(seq, [token], [lp], now)
+
+    def append_tokens(self, seq: Sequence, tokens: list[int], lps: list[TokenLogprobs | None],
+                      now: float) -> RequestOutput:
+        """Append tokens in order until one finishes the request (a stop id, max_tokens, the model's length):
+        those after it are dropped, exactly as if they had been decoded one at a time."""
         assert self.outputs is not None
-        reason = self.outputs.append_token(seq, token, lp, now)
+        new: list[int] = []
+        reason = None
+        for token, lp in zip(tokens, lps):
+            new.append(token)
+            reason = self.outputs.append_token(seq, token, lp, now)
+            if reason is not None:
+                break
         kv = None
         if reason is not None:
             kv = self.outputs.take_prompt_kv(seq)  # prefill-only requests: before the blocks are freed
@@ -130,7 +159,7 @@ class Scheduler:
             seq.finished_time = now
             self.finish(seq)
             del self.requests[seq.request_id]
-        out = self.outputs.output(seq, [token])
+        out = self.outputs.output(seq, new)
         if kv is not None:
             out.kv_blocks = kv
         return out
@@ -163,6 +192,7 @@ class Scheduler:
         """Recompute preemption: drop the KV, keep the tokens, go back to waiting in arrival order."""
         self.running.remove((seq.sort_key(), seq))
         self.bm.free_blocks(seq)
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -176,7 +206,16 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_uncomputed_tokens, budget, self.chunk_cap)
+            if seq.spec_token_ids:
+                # A decoding sequence verifies its last token and its drafts in one row run (no chunk cap: it is
+                # no prompt); drafts past the token budget are dropped.
+                n = min(1 + len(seq.spec_token_ids), budget)
+                del seq.spec_token_ids[n - 1 :]
             while not self.bm.can_allocate(seq, n):
+                if seq.spec_token_ids:  # drop the drafts before preempting anyone for them
+                    seq.spec_token_ids = []
+                    n = 1
+                    continue
                 _, victim = self.running[-1]  # lowest priority, newest first
                 self._preempt(victim)
                 out.preempted.append(victim)

@@ -61,6 +61,12 @@ class Sequence:
         self.matcher: Any = None  # xgrammar GrammarMatcher of a structured-output request
         # Whether the structured constraint is on: at once, or once the output wrote params.reasoning_end_ids.
         self.reasoning_over = not params.reasoning_end_ids
+        # Speculative decoding (shared/engine/spec/): tokens proposed for this step's verify, never part of
+        # token_ids (so never hashed, cached or sent) until the verify accepts them; the proposer's per-request
+        # index of the context, and the adaptive draft length (shared/engine/spec/adaptive.py).
+        self.spec_token_ids: list[int] = []
+        self.spec_index: Any = None
+        self.spec_budget: Any = None
 
     @property
     def num_tokens(self) -> int:

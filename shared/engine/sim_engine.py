@@ -23,6 +23,7 @@ import torch
 from shared.block_hash import root_hash
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
+from shared.engine.errors import ConfigError
 from shared.engine.kv_placeholder import PLACEHOLDER_DTYPE, placeholder_kv
 from shared.engine.kv_tiers import KVTiers
 from shared.engine.llm_engine import LLMEngine
@@ -96,6 +97,10 @@ class SimRunner:
 class SimEngine(LLMEngine):
     def __init__(self, config: EngineConfig, cost: CostModel) -> None:
         self.config = c = config
+        if c.speculative_config is not None:
+            raise ConfigError("--speculative-config: the simulated engine (--engine sim) has no model to verify drafts "
+                              "with; leave it out")
+        self.speculator = None
         self.cost = cost
         self.model_config = mc = load_model_config(c.model)  # the config alone: no weights
         self.max_model_len = c.max_model_len or mc.max_position_embeddings

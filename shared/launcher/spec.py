@@ -66,6 +66,9 @@ class MeshOptions:
     # Tensor-parallel degree of each engine role's workers (each worker is that many processes: shared/engine/tp/).
     decode_tp: int = 1
     prefill_tp: int = 1
+    # Decode workers' --speculative-config (normalised JSON; None: no speculation). Prefill workers sample one
+    # token a request: nothing to speculate.
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -225,6 +228,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             threshold = NEVER_REMOTE
         if threshold is not None:
             args += ["--remote-prefill-threshold", str(threshold)]
+        if opts.speculative_config:
+            args += ["--speculative-config", opts.speculative_config]
     if service in ENGINE_SERVICES:
         if opts.kv_cache_dtype:
             args += ["--kv-cache-dtype", opts.kv_cache_dtype]

@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from shared.engine.errors import EXIT_CONFIG
+from shared.engine.errors import EXIT_CONFIG, ConfigError
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
                                      plan_mesh, worker_needs)
 from shared.launcher.gpus import parse_devices
@@ -34,6 +34,7 @@ from shared.planner.scaler import SupervisorScaler
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
 from shared.models.model_config import load_model_config
 from shared.service_runner import DEFAULT_GRACE_S
+from shared.spec_config import SpeculativeConfig
 
 READY = "kvmesh is up at"  # tests wait for this line
 # A service drains for up to its grace period, then its NATS connection for up to 5 s more
@@ -91,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default --tensor-parallel-size)")
     parser.add_argument("--prefill-tp", type=int, default=None, help="prefill workers' tensor-parallel size "
                         "(default --tensor-parallel-size); KV moves between different degrees whole, by heads")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='decode workers decode speculatively: vLLM\'s JSON, e.g. {"method": "ngram", '
+                             '"num_speculative_tokens": 4} or {"method": "suffix"}')
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--nats-tls", action="store_true",
@@ -142,6 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
 
+def _speculative_config(text: str | None) -> str | None:
+    """Checked here (a bad config is one error at start, not a crash loop of every decode worker); the workers
+    get it back as normalised JSON."""
+    spec = SpeculativeConfig.parse(text)
+    return None if spec is None else spec.to_json()
+
+
 def run(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else DEFAULT_MODEL
     try:
@@ -155,14 +166,14 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
             quantization=args.quantization, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-            engine=args.engine,
+            engine=args.engine, speculative_config=_speculative_config(args.speculative_config),
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
             sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
             max_num_seqs=args.max_num_seqs,
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
         )
-    except AssertionError as e:
+    except (AssertionError, ConfigError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
     if opts.engine == "sim":

@@ -71,6 +71,12 @@ class LoadBeat(Message):
     kv_endpoint: str = ""  # the worker's direct KV channel (tcp://host:port), "" when KV comes over NATS only
     # A prefill worker's KV pushes (cumulative): how many, their bytes, and the seconds decode workers
     # waited on them after the prompt's last chunk computed (the part of a push no compute hid).
+    # Speculative decoding (cumulative; vLLM's spec_decode counters): verifies with drafts, drafted tokens,
+    # accepted tokens, and per draft position how often its token was accepted.
+    spec_num_drafts: int = Field(default=0, ge=0)
+    spec_num_draft_tokens: int = Field(default=0, ge=0)
+    spec_num_accepted_tokens: int = Field(default=0, ge=0)
+    spec_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list)
     kv_pushes: int = Field(default=0, ge=0)
     kv_push_bytes: int = Field(default=0, ge=0)
     kv_push_wait_seconds: float = Field(default=0.0, ge=0)

@@ -1,0 +1,173 @@
+"""`kvmesh bench spec`: speculative decoding off vs each method, on the real SmolLM2 model, in one run.
+
+For each method (off, ngram, suffix) one engine in this process; for each workload ((a) input-grounded: repeat,
+rewrite or quote text given in the prompt, fill a JSON template; (b) open-ended chat) and each concurrency, a
+closed loop keeps exactly `concurrency` requests in flight until `requests` have finished. Greedy, so every
+method has the same work to do. Reported per cell: output tokens/s (output tokens / wall seconds), mean
+inter-token latency (a request's decode seconds / its tokens after the first, averaged over requests), mean
+acceptance length (tokens a verify gives a request: 1 + accepted / drafts), and each method's ratio to off.
+
+The same bench runs on a GPU (--device cuda, --model a Qwen3 checkpoint); draft-model speculation is not built.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+WORKLOADS = {
+    "grounded": [
+        ("Repeat this paragraph exactly, word for word:\n\n{doc}"),
+        ("Rewrite this text with every sentence on its own line, changing nothing else:\n\n{doc}"),
+        ("Quote the two sentences of this document that mention the library, exactly as written:\n\n{doc}"),
+        ('Fill in this JSON template from the text, copying the values exactly: {{"meeting_day": "", '
+         '"library_budget_change": "", "park_budget_change": "", "next_meeting": ""}}\n\nText: {doc}'),
+    ],
+    "chat": [
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "What are three good habits for staying healthy? Explain each briefly.",
+        "Explain how a rainbow forms, for a ten-year-old.",
+        "Give me some ideas for a weekend trip in the mountains.",
+    ],
+}
+DOC = ("The town council met on Tuesday evening to review the budget for next year. The council agreed that the "
+       "budget for the public library would rise by ten percent, so that the library can stay open on Sundays. "
+       "The budget for the park on Main Street will stay the same as this year. The council also voted to repair "
+       "the bridge over the river before the winter. The next meeting of the council will be held on the first "
+       "Monday of March, in the library's reading room.")
+METHODS = {"off": None, "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                                 '"prompt_lookup_max": 4}',
+           "suffix": '{"method": "suffix", "num_speculative_tokens": 6}'}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list out of {','.join(METHODS)}")
+    p.add_argument("--concurrency", default="1,4,16", help="comma list of requests kept in flight")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per cell (default: max(2, concurrency))")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="override the methods' disable_by_batch_size (the adaptive rule's batch threshold)")
+    p.add_argument("--json", default="loadtest/results/spec_cpu.json", metavar="PATH")
+
+
+def _prompts(tok, workload: str) -> list[list[int]]:  # noqa: ANN001
+    from shared.models.tokenizer import encode_chat
+
+    return [encode_chat(tok, [{"role": "user", "content": t.format(doc=DOC)}]) for t in WORKLOADS[workload]]
+
+
+def run_cell(engine, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int) -> dict:  # noqa: ANN001
+    from shared.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    spec0 = _spec_counts(engine)
+    submitted = finished = 0
+    first: dict[str, float] = {}
+    start: dict[str, float] = {}
+    itls: list[float] = []
+    tokens = 0
+    t0 = time.perf_counter()
+    while finished < n:
+        while submitted < n and submitted - finished < concurrency:
+            rid = f"r{submitted}"
+            engine.add_request(rid, prompts[submitted % len(prompts)], params)
+            start[rid] = time.perf_counter()
+            submitted += 1
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                finished += 1
+                k = len(out.output_token_ids)
+                tokens += k
+                if k > 1:
+                    itls.append((now - first[out.request_id]) / (k - 1))
+    wall = time.perf_counter() - t0
+    spec1 = _spec_counts(engine)
+    drafts = spec1[0] - spec0[0]
+    accepted = spec1[1] - spec0[1]
+    return {"requests": n, "output_tokens": tokens, "seconds": round(wall, 3),
+            "output_tok_s": round(tokens / wall, 2), "mean_itl_ms": round(1000 * sum(itls) / max(len(itls), 1), 2),
+            "drafts": drafts, "draft_tokens": spec1[2] - spec0[2], "accepted_tokens": accepted,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
+
+
+def _spec_counts(engine) -> tuple[int, int, int]:  # noqa: ANN001
+    s = engine.speculator
+    return (0, 0, 0) if s is None else (s.stats.num_drafts, s.stats.num_accepted_tokens, s.stats.num_draft_tokens)
+
+
+def run(args: argparse.Namespace) -> int:
+    from loadtest.workload import machine_info, warn_if_busy
+    from shared.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.models.model_source import resolve_model
+    from shared.models.smollm2 import smollm2_checkpoint
+    from shared.models.tokenizer import load_tokenizer
+    from shared.spec_config import SpeculativeConfig
+
+    model = resolve_model(args.model) if args.model else str(smollm2_checkpoint())
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    machine = machine_info(args.device)
+    warn_if_busy()
+    tok = load_tokenizer(model)
+    prompts = {w: _prompts(tok, w) for w in WORKLOADS}
+    results: dict[str, dict] = {}
+    for method in methods:
+        spec = SpeculativeConfig.parse(METHODS[method])
+        if spec is not None and args.disable_by_batch_size is not None:
+            spec = SpeculativeConfig(**{**json.loads(spec.to_json()), "disable_by_batch_size": args.disable_by_batch_size})
+        engine = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype, speculative_config=spec,
+                                        max_num_seqs=max(levels)))
+        engine.generate([prompts["chat"][0]], _warm(args.max_tokens), use_tqdm=False)  # first-step costs off the clock
+        for workload, ps in prompts.items():
+            for c in levels:
+                n = args.requests or max(2, c)
+                cell = run_cell(engine, ps, c, n, args.max_tokens)
+                results.setdefault(workload, {}).setdefault(str(c), {})[method] = cell
+                print(f"{method:7s} {workload:8s} c={c:<3d} {cell['output_tok_s']:8.1f} tok/s  ITL "
+                      f"{cell['mean_itl_ms']:7.1f} ms  acceptance length {cell['mean_acceptance_length']}",
+                      file=sys.stderr, flush=True)
+                _write(args, model, methods, machine, results)  # a cell at a time: a cut-short run keeps what it measured
+        del engine
+    _write(args, model, methods, machine, results)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+def _write(args: argparse.Namespace, model: str, methods: list[str], machine: dict, results: dict) -> None:
+    for cells in results.values():
+        for by_method in cells.values():
+            base = by_method.get("off")
+            for m, cell in by_method.items():
+                if base and m != "off":
+                    cell["tok_s_vs_off"] = round(cell["output_tok_s"] / base["output_tok_s"], 3)
+                    cell["itl_vs_off"] = round(cell["mean_itl_ms"] / base["mean_itl_ms"], 3)
+    report = {"bench": "spec", "model": Path(model).name, "device": args.device, "dtype": args.dtype,
+              "max_tokens": args.max_tokens, "methods": {m: METHODS[m] for m in methods}, "machine": machine,
+              "workloads": {w: [t[:60] for t in WORKLOADS[w]] for w in WORKLOADS}, "results": results}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _warm(max_tokens: int):  # noqa: ANN202
+    from shared.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=min(8, max_tokens), temperature=0.0)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

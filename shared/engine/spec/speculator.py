@@ -1,0 +1,71 @@
+"""What the engine asks of speculative decoding: drafts before a step, bookkeeping after its verify.
+
+Before scheduling, every running request that is decoding (one token to compute, at least one output token,
+no structured-output grammar: its matcher cannot yet be rolled back over rejected drafts) gets up to k drafts
+from the proposer in Sequence.spec_token_ids, within its adaptive budget (shared/engine/spec/adaptive.py), its
+max_tokens and the model's length. The scheduler may cut them (token budget, free blocks); the runner computes
+the last token and the drafts in one forward; verify.py decides what is kept.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+from shared.engine.sequence import Sequence
+from shared.engine.spec.adaptive import DraftBudget, batch_allows
+from shared.engine.spec.ngram import NgramProposer
+from shared.engine.spec.stats import SpecDecodeStats
+from shared.engine.spec.suffix import SuffixProposer
+from shared.spec_config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, k: int) -> list[int]: ...
+
+    def finished(self, seq: Sequence) -> None: ...
+
+
+def make_proposer(c: SpeculativeConfig) -> Proposer:
+    if c.method == "ngram":
+        return NgramProposer(c.prompt_lookup_min, c.prompt_lookup_max)
+    if c.method == "suffix":
+        return SuffixProposer(c.suffix_decoding_max_tree_depth, c.suffix_decoding_max_cached_requests,
+                              c.suffix_decoding_min_token_prob, c.suffix_decoding_max_spec_factor)
+    raise AssertionError(c.method)  # SpeculativeConfig admits no other
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = make_proposer(config)
+        self.stats = SpecDecodeStats()
+        self.steps_off = 0  # steps the batch-size rule switched speculation off (for benches)
+
+    def propose(self, running: Iterable[Sequence]) -> None:
+        decoding = []
+        for seq in running:
+            seq.spec_token_ids = []
+            if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0 and seq.matcher is None:
+                decoding.append(seq)
+        if not decoding:
+            return
+        if not batch_allows(len(decoding), self.config.disable_by_batch_size):
+            self.steps_off += 1
+            return
+        for seq in decoding:
+            if seq.spec_budget is None:
+                seq.spec_budget = DraftBudget(self.k)
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            k = min(room, seq.spec_budget.allowed())
+            if k > 0:
+                seq.spec_token_ids = self.proposer.propose(seq, k)[:k]
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        self.stats.observe(drafted, accepted)
+        if seq.spec_budget is not None:
+            seq.spec_budget.update(drafted, accepted)
+
+    def finished(self, seq: Sequence) -> None:
+        self.proposer.finished(seq)
