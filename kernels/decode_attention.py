@@ -284,5 +284,46 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
                                 v_scale, out=torch.empty_like(q))
     check_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+    if torch.compiler.is_compiling():
+        # A compiled CPU decode step (shared/engine/cpu_compile.py): the twin groups rows by the context
+        # lengths' values, so it runs as one opaque op.
+        res = torch.ops.kvmesh.decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                    sliding_window, k_scale, v_scale)
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
     return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
                                 v_scale, groups, out)
+
+
+# The last step's decode groups, keyed by the identity and version of its block tables and context lengths:
+# every layer of a compiled step calls the op below with the same two tensors (static buffers rewritten in
+# place, so their version moves each step), and the grouping is computed by the first layer only, as the eager
+# path does with AttentionMetadata.cpu_cache.
+_last_groups: list = [None, None]
+
+
+def _groups_for(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, sliding_window: int | None,
+                dtype: torch.dtype) -> list[DecodeGroup]:
+    if block_tables.is_inference() or context_lens.is_inference():  # no version counter: nothing to key on
+        return decode_groups(block_tables, context_lens, block_size, sliding_window, dtype)
+    key = (block_tables.data_ptr(), block_tables._version, tuple(block_tables.shape), context_lens.data_ptr(),
+           context_lens._version, tuple(context_lens.shape), block_size, sliding_window, dtype)
+    if _last_groups[0] != key:
+        _last_groups[:] = [key, decode_groups(block_tables, context_lens, block_size, sliding_window, dtype)]
+    return _last_groups[1]
+
+
+@torch.library.custom_op("kvmesh::decode_attention_cpu", mutates_args=(), device_types="cpu")
+def _decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float, sliding_window: int | None, k_scale: float,
+                          v_scale: float) -> torch.Tensor:
+    groups = _groups_for(block_tables, context_lens, k_cache.shape[1], sliding_window, q.dtype)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
+                                v_scale, groups)
+
+
+@_decode_attention_cpu.register_fake
+def _(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale, v_scale) -> torch.Tensor:
+    return torch.empty_like(q)

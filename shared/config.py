@@ -50,6 +50,9 @@ class EngineConfig:
     # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
     # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).
     cpu_weight_packing: bool = True
+    # Decode steps on CPU through torch.compile, batch sizes bucketed and compiled at start
+    # (shared/engine/cpu_compile.py): "auto" (on a CPU with a C++ compiler), "on", "off" (eager).
+    cpu_compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):
@@ -82,5 +85,7 @@ class EngineConfig:
                 raise ConfigError(f"--quantization {self.quantization} is weight-only quantization for CPU serving "
                                   f"(torch's CPU int8/int4 kernels); {self.device} serves the model's own dtype: "
                                   "leave --quantization out")
+        if self.cpu_compile not in ("auto", "on", "off"):
+            raise ConfigError(f"--cpu-compile {self.cpu_compile!r}: choose one of auto, on, off")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
