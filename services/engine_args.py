@@ -47,10 +47,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only quantized linear layers on CPU (int8 per row, int4 in groups of 32)")
     parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                         help="bf16 on CPU: plain F.linear instead of oneDNN pre-packed weights (same results, slower)")
-    parser.add_argument("--cpu-compile", default=os.environ.get("KVMESH_CPU_COMPILE", "auto"),
+    parser.add_argument("--cpu-compile", default=os.environ.get("KVMESH_CPU_COMPILE", "off"),
                         choices=["auto", "on", "off"],
                         help="decode steps on CPU through torch.compile (inductor C++), batch sizes bucketed and "
-                             "compiled at start: auto = when serving bfloat16 on CPU (env KVMESH_CPU_COMPILE)")
+                             "compiled at start (~20 s a graph, two graphs): auto = when serving bfloat16 on CPU; "
+                             "default off (not faster than eager as measured so far; env KVMESH_CPU_COMPILE)")
     parser.add_argument("--served-model-name", default=None, help="model id folded into block hashes")
     # Not a flag (it would show in `ps`): the mesh's secret, folded into every block hash so nobody can
     # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
@@ -82,7 +83,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         long_prefill_token_threshold=args.long_prefill_token_threshold or 0,
                         model_id=args.served_model_name, cache_salt=args.cache_salt, quantization=args.quantization,
                         cpu_weight_packing=getattr(args, "cpu_weight_packing", True),
-                        cpu_compile=getattr(args, "cpu_compile", "auto"))
+                        cpu_compile=getattr(args, "cpu_compile", "off"))
 
 
 def engine_factory_from_args(args: argparse.Namespace):  # noqa: ANN201 - Callable[[EngineConfig], LLMEngine]

@@ -51,8 +51,10 @@ class EngineConfig:
     # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).
     cpu_weight_packing: bool = True
     # Decode steps on CPU through torch.compile, batch sizes bucketed and compiled at start
-    # (shared/engine/cpu_compile.py): "auto" (on a CPU with a C++ compiler), "on", "off" (eager).
-    cpu_compile: str = "auto"
+    # (shared/engine/cpu_compile.py): "off" (eager, the default: compiled measured 0.92-1.07x of eager on the
+    # project's loaded 2-core CPU, loadtest/results/cpu_compile_ab_1thread.json), "auto" (when serving bf16 on
+    # a CPU with a C++ compiler), "on".
+    cpu_compile: str = "off"
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):
