@@ -26,7 +26,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
                          k_scale, v_scale, out=out[:p])
     if meta.num_decodes:
         groups = None
-        if not q.is_cuda:
+        if not q.is_cuda and not torch.compiler.is_compiling():  # compiled: the op groups (decode_attention.py)
             groups = meta.cpu_cache.get("decode_groups")
             if groups is None:
                 groups = meta.cpu_cache["decode_groups"] = decode_groups(

@@ -80,10 +80,34 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         b = g.rows.shape[0]
         ks = dequant(gather_blocks(k_cache, g.table), k_scale, q.dtype).view(b, g.blocks * bs, *k_cache.shape[2:])
         vs = dequant(gather_blocks(v_cache, g.table), v_scale, q.dtype).view(b, g.blocks * bs, *v_cache.shape[2:])
-        o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                           attn_mask=g.mask, scale=scale, enable_gqa=True)
-        out[g.rows] = o.squeeze(2)
+        if b == 1:  # one row: the flash kernel's single call beats the matmuls' eight (loadtest/cpu_attention_ab.py)
+            o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                               attn_mask=g.mask, scale=scale, enable_gqa=True).squeeze(2)
+        else:
+            o = _attend_one_query(q[g.rows], ks, vs, g.mask, scale)
+        out[g.rows] = o
     return out
+
+
+def _attend_one_query(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
+    """q [b, heads, d], ks / vs [b, tokens, kv_heads, d], mask [b, 1, 1, tokens] -> [b, heads, d].
+
+    Two batched matmuls and a softmax, not F.scaled_dot_product_attention: for one query row per sequence, torch's
+    CPU flash kernel costs 5-9x as much per call at batch 8-32 (measured on this project's 2-core CPU, SmolLM2's
+    9 heads over 3 KV heads, bf16, ~110-180 tokens), and decode attention was a third of a batch-8 step; a whole
+    engine decodes 1.45x / 1.33x faster at batch 8 / 32 (loadtest/results/cpu_attention_ab.json). A group of one
+    row keeps the flash kernel: there its one call beat these eight ops in the engine (0.89x). Its
+    numerics: scores and softmax in float32 as the flash kernel's, probabilities rounded to the model dtype for
+    the product with V (errors against a float32 reference measured equal to the flash kernel's)."""
+    b, heads, d = q.shape
+    tokens, kv_heads = ks.shape[1], ks.shape[2]
+    group = heads // kv_heads  # query head h reads KV head h // group (enable_gqa's mapping)
+    k_t = ks.permute(0, 2, 3, 1).reshape(b * kv_heads, d, tokens).float()
+    scores = torch.bmm(q.reshape(b * kv_heads, group, d).float(), k_t).view(b, kv_heads, group, tokens)
+    probs = torch.softmax(scores * scale + mask.view(b, 1, 1, tokens), dim=-1).to(vs.dtype)
+    v = vs.transpose(1, 2).reshape(b * kv_heads, tokens, d)
+    return torch.bmm(probs.view(b * kv_heads, group, tokens), v).view(b, heads, d)
 
 
 from kernels.triton_support import recording, tl, triton, upcast_dot
@@ -284,5 +308,46 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
                                 v_scale, out=torch.empty_like(q))
     check_decode_attention(q, k_cache, v_cache, block_tables, context_lens)
+    if torch.compiler.is_compiling():
+        # A compiled CPU decode step (shared/engine/cpu_compile.py): the twin groups rows by the context
+        # lengths' values, so it runs as one opaque op.
+        res = torch.ops.kvmesh.decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                    sliding_window, k_scale, v_scale)
+        if out is None:
+            return res
+        out.copy_(res)
+        return out
     return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
                                 v_scale, groups, out)
+
+
+# The last step's decode groups, keyed by the identity and version of its block tables and context lengths:
+# every layer of a compiled step calls the op below with the same two tensors (static buffers rewritten in
+# place, so their version moves each step), and the grouping is computed by the first layer only, as the eager
+# path does with AttentionMetadata.cpu_cache.
+_last_groups: list = [None, None]
+
+
+def _groups_for(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, sliding_window: int | None,
+                dtype: torch.dtype) -> list[DecodeGroup]:
+    if block_tables.is_inference() or context_lens.is_inference():  # no version counter: nothing to key on
+        return decode_groups(block_tables, context_lens, block_size, sliding_window, dtype)
+    key = (block_tables.data_ptr(), block_tables._version, tuple(block_tables.shape), context_lens.data_ptr(),
+           context_lens._version, tuple(context_lens.shape), block_size, sliding_window, dtype)
+    if _last_groups[0] != key:
+        _last_groups[:] = [key, decode_groups(block_tables, context_lens, block_size, sliding_window, dtype)]
+    return _last_groups[1]
+
+
+@torch.library.custom_op("kvmesh::decode_attention_cpu", mutates_args=(), device_types="cpu")
+def _decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float, sliding_window: int | None, k_scale: float,
+                          v_scale: float) -> torch.Tensor:
+    groups = _groups_for(block_tables, context_lens, k_cache.shape[1], sliding_window, q.dtype)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale,
+                                v_scale, groups)
+
+
+@_decode_attention_cpu.register_fake
+def _(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale, v_scale) -> torch.Tensor:
+    return torch.empty_like(q)

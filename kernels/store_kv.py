@@ -20,7 +20,11 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Torch twin (the CPU path and the oracle)."""
+    """Torch twin (the CPU path and the oracle). Under torch.compile it runs as one opaque op (below): which
+    rows it keeps depends on the slots' values, which a compiled graph cannot branch on."""
+    if torch.compiler.is_compiling():
+        torch.ops.kvmesh.store_kv_cpu(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping
     if not bool(keep.all()):
@@ -33,6 +37,18 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         kf, vf = kf.view(torch.uint8), vf.view(torch.uint8)
     kf.index_copy_(0, slots.long(), k.to(kf.dtype))
     vf.index_copy_(0, slots.long(), v.to(vf.dtype))
+
+
+@torch.library.custom_op("kvmesh::store_kv_cpu", mutates_args=("k_cache", "v_cache"), device_types="cpu")
+def _store_kv_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """The twin as one op a compiled CPU decode step calls (shared/engine/cpu_compile.py)."""
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+@_store_kv_cpu.register_fake
+def _(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    return None
 
 
 def check_store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:

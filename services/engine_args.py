@@ -52,6 +52,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding as vLLM\'s JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "suffix"} '
                              '(env KVMESH_SPECULATIVE_CONFIG)')
+    parser.add_argument("--cpu-compile", default=os.environ.get("KVMESH_CPU_COMPILE", "off"),
+                        choices=["auto", "on", "off"],
+                        help="decode steps on CPU through torch.compile (inductor C++), batch sizes bucketed and "
+                             "compiled at start (~20 s a graph, two graphs): auto = when serving bfloat16 on CPU; "
+                             "default off (not faster than eager as measured so far; env KVMESH_CPU_COMPILE)")
     parser.add_argument("--served-model-name", default=None, help="model id folded into block hashes")
     # Not a flag (it would show in `ps`): the mesh's secret, folded into every block hash so nobody can
     # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
@@ -88,7 +93,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         model_id=args.served_model_name, cache_salt=args.cache_salt, quantization=args.quantization,
                         cpu_weight_packing=getattr(args, "cpu_weight_packing", True),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                        speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)))
+                        speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
+                        cpu_compile=getattr(args, "cpu_compile", "off"))
 
 
 def engine_factory_from_args(args: argparse.Namespace):  # noqa: ANN201 - Callable[[EngineConfig], LLMEngine]

@@ -56,6 +56,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Speculative decoding (shared/spec_config.py; shared/engine/spec/): None, no speculation.
     speculative_config: SpeculativeConfig | None = None
+    # Decode steps on CPU through torch.compile, batch sizes bucketed and compiled at start
+    # (shared/engine/cpu_compile.py): "off" (eager, the default: compiled measured 0.92-1.07x of eager on the
+    # project's loaded 2-core CPU, loadtest/results/cpu_compile_ab_1thread.json), "auto" (when serving bf16 on
+    # a CPU with a C++ compiler), "on".
+    cpu_compile: str = "off"
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):
@@ -90,5 +95,7 @@ class EngineConfig:
                 raise ConfigError(f"--quantization {self.quantization} is weight-only quantization for CPU serving "
                                   f"(torch's CPU int8/int4 kernels); {self.device} serves the model's own dtype: "
                                   "leave --quantization out")
+        if self.cpu_compile not in ("auto", "on", "off"):
+            raise ConfigError(f"--cpu-compile {self.cpu_compile!r}: choose one of auto, on, off")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")

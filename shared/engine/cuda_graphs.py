@@ -16,6 +16,8 @@ tests) the same static path runs eagerly, so it is testable without a GPU.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,8 +40,10 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: LlamaFamilyForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, max_num_seqs: int, device: str, capture: bool,
-                 block_tables: BlockTables | None = None) -> None:
+                 block_tables: BlockTables | None = None, forward: Callable[..., torch.Tensor] | None = None) -> None:
         self.model = model
+        # What a bucket's step runs: the model, or on CPU its compiled decode (shared/engine/cpu_compile.py).
+        self.forward = forward if forward is not None else model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -73,13 +77,28 @@ class DecodeGraphs:
             sliding_window=self.model.cfg.sliding_window)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        return self.model(self.vec[0, :bs], self.vec[1, :bs], self._meta(bs), self.kv_caches)
+        return self.forward(self.vec[0, :bs], self.vec[1, :bs], self._meta(bs), self.kv_caches)
+
+    def _padding_only(self) -> None:
+        """Every row writes nowhere and reads one token of block 0."""
+        self.vec[2].fill_(-1)
+        self.vec[3].fill_(1)
+
+    @torch.inference_mode()
+    def warm_all(self) -> list[tuple[int, float]]:
+        """Run every bucket once, smallest first, without capture: what compiles a compiled forward (CPU) for
+        every shape a serving step can have. Returns (bucket, seconds) per bucket."""
+        self._padding_only()
+        times = []
+        for bs in self.buckets:
+            t = time.perf_counter()
+            self._forward(bs)
+            times.append((bs, time.perf_counter() - t))
+        return times
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        # Padding-only inputs: every row writes nowhere and reads one token of block 0.
-        self.vec[2].fill_(-1)
-        self.vec[3].fill_(1)
+        self._padding_only()
         pool = None
         for bs in reversed(self.buckets):  # largest first, so the smaller graphs reuse its pool memory
             self._forward(bs)  # warm-up: compiles the Triton kernels, settles cuBLAS workspaces

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from shared.block_hash import root_hash
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
+from shared.engine.cpu_compile import CompiledDecode, cpu_compile_enabled
 from shared.engine.engine_stats import EngineStats, engine_stats
 from shared.engine.grammar import GrammarBackend
 from shared.engine.kv_cache import kv_dtype
@@ -100,6 +101,17 @@ class LLMEngine:
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if c.device.startswith("cuda") and not c.enforce_eager and self.tp is None:
             self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
+        self.cpu_compile_seconds: list[tuple[int, float]] = []  # (bucket, seconds of its first step) at start
+        compile_on, why = cpu_compile_enabled(c.cpu_compile, c.device, self.dtype, c.enforce_eager)
+        if compile_on:
+            graphs = self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs, capture=False,
+                                                   forward=CompiledDecode(self.model))
+            self.cpu_compile_seconds = graphs.warm_all()
+            log.info("CPU decode compiled (%s) for batch buckets %s in %.1f s (per bucket: %s)", why, graphs.buckets,
+                     sum(s for _, s in self.cpu_compile_seconds),
+                     ", ".join(f"{b}: {s:.1f}" for b, s in self.cpu_compile_seconds))
+        elif c.device == "cpu":
+            log.info("CPU decode eager: %s", why)
         model_id = c.model_id or Path(c.model).resolve().name
         # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
         # Quantized weights compute different KV from the same dtype: their blocks hash apart too.

@@ -9,7 +9,7 @@ device: the logits come back on it, and the sampler's single copy of sampled ids
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from itertools import accumulate
@@ -124,11 +124,13 @@ class ModelRunner:
         finally:
             self.kv_caches = real
 
-    def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True) -> DecodeGraphs:
+    def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True,
+                          forward: Callable[..., torch.Tensor] | None = None) -> DecodeGraphs:
         """Decode steps go through static padded buffers from now on, captured as CUDA graphs when capture
-        (capture=False runs the same path eagerly: what CPU tests and benches check)."""
+        (capture=False runs the same path eagerly: what CPU tests and benches check). forward: what runs a
+        bucket instead of the model (the compiled CPU decode, shared/engine/cpu_compile.py)."""
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs,
-                                   self.device, capture=capture, block_tables=self.tables)
+                                   self.device, capture=capture, block_tables=self.tables, forward=forward)
         return self.graphs
 
     def gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:

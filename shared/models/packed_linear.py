@@ -12,12 +12,32 @@ The packed weight is an opaque oneDNN tensor: the layer keeps nothing else, so t
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# torch.compile cannot trace an opaque oneDNN tensor (it has no storage to fake). A compiled decode step
+# (shared/engine/cpu_compile.py) calls the packed matmul as one opaque op that finds its weight by a handle,
+# a 0-dim tensor (a tensor, not an int, so one graph serves every layer without specialising on it). The
+# registry holds no reference: the layer owns its weight.
+_REGISTRY: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_NEXT = itertools.count()
+
+
+@torch.library.custom_op("kvmesh::packed_linear", mutates_args=(), device_types="cpu")
+def _packed_linear_op(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_features: int
+                      ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _REGISTRY[int(handle)], bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x, handle, bias, out_features) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 def packing_available() -> bool:
@@ -36,6 +56,9 @@ class PackedLinear(nn.Module):
         # The batch-size hint only tunes the blocking; any number of rows works with the packed weight.
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1),
                              persistent=False)
+        key = next(_NEXT)
+        _REGISTRY[key] = self.packed
+        self.register_buffer("handle", torch.tensor(key, dtype=torch.int64), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +67,10 @@ class PackedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            out = torch.ops.kvmesh.packed_linear(x2, self.handle, self.bias, self.out_features)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,80 @@
+"""CPU decode attention: two batched matmuls (kernels/decode_attention._attend_one_query) vs torch's
+F.scaled_dot_product_attention (what the twin called before), in one engine, interleaved.
+
+`python -m loadtest.cpu_attention_ab [--json PATH] [--rounds 4] [--batches 1,8,32] [--threads N]`: SmolLM2-135M-Instruct
+in bfloat16, eager decode, prompts of ~50 tokens, 64 output tokens each (ignore_eos). The baseline is swapped in
+for a round and out again (A, B, A, B, ...), so drift on a shared machine hits both; the ratio is the median of
+the per-round ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.sampling_params import SamplingParams
+
+# The module (kernels/__init__.py exports a function of the same name).
+da = importlib.import_module("kernels.decode_attention")
+
+
+def _sdpa(q, ks, vs, mask, scale):
+    """The previous twin's attention call (the baseline)."""
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask,
+                                       scale=scale, enable_gqa=True)
+    return o.squeeze(2)
+
+
+def _tok_s(engine: LLMEngine, batch: int, out_len: int) -> float:
+    prompts = [[100 + (i * 7 + j) % 4000 for j in range(50)] for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    t = time.perf_counter()
+    engine.generate(prompts, params, use_tqdm=False)
+    return batch * out_len / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from shared.models.smollm2 import smollm2_checkpoint
+
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = LLMEngine(EngineConfig(model=str(smollm2_checkpoint()), dtype="bfloat16", device="cpu", cpu_compile="off",
+                                    max_num_seqs=max(batches)))
+    arms = {"bmm": da._attend_one_query, "sdpa": _sdpa}
+    runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in arms}
+    for _ in range(args.rounds):
+        for b in batches:
+            for name, fn in arms.items():
+                da._attend_one_query = fn
+                runs[name][b].append(round(_tok_s(engine, b, 64), 2))
+    da._attend_one_query = arms["bmm"]
+    report = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "decode": "eager", "threads": torch.get_num_threads(),
+              "machine": f"{os.cpu_count()} cores, shared with other jobs (load average below)",
+              "loadavg_1m_after": os.getloadavg()[0],
+              "ratio_bmm_vs_sdpa_median_of_rounds": {b: round(statistics.median(
+                  x / y for x, y in zip(runs["bmm"][b], runs["sdpa"][b])), 3) for b in batches},
+              "decode_tok_s_median": {n: {b: statistics.median(v) for b, v in per.items()} for n, per in runs.items()},
+              "runs": runs}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Decode steps on CPU through torch.compile (inductor's C++ backend): the CPU counterpart of CUDA graphs.
+
+An eager CPU decode step dispatches about 280 aten ops per decoder layer (views, casts, the norms' and rotary's
+elementwise ops, the KV store, attention, four matmuls): at batch 1 on SmolLM2-135M that is ~8,300 ops and most
+of the step (loadtest/results/cpu_step_profile.json). Compiled, a layer is about ten calls: fused C++ loops for
+the norms, residual adds, rotary and SiLU*mul, the packed oneDNN matmuls and the attention twin as opaque ops
+(shared/models/packed_linear.py, kernels/store_kv.py, kernels/decode_attention.py).
+
+One decoder layer's forward is compiled once and reused by every layer (torch's "regional compilation": the
+layers differ only in their weights, which the graph takes as inputs), so compile time does not grow with
+depth. The first layer gets a zero residual instead of None so it runs the same graph: x + 0 is exact, so the
+numerics are the eager ones. Decode steps use the batch buckets of shared/engine/cuda_graphs.py (a step is
+padded to its bucket); every bucket runs once at start (DecodeGraphs.warm_all), before the worker reports
+ready, so serving compiles nothing: batch 1 gets a static graph, the second bucket makes torch mark the batch
+dimension dynamic, and that one graph serves every larger bucket.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from typing import Literal
+
+import torch
+
+from kernels import AttentionMetadata
+from shared.models.llama import DecoderLayer, LlamaFamilyForCausalLM
+
+log = logging.getLogger(__name__)
+
+CpuCompileMode = Literal["auto", "on", "off"]
+CPU_COMPILE_MODES = ("auto", "on", "off")
+
+
+def cpu_compile_enabled(mode: str, device: str, dtype: torch.dtype, enforce_eager: bool = False) -> tuple[bool, str]:
+    """(compile the CPU decode step?, why). auto: on a CPU device serving bfloat16 (the default on CPUs with
+    native bf16: shared/models/cpu_dtype.py) when inductor can build C++ (a compiler on PATH). float32 stays
+    eager under auto, as it stays unpacked (shared/models/packed_linear.py): it is the mode whose tokens are
+    compared with transformers, and fused float32 loops round differently from eager's op-by-op ones. on:
+    any CPU dtype (a missing compiler is an error at start); off, or --enforce-eager: eager."""
+    if mode not in CPU_COMPILE_MODES:
+        raise ValueError(f"unknown cpu_compile {mode!r}; choose one of {', '.join(CPU_COMPILE_MODES)}")
+    if device != "cpu":
+        return False, f"not a CPU device ({device})"
+    if mode == "off" or enforce_eager:
+        return False, "--cpu-compile off" if mode == "off" else "--enforce-eager"
+    if mode == "auto" and dtype != torch.bfloat16:
+        return False, f"--cpu-compile auto compiles bfloat16 only; serving {dtype}"
+    compiler = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+    if compiler is None:
+        if mode == "on":
+            raise RuntimeError("--cpu-compile on needs a C++ compiler (g++ or clang++) for inductor; none on PATH")
+        return False, "no C++ compiler on PATH"
+    return True, f"inductor C++ backend ({compiler})"
+
+
+def _layer_step(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                cos_sin: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]):
+    return layer(x, residual, positions, cos_sin, meta, kv)
+
+
+class CompiledDecode:
+    """The model's forward for decode-only steps, with each layer through one compiled graph."""
+
+    def __init__(self, model: LlamaFamilyForCausalLM) -> None:
+        self.model = model
+        # fullgraph: a graph break would silently fall back to eager for part of every layer.
+        # emulate_precision_casts: fused bf16 ops round where eager rounds (each op's bf16 result), so compiled
+        # and eager steps give the same tokens (tests/test_cpu_compile.py) at no measurable cost here.
+        self.layer = torch.compile(_layer_step, fullgraph=True, options={"emulate_precision_casts": True})
+        self.calls = 0  # forwards run (tests check decode steps come through here)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches) -> torch.Tensor:
+        self.calls += 1
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        residual = torch.zeros_like(x)
+        for layer, kv in zip(m.layers, kv_caches):
+            x, residual = self.layer(layer, x, residual, positions, m.cos_sin, meta, kv)
+        return m.norm(x, residual)[0]
