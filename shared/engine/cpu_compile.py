@@ -78,3 +78,20 @@ class CompiledDecode:
         for layer, kv in zip(m.layers, kv_caches):
             x, residual = self.layer(layer, x, residual, positions, m.cos_sin, meta, kv)
         return m.norm(x, residual)[0]
+
+
+def compile_cpu_decode(runner, model: LlamaFamilyForCausalLM, c, dtype: torch.dtype,  # noqa: ANN001
+                       max_model_len: int) -> list[tuple[int, float]]:
+    """Compile and warm every decode bucket of the runner when config c's --cpu-compile asks for it on this
+    device and dtype (runner: shared/engine/model_runner.py's ModelRunner; c: an EngineConfig). Returns
+    (bucket, seconds of its first step) per bucket; [] when decode stays eager."""
+    compile_on, why = cpu_compile_enabled(c.cpu_compile, c.device, dtype, c.enforce_eager)
+    if not compile_on:
+        if c.device == "cpu":
+            log.info("CPU decode eager: %s", why)
+        return []
+    graphs = runner.use_decode_graphs(max_model_len, c.max_num_seqs, capture=False, forward=CompiledDecode(model))
+    seconds = graphs.warm_all()
+    log.info("CPU decode compiled (%s) for batch buckets %s in %.1f s (per bucket: %s)", why, graphs.buckets,
+             sum(s for _, s in seconds), ", ".join(f"{b}: {s:.1f}" for b, s in seconds))
+    return seconds

@@ -3,9 +3,12 @@ sizing it, allocating it, and copying whole blocks out of it and into it."""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 import torch
 
+from shared.block_hash import BlockHash, root_hash
+from shared.config import EngineConfig
 from shared.engine.errors import MemoryBudgetError
 from shared.engine.kv_placeholder import PLACEHOLDER_MESSAGE, is_placeholder
 from shared.models.model_config import ModelConfig
@@ -85,3 +88,12 @@ def _copy_blocks(cache: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> N
         cache.view(torch.uint8).index_copy_(0, ids, src.to(cache.device).view(torch.uint8))
     else:
         cache.index_copy_(0, ids, src.to(cache.device, cache.dtype))
+
+
+def engine_root(c: EngineConfig, kv: torch.dtype) -> BlockHash:
+    """The root of every block hash of an engine with config c and KV dtype kv. The KV dtype is in it so FP8
+    and model-dtype blocks never share a hash (or a kvstore entry); quantized weights compute different KV
+    from the same dtype, so their blocks hash apart too."""
+    model_id = c.model_id or Path(c.model).resolve().name
+    kv_kind = str(kv).removeprefix("torch.") + (f"/weights-{c.quantization}" if c.quantization else "")
+    return root_hash(model_id, c.block_size, kv_kind, c.cache_salt)

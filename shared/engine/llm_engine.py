@@ -10,34 +10,30 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
-from itertools import accumulate
-from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
-from shared.block_hash import root_hash
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
-from shared.engine.cpu_compile import CompiledDecode, cpu_compile_enabled
+from shared.engine.cpu_compile import compile_cpu_decode
 from shared.engine.engine_stats import EngineStats, engine_stats
 from shared.engine.grammar import GrammarBackend
-from shared.engine.kv_cache import kv_dtype
+from shared.engine.kv_cache import engine_root, kv_dtype
 from shared.engine.kv_pool_size import plan_num_blocks
 from shared.engine.kv_tiers import KVTiers
 from shared.engine.memory_budget import snapshot
-from shared.engine.model_runner import ModelRunner
+from shared.engine.offline import generate
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.kv_blocks import KVBlocks
-from shared.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
+from shared.engine.prompt_logprobs import record_prompt_logprobs
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from shared.engine.sequence import Sequence
 from shared.engine.spec.speculator import Speculator
-from shared.engine.spec.verify import verify
 from shared.engine.step_metrics import CumulativeHistogram
-from shared.engine.tp.launch import TPWorkers
+from shared.engine.step_rows import step_rows
+from shared.engine.tp.driver_runner import runner_for
+from shared.engine.tp.launch import TPWorkers, start_tensor_parallel
 from shared.models.loader import load_model
 from shared.prompt_check import check_prompt, check_token_ids
 from shared.sampling_params import SamplingParams
@@ -53,7 +49,7 @@ class LLMEngine:
         # Taken before the weights load: the memory budget needs what was free before this worker.
         start = snapshot(c.device) if c.device.startswith("cuda") else None
         # Rank 0 of a tensor-parallel engine: start the follower ranks (a bad degree fails before any starts).
-        self.tp: TPWorkers | None = self._start_tensor_parallel(c) if c.tensor_parallel_size > 1 else None
+        self.tp: TPWorkers | None = start_tensor_parallel(c) if c.tensor_parallel_size > 1 else None
         # What an idle engine thread calls to learn that a rank died (raises TPRankError); None: one process.
         self.check_alive = self.tp.check_alive if self.tp is not None else None
         try:
@@ -61,24 +57,6 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-
-    @staticmethod
-    def _start_tensor_parallel(c: EngineConfig) -> TPWorkers:
-        from shared.models.model_config import load_model_config
-        from shared.models.tp.degree import check_degree
-
-        check_degree(load_model_config(c.model), c.tensor_parallel_size)
-        if c.device.startswith("cuda"):
-            from shared.engine.tp.launch import rank_device
-
-            last = rank_device(c.device, c.tensor_parallel_size - 1)
-            if int(last.split(":")[1]) >= torch.cuda.device_count():
-                raise ValueError(f"tensor-parallel size {c.tensor_parallel_size} from {c.device} needs {last}, but "
-                                 f"this machine has {torch.cuda.device_count()} CUDA device(s)")
-        if c.device.startswith("cuda") and c.num_kv_blocks is None and c.kv_cache_bytes is None:
-            raise ValueError("tensor parallelism on CUDA needs --num-kv-blocks or --kv-cache-bytes (the memory "
-                             "profile does not run across ranks yet)")
-        return TPWorkers(c)
 
     def _build(self, c: EngineConfig, start) -> None:  # noqa: ANN001 - a DeviceSnapshot or None
         self.model, self.model_config = load_model(c.model, dtype=c.dtype, device=c.device, load_format=c.load_format,
@@ -89,35 +67,17 @@ class LLMEngine:
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
         self.dtype = next(self.model.parameters()).dtype
         self.kv_dtype = kv_dtype(self.dtype, c.kv_cache_dtype)
-        if self.tp is None:
-            self.runner = ModelRunner(self.model, c.block_size, c.device)
-        else:
-            from shared.engine.tp.driver_runner import TPDriverRunner
-
-            self.runner = TPDriverRunner(self.model, c.block_size, c.device, self.tp)
+        self.runner = runner_for(self.model, c.block_size, c.device, self.tp)
         self.sampler = Sampler(mc.eos_token_ids, c.seed, c.device)
         self.num_blocks = plan_num_blocks(c, self.runner, self.sampler, self.kv_dtype, self.max_model_len, start)
         self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if c.device.startswith("cuda") and not c.enforce_eager and self.tp is None:
             self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
-        self.cpu_compile_seconds: list[tuple[int, float]] = []  # (bucket, seconds of its first step) at start
-        compile_on, why = cpu_compile_enabled(c.cpu_compile, c.device, self.dtype, c.enforce_eager)
-        if compile_on:
-            graphs = self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs, capture=False,
-                                                   forward=CompiledDecode(self.model))
-            self.cpu_compile_seconds = graphs.warm_all()
-            log.info("CPU decode compiled (%s) for batch buckets %s in %.1f s (per bucket: %s)", why, graphs.buckets,
-                     sum(s for _, s in self.cpu_compile_seconds),
-                     ", ".join(f"{b}: {s:.1f}" for b, s in self.cpu_compile_seconds))
-        elif c.device == "cpu":
-            log.info("CPU decode eager: %s", why)
-        model_id = c.model_id or Path(c.model).resolve().name
-        # The KV dtype is in the root so FP8 and model-dtype blocks never share a hash (or a kvstore entry).
-        # Quantized weights compute different KV from the same dtype: their blocks hash apart too.
-        kv_kind = str(self.kv_dtype).removeprefix("torch.") + (f"/weights-{c.quantization}" if c.quantization else "")
-        root = root_hash(model_id, c.block_size, kv_kind, c.cache_salt)
-        self.block_manager = BlockManager(self.num_blocks, c.block_size, root, c.enable_prefix_caching)
+        # (bucket, seconds of its first step) of the CPU decode graphs compiled at start; [] when eager.
+        self.cpu_compile_seconds = compile_cpu_decode(self.runner, self.model, c, self.dtype, self.max_model_len)
+        self.block_manager = BlockManager(self.num_blocks, c.block_size, engine_root(c, self.kv_dtype),
+                                          c.enable_prefix_caching)
         # Host tier, offload queue and spills: every tier below the device pool has this one owner.
         self.tiers = KVTiers(self.block_manager, self.runner.gather_blocks, c.host_kv_bytes,
                              async_copies=c.device.startswith("cuda"))
@@ -135,13 +95,11 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; nothing is queued."""
-        n = len(prompt_token_ids)
-        vocab = self.model_config.vocab_size
-        check_prompt(prompt_token_ids, vocab, self.max_model_len)
-        check_token_ids(params.token_ids_named, vocab, "sampling parameters", "sampling")
+        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
+        check_token_ids(params.token_ids_named, self.model_config.vocab_size, "sampling parameters", "sampling")
         if params.structured is not None:
             self.grammar().compile(params.structured)  # a bad schema or grammar is the request's error
-        need = self.block_manager.blocks_for(min(n + params.max_tokens, self.max_model_len))
+        need = self.block_manager.blocks_for(min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
         if need > self.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the pool has {self.num_blocks}")
 
@@ -251,91 +209,27 @@ class LLMEngine:
     def _step(self, plan: SchedulerOutput) -> list[RequestOutput]:
         if plan.is_empty:
             return []
-        now = time.time()
         self.iteration_tokens.observe(plan.num_batched_tokens)
-        for seq, _ in plan.scheduled:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
-        # A sequence samples when this step brings its computed tokens up to all its tokens; one that verifies
-        # k drafts computes k more than that and samples at each of its last k + 1 rows.
-        sampling = [(i, s) for i, (s, n) in enumerate(plan.scheduled) if s.num_computed_tokens + n == s.num_tokens]
-        last_row = [end - 1 for end in accumulate(n for _, n in plan.scheduled)]
-        drafts = [(i, s, s.num_computed_tokens + n - s.num_tokens) for i, (s, n) in enumerate(plan.scheduled)
-                  if s.num_computed_tokens + n > s.num_tokens]
-        if drafts:
-            return self._verify_step(plan, sampling, drafts, last_row)
-        rows = [last_row[i] for i, _ in sampling]
-        prompt_rows = prompt_logprob_rows(plan.scheduled, last_row)
-        if prompt_rows:
-            logits, hidden = self.runner.execute_rows(plan.scheduled, rows, [r for r, _, _ in prompt_rows])
-            record_prompt_logprobs(self.runner.prompt_logits, hidden, prompt_rows)
-        else:
-            logits = self.runner.execute(plan.scheduled, rows)
+        r = step_rows(plan.scheduled)  # logits rows: the sampling ones, then the verifying ones
+        if r.prompt_rows:
+            logits, hidden = self.runner.execute_rows(plan.scheduled, r.rows + r.spec_rows, [i for i, _, _ in r.prompt_rows])
+            record_prompt_logprobs(self.runner.prompt_logits, hidden, r.prompt_rows)
+        else:  # decode graphs where the plan allows
+            logits = self.runner.execute(plan.scheduled, r.rows + r.spec_rows)
         # On CUDA the forward is still running here: the grammar masks are filled on the host meanwhile.
-        seqs = [s for _, s in sampling]
-        matchers = [s.matcher if s.reasoning_over else None for s in seqs]  # none while a model still reasons
+        matchers = [s.matcher if s.reasoning_over else None for s in r.sampling]  # none while a model still reasons
         bitmask = self.grammar().token_bitmask(matchers) if any(m is not None for m in matchers) else None
-        samples = self.sampler.sample(logits, seqs, token_bitmask=bitmask) if rows else []
-        sampled = [(seq, token, lp) for seq, (token, lp) in zip(seqs, samples)]
-        outs = self.scheduler.update_from_output(plan, sampled, time.time())
-        if self.speculator is not None:
-            self._finished(seqs)
-        return outs
-
-    def _verify_step(self, plan: SchedulerOutput, sampling: list[tuple[int, Sequence]],
-                     drafts: list[tuple[int, Sequence, int]], last_row: list[int]) -> list[RequestOutput]:
-        """A step in which some sequences verify drafts: one forward over every row (the drafts go through the
-        prompt/extend path, several query tokens a sequence), the normal sampler for the others' last rows,
-        verify.py for each drafting sequence's k + 1 rows."""
-        assert self.speculator is not None
-        rows = [last_row[i] for i, _ in sampling]
-        spec_rows = [r for i, _, k in drafts for r in range(last_row[i] - k, last_row[i] + 1)]
-        prompt_rows = prompt_logprob_rows(plan.scheduled, last_row)
-        logits, hidden = self.runner.execute_rows(plan.scheduled, rows + spec_rows, [r for r, _, _ in prompt_rows])
-        if prompt_rows:
-            record_prompt_logprobs(self.model.compute_logits, hidden, prompt_rows)
-        seqs = [s for _, s in sampling]
-        sampled = []
-        if seqs:
-            matchers = [s.matcher if s.reasoning_over else None for s in seqs]
-            bitmask = self.grammar().token_bitmask(matchers) if any(m is not None for m in matchers) else None
-            samples = self.sampler.sample(logits[: len(rows)], seqs, token_bitmask=bitmask)
-            sampled = [(seq, token, lp) for seq, (token, lp) in zip(seqs, samples)]
-        spec_seqs = [s for _, s, _ in drafts]
-        ks = [k for _, _, k in drafts]
-        kept = verify(self.sampler, logits[len(rows):], spec_seqs, ks)
-        verified = []
-        for seq, k, (tokens, lps) in zip(spec_seqs, ks, kept):
-            self.speculator.verified(seq, k, len(tokens) - 1)
-            verified.append((seq, tokens, lps))
+        samples = self.sampler.sample(logits[: len(r.rows)], r.sampling, token_bitmask=bitmask) if r.rows else []
+        sampled = [(seq, token, lp) for seq, (token, lp) in zip(r.sampling, samples)]
+        verified = self.speculator.verify(self.sampler, logits[len(r.rows) :], r.drafts) if r.drafts else []
         outs = self.scheduler.update_from_output(plan, sampled, time.time(), verified)
-        self._finished(seqs + spec_seqs)
+        if self.speculator is not None:
+            self.speculator.observe_finished(r.sampling + [s for s, _ in r.drafts])
         return outs
-
-    def _finished(self, seqs: list[Sequence]) -> None:
-        """Finished outputs feed the proposer's worker-wide table (suffix decoding)."""
-        assert self.speculator is not None
-        for seq in seqs:
-            if seq.is_finished:
-                self.speculator.finished(seq)
-
-    # --- offline --------------------------------------------------------------------------------
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_token_ids)
-        assert len(params) == len(prompt_token_ids), "one SamplingParams per prompt"
-        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompt_token_ids))]
-        for rid, prompt, p in zip(ids, prompt_token_ids, params):
-            self.add_request(rid, prompt, p)
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            while self.has_unfinished_requests():
-                for out in self.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        return [done[rid] for rid in ids]
+        return generate(self, prompt_token_ids, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
         """Stop the follower ranks of a tensor-parallel engine (nothing to do for one rank); idempotent."""
@@ -345,8 +239,8 @@ class LLMEngine:
     # --- introspection --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens,
-                            None if self.speculator is None else self.speculator.stats)
+        spec = self.speculator.stats if self.speculator else None
+        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens, spec)
 
     def check_integrity(self) -> None:
         live = self.scheduler.sequences()

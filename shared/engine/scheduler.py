@@ -238,4 +238,8 @@ class Scheduler:
             bisect.insort(self.running, (key, seq))
             out.scheduled.append((seq, n))
             budget -= n
+        now = time.time()
+        for seq, _ in out.scheduled:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         return out

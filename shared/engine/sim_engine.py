@@ -160,11 +160,7 @@ class SimEngine(LLMEngine):
         if plan.is_empty:
             return []
         t0 = time.perf_counter()
-        now = time.time()
         self.iteration_tokens.observe(plan.num_batched_tokens)
-        for seq, _ in plan.scheduled:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
         cost = self.cost.step_s(self.shape(plan))
         vocab = self.model_config.vocab_size
         sampled = []

@@ -11,11 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+import torch
+
+from shared.engine.outputs import TokenLogprobs
+from shared.engine.sampler import Sampler
 from shared.engine.sequence import Sequence
 from shared.engine.spec.adaptive import DraftBudget, batch_allows
 from shared.engine.spec.ngram import NgramProposer
 from shared.engine.spec.stats import SpecDecodeStats
 from shared.engine.spec.suffix import SuffixProposer
+from shared.engine.spec.verify import verify
 from shared.spec_config import SpeculativeConfig
 
 
@@ -62,10 +67,21 @@ class Speculator:
             if k > 0:
                 seq.spec_token_ids = self.proposer.propose(seq, k)[:k]
 
-    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        self.stats.observe(drafted, accepted)
-        if seq.spec_budget is not None:
-            seq.spec_budget.update(drafted, accepted)
+    def verify(self, sampler: Sampler, logits: torch.Tensor,
+               drafts: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], list[TokenLogprobs | None]]]:
+        """What each (sequence, k drafts) of a verify step keeps (verify.py: accepted drafts, then the target's
+        token), from its k + 1 logits rows in turn; counts them and adapts each request's draft budget."""
+        seqs, ks = [s for s, _ in drafts], [k for _, k in drafts]
+        kept = []
+        for seq, k, (tokens, lps) in zip(seqs, ks, verify(sampler, logits, seqs, ks)):
+            self.stats.observe(k, len(tokens) - 1)
+            if seq.spec_budget is not None:
+                seq.spec_budget.update(k, len(tokens) - 1)
+            kept.append((seq, tokens, lps))
+        return kept
 
-    def finished(self, seq: Sequence) -> None:
-        self.proposer.finished(seq)
+    def observe_finished(self, seqs: Iterable[Sequence]) -> None:
+        """Finished outputs feed the proposer's worker-wide table (suffix decoding)."""
+        for seq in seqs:
+            if seq.is_finished:
+                self.proposer.finished(seq)

@@ -120,3 +120,8 @@ class TPDriverRunner(ModelRunner):
         with self.workers.guard("computing prompt logits"):
             self.channel.send(Header(Op.LOGITS, 0, (start, start + hidden.shape[0])))
             return self.model.compute_logits(hidden)
+
+
+def runner_for(model: LlamaFamilyForCausalLM, block_size: int, device: str, workers: TPWorkers | None) -> ModelRunner:
+    """The single-device runner, or rank 0's of a tensor-parallel engine."""
+    return ModelRunner(model, block_size, device) if workers is None else TPDriverRunner(model, block_size, device, workers)

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from shared.config import EngineConfig
 from shared.engine.tp.channel import TPChannel
 from shared.engine.tp.step_message import Header, Op
+from shared.models.model_config import load_model_config
+from shared.models.tp.degree import check_degree
 from shared.models.tp.group import TPGroup
 
 log = logging.getLogger(__name__)
@@ -159,3 +161,18 @@ class TPWorkers:
             torch.set_num_threads(self._threads_before)
         self.closed = True
         atexit.unregister(self.kill)
+
+
+def start_tensor_parallel(c: EngineConfig) -> TPWorkers:
+    """Rank 0's follower ranks for config c, started once the degree and the devices are checked: a bad degree
+    fails before any process starts."""
+    check_degree(load_model_config(c.model), c.tensor_parallel_size)
+    if c.device.startswith("cuda"):
+        last = rank_device(c.device, c.tensor_parallel_size - 1)
+        if int(last.split(":")[1]) >= torch.cuda.device_count():
+            raise ValueError(f"tensor-parallel size {c.tensor_parallel_size} from {c.device} needs {last}, but "
+                             f"this machine has {torch.cuda.device_count()} CUDA device(s)")
+        if c.num_kv_blocks is None and c.kv_cache_bytes is None:
+            raise ValueError("tensor parallelism on CUDA needs --num-kv-blocks or --kv-cache-bytes (the memory "
+                             "profile does not run across ranks yet)")
+    return TPWorkers(c)
