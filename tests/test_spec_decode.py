@@ -124,7 +124,7 @@ def test_real_model_greedy_equals_no_speculation(smollm2_dir):
     text = ("The committee met on Tuesday to review the budget. The committee agreed that the budget for the "
             "library would rise by ten percent, and that the budget for the park would stay the same.")
     prompts = [encode_chat(tok, [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}])]
-    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
     cfg = dict(model=str(smollm2_dir), num_kv_blocks=128, max_num_batched_tokens=512, dtype="float32")
     plain = LLMEngine(EngineConfig(**cfg)).generate(prompts, params, use_tqdm=False)
     for name, config in METHODS.items():
