@@ -227,8 +227,7 @@ async def prefix_run(mesh: SimMesh, reqs: list[list[int]], concurrency: int) -> 
 
 
 def _idle(mesh: SimMesh, seconds: float, per_process: int) -> dict:
-    pids = {n: p for n, p in mesh.service_pids().items() if not n.startswith("nats")} | \
-           {n: p for n, p in mesh.service_pids().items() if n.startswith("nats")}
+    pids = mesh.service_pids()
     c0 = {n: cpu_seconds(p) for n, p in pids.items()}
     time.sleep(seconds)
     c1 = {n: cpu_seconds(p) for n, p in pids.items()}
