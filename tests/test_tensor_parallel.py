@@ -41,9 +41,10 @@ def tp2_engines():
         engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_tp2_greedy_matches_tp1_and_transformers(arch, checkpoints, hf_reference, tp2_engines):
-    """GQA (4 query heads, 2 KV heads: one KV head per rank); chunks of 40 tokens cut prompts across blocks and
+    """The four architectures (Mistral with its sliding window shorter than the longer prompts); GQA (4 query
+    heads, 2 KV heads: one KV head per rank); chunks of 40 tokens cut prompts across blocks and
     share steps with decode rows; a second round hits the prefix cache."""
     ckpt = checkpoints[arch]
     tp1 = make_engine(ckpt, max_num_batched_tokens=40)
