@@ -1,10 +1,11 @@
 """Tensor parallelism on this CPU (gloo): a TP=2 engine (rank 0 here, rank 1 a follower process) gives exactly
 the single-device engine's and transformers' greedy tokens, with GQA heads split across ranks, chunked prefill,
 prefix-cache hits, mixed batches and prompt logprobs; KV leaves and enters it as whole blocks (all heads), so
-TP=1 and TP=2 engines exchange blocks; bad degrees are refused before any process starts; a rank killed mid-run
+TP=1 and TP=2 engines exchange blocks; at TP=4 the 2 KV heads are replicated on 2 ranks each; bad degrees are refused before any process starts; a rank killed mid-run
 fails the engine with one clear error instead of a hang."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -17,7 +18,7 @@ from shared.engine.tp.launch import TPRankError
 from shared.kv_blocks import KVBlocks
 from shared.models.loader import load_model
 from shared.models.model_config import load_model_config
-from shared.models.tp.degree import TPDegreeError, check_degree
+from shared.models.tp.degree import TPDegreeError, check_degree, shard_of
 from shared.sampling_params import SamplingParams
 from tests.engine_helpers import assert_all_free, assert_matches_hf, greedy, make_engine, random_prompts, \
     run_to_completion
@@ -110,6 +111,42 @@ def test_blocks_move_whole_between_tp1_and_tp2(checkpoints, hf_reference, tp2_en
         assert_all_free(target)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp4_replicates_kv_heads(arch, checkpoints, hf_reference):
+    """4 query heads, 2 KV heads at TP=4 (three follower processes): ranks 0-1 hold KV head 0, ranks 2-3 KV head 1
+    (k/v rows sliced by KV head; qwen3's q/k norms too). Greedy equals TP=1 and transformers; whole blocks read
+    back equal TP=1's (each head once); TP=1's blocks written in (to both replicas) continue exactly."""
+    ckpt = checkpoints[arch]
+    prompts = random_prompts([5, 40, 70], seed=21)
+    fresh = random_prompts([50], seed=22)[0]  # computed by TP=1 only, then written into TP=4
+    tp1 = make_engine(ckpt)
+    expected = tp1.generate(prompts + [fresh], greedy(MAX_NEW), use_tqdm=False)
+    engine = make_engine(ckpt, tensor_parallel_size=4)
+    try:
+        assert engine.runner.kv_caches[0][0].shape[2] == 1 and engine.runner.replicas == 2
+        ours = engine.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+        assert [o.output_token_ids for o in ours] == [o.output_token_ids for o in expected[:3]]
+        assert_matches_hf(ckpt, hf_reference, prompts, ours, MAX_NEW)
+        hashes = tp1.reserve("probe", prompts[2], greedy(1)).block_hashes
+        tp1.abort("probe")
+        k1, v1 = tp1.read_blocks([tp1.block_manager.cached[h] for h in hashes])
+        k4, v4 = engine.read_blocks([engine.block_manager.cached[h] for h in hashes])  # same hashes as TP=1
+        assert k4.shape == k1.shape and k4.shape[3] == 2
+        torch.testing.assert_close(k4, k1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v4, v1, atol=1e-5, rtol=1e-5)
+        hashes = tp1.reserve("probe", fresh, greedy(1)).block_hashes
+        tp1.abort("probe")
+        kf, vf = tp1.read_blocks([tp1.block_manager.cached[h] for h in hashes])
+        res = engine.reserve("y", fresh, greedy(MAX_NEW))
+        engine.write_blocks("y", KVBlocks(kf, vf, 0))
+        engine.commit_held("y", len(hashes) * 16)
+        out = run_to_completion(engine)["y"]
+        assert res.num_cached_tokens == 0 and out.output_token_ids == expected[3].output_token_ids
+        assert_all_free(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_fp8_kv_cache_shards_and_moves_whole(checkpoints, tp2_engines):
     """An FP8 KV cache split by heads: blocks cross the ranks as bytes (gloo has no float8) and come back whole."""
     ckpt = checkpoints["llama"]
@@ -156,10 +193,17 @@ def test_bad_degrees_are_refused_before_any_rank_starts(checkpoints):
     ckpt = checkpoints["llama"]  # 4 query heads, 2 KV heads, intermediate 160
     cfg = load_model_config(ckpt.path)
     with pytest.raises(TPDegreeError, match=r"tensor-parallel size 3 does not divide the model's "
-                                            r"num_attention_heads \(4\); this model splits into 1, 2 ranks"):
+                                            r"num_attention_heads \(4\); this model splits into 1, 2, 4 ranks"):
         check_degree(cfg, 3)
-    with pytest.raises(TPDegreeError, match=r"size 4 does not divide the model's num_key_value_heads \(2\)"):
-        make_engine(ckpt, tensor_parallel_size=4)
+    with pytest.raises(TPDegreeError, match=r"size 8 does not divide the model's num_attention_heads \(4\)"):
+        make_engine(ckpt, tensor_parallel_size=8)
+    # 12 query heads, 4 KV heads: 6 divides the query heads and the MLP but is neither a divisor of the KV heads
+    # (split) nor a multiple of them (replicated).
+    wide = dataclasses.replace(cfg, num_heads=12, num_kv_heads=4, intermediate_size=192)
+    with pytest.raises(TPDegreeError, match=r"size 6 neither divides nor is a multiple of the model's "
+                                            r"num_key_value_heads \(4\).*splits into 1, 2, 4, 12 ranks"):
+        check_degree(wide, 6)
+    assert [shard_of(wide, r, 12).kv_head_start for r in range(12)] == [r // 3 for r in range(12)]
     with pytest.raises(ValueError, match="tensor-parallel size must be >= 1"):
         make_engine(ckpt, tensor_parallel_size=0)
     import torch.distributed as dist

@@ -35,7 +35,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class Target:
     """Where one checkpoint tensor goes: a parameter, at a row offset (fused weights; the offset within this
     rank's share under tensor parallelism). shape is the checkpoint's (whole) shape; split says how a
-    tensor-parallel rank slices it: "rows", "cols", "vocab" (rows, the last share short) or None (replicated)."""
+    tensor-parallel rank slices it: "rows", "cols", "vocab" (rows, the last share short), "kv_heads" (rows of the
+    rank's KV heads, which may be another rank's too) or None (replicated; q/k norms are per head_dim, so too)."""
 
     param: str
     row_offset: int
@@ -57,10 +58,12 @@ def weight_plan(cfg: ModelConfig, shard: TPShard | None = None) -> dict[str, Tar
         src, dst = f"model.layers.{i}", f"layers.{i}"
         plan[f"{src}.input_layernorm.weight"] = Target(f"{dst}.input_layernorm.weight", 0, (h,))
         plan[f"{src}.post_attention_layernorm.weight"] = Target(f"{dst}.post_attention_layernorm.weight", 0, (h,))
-        for name, off, rows in (("q_proj", 0, q), ("k_proj", lq, kv), ("v_proj", lq + lkv, kv)):
-            plan[f"{src}.self_attn.{name}.weight"] = Target(f"{dst}.self_attn.qkv_proj.weight", off, (rows, h), "rows")
+        # k/v rows go by KV head, not evenly by rank: above the KV heads' count a head is on several ranks.
+        for name, off, rows, split in (("q_proj", 0, q, "rows"), ("k_proj", lq, kv, "kv_heads"),
+                                       ("v_proj", lq + lkv, kv, "kv_heads")):
+            plan[f"{src}.self_attn.{name}.weight"] = Target(f"{dst}.self_attn.qkv_proj.weight", off, (rows, h), split)
             if cfg.qkv_bias:
-                plan[f"{src}.self_attn.{name}.bias"] = Target(f"{dst}.self_attn.qkv_proj.bias", off, (rows,), "rows")
+                plan[f"{src}.self_attn.{name}.bias"] = Target(f"{dst}.self_attn.qkv_proj.bias", off, (rows,), split)
         plan[f"{src}.self_attn.o_proj.weight"] = Target(f"{dst}.self_attn.o_proj.weight", 0, (h, q), "cols")
         if cfg.o_bias:
             plan[f"{src}.self_attn.o_proj.bias"] = Target(f"{dst}.self_attn.o_proj.bias", 0, (h,))

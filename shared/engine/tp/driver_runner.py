@@ -18,6 +18,7 @@ from shared.engine.tp.kv_heads import gather_heads, scatter_heads
 from shared.engine.tp.launch import TPWorkers
 from shared.engine.tp.step_message import KV_DTYPES, Header, Op, StepLayout
 from shared.models.llama import LlamaFamilyForCausalLM
+from shared.models.tp.degree import kv_replicas
 
 
 class TPDriverRunner(ModelRunner):
@@ -27,6 +28,10 @@ class TPDriverRunner(ModelRunner):
         self.channel = workers.channel
         self.size = workers.size
         self._kept: torch.Tensor | None = None  # the last step's hidden rows, for LOGITS
+        # Whole blocks carry every KV head once; this rank holds local_kv_heads of them, each on `replicas` ranks.
+        self.kv_heads = model.cfg.num_kv_heads
+        self.local_kv_heads = model.cache_config.num_kv_heads
+        self.replicas = kv_replicas(model.cfg, self.size)
 
     # --- the KV pool ----------------------------------------------------------------------------
 
@@ -46,7 +51,7 @@ class TPDriverRunner(ModelRunner):
 
     def _local_shape(self, whole: torch.Tensor) -> list[int]:
         shape = list(whole.shape)
-        shape[3] //= self.size
+        shape[3] = self.local_kv_heads
         return shape
 
     def gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +61,8 @@ class TPDriverRunner(ModelRunner):
             self.channel.send(Header(Op.GATHER, len(ids)), torch.tensor(ids, dtype=torch.int32, device=self.device))
             k, v = gather_blocks(self.kv_caches, ids)
             group = self.channel.compute
-            return gather_heads(k, self.size, 0, group), gather_heads(v, self.size, 0, group)
+            return (gather_heads(k, self.size, 0, group, self.replicas),
+                    gather_heads(v, self.size, 0, group, self.replicas))
 
     def read_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.gather_blocks(block_ids)
@@ -68,7 +74,7 @@ class TPDriverRunner(ModelRunner):
         ids = list(block_ids)
         layers = self.kv_caches[first_layer : first_layer + k.shape[0]]
         cache = self.kv_caches[0][0]
-        whole = (len(layers), len(ids), cache.shape[1], cache.shape[2] * self.size, cache.shape[3])
+        whole = (len(layers), len(ids), cache.shape[1], self.kv_heads, cache.shape[3])
         # Checked here, before any rank is told: a bad write must fail this request, not the ranks.
         if not layers or tuple(k.shape) != whole or tuple(v.shape) != whole:
             raise ValueError(f"KV blocks shaped {tuple(k.shape)}/{tuple(v.shape)} from layer {first_layer}, "
@@ -83,7 +89,7 @@ class TPDriverRunner(ModelRunner):
             for whole_t in (k, v):
                 whole_t = whole_t.to(self.device, cache.dtype)
                 out = torch.empty(self._local_shape(whole_t), dtype=cache.dtype, device=self.device)
-                mine.append(scatter_heads(whole_t, out, self.size, 0, group))
+                mine.append(scatter_heads(whole_t, out, self.size, 0, group, self.replicas))
             write_blocks(self.kv_caches, ids, mine[0], mine[1], first_layer)
 
     # --- a step ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.tp.channel import TPChannel
 from shared.engine.tp.kv_heads import gather_heads, scatter_heads
 from shared.engine.tp.step_message import KV_DTYPES, Op, StepLayout
+from shared.models.tp.degree import kv_replicas
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 def follow(runner: ModelRunner, channel: TPChannel, rank: int, size: int) -> None:
     model = runner.model
     kept: torch.Tensor | None = None
+    replicas = kv_replicas(model.cfg, size)  # ranks holding each KV head: whole blocks take each head once
     while True:
         header, payload = channel.receive()
         op, args = header.op, header.args
@@ -48,17 +50,17 @@ def follow(runner: ModelRunner, channel: TPChannel, rank: int, size: int) -> Non
             model.compute_logits(kept[args[0] : args[1]])
         elif op == Op.GATHER:
             k, v_ = gather_blocks(runner.kv_caches, payload.tolist())
-            gather_heads(k, size, rank, channel.compute)
-            gather_heads(v_, size, rank, channel.compute)
+            gather_heads(k, size, rank, channel.compute, replicas)
+            gather_heads(v_, size, rank, channel.compute, replicas)
         elif op == Op.WRITE:
             ids = payload.tolist()
             first_layer, num_layers = args[0], args[1]
             cache = runner.kv_caches[0][0]
             shape = (num_layers, len(ids), *cache.shape[1:])
             k = scatter_heads(None, torch.empty(shape, dtype=cache.dtype, device=cache.device), size, rank,
-                              channel.compute)
+                              channel.compute, replicas)
             v_ = scatter_heads(None, torch.empty(shape, dtype=cache.dtype, device=cache.device), size, rank,
-                               channel.compute)
+                               channel.compute, replicas)
             write_blocks(runner.kv_caches, ids, k, v_, first_layer)
         else:  # pragma: no cover - Header.decode accepts only known ops
             raise ValueError(f"unknown op {op}")
