@@ -14,6 +14,7 @@ from .options import build_load
 from .payload import Endpoint, EosMode
 from .plots import Series
 from .report import LevelReport
+from .spec_metrics import SpecCounters, SpecDecodeSummary, scrape
 
 # Exit codes of `bench serve` / `bench compare`, documented in their --help.
 EXIT_OK = 0  # the run finished; some requests may have failed (see the report)
@@ -38,8 +39,23 @@ async def prepare(ep: Endpoint, args: Namespace, deadline: float) -> tuple[Endpo
 
 async def measure(ep: Endpoint, workload: Workload, args: Namespace, level: int | None, deadline: float,
                   slo: dict[str, float], label: str) -> LevelReport:
-    run = await run_level(ep, workload, build_load(args, level), deadline, label)
-    return LevelReport(run, summarize(run.results, run.duration, run.planned, slo))
+    before: list[SpecCounters | None] = [None]
+
+    async def read_before() -> None:
+        before[0] = await _settled_scrape(ep, args, args.num_warmups > 0)
+
+    run = await run_level(ep, workload, build_load(args, level), deadline, label, after_warmup=read_before)
+    # Only a server that exported the counters before the run is waited for: one without pays nothing.
+    after = await _settled_scrape(ep, args, before[0] is not None)
+    return LevelReport(run, summarize(run.results, run.duration, run.planned, slo), SpecDecodeSummary.of(before[0], after))
+
+
+async def _settled_scrape(ep: Endpoint, args: Namespace, requests_just_ran: bool) -> SpecCounters | None:
+    """The server's spec_decode counters, read after --metrics-settle when requests just ran and the server has
+    such counters (they may reach its /metrics a load beat late)."""
+    if requests_just_ran and args.metrics_settle > 0 and await scrape(ep.base_url, ep.api_key) is not None:
+        await asyncio.sleep(args.metrics_settle)
+    return await scrape(ep.base_url, ep.api_key)
 
 
 def series(label: str, levels: list[LevelReport]) -> Series:
