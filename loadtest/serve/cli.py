@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     report = asyncio.run(_run(args, workload, slo))
     print(f"target {report.target['url']} model {args.model}; EOS: {report.eos['mode']} ({report.eos['note']})")
     for lv in report.levels:
-        print(level_table(f"max concurrency {lv.run.max_concurrency or 'unbounded'}", lv.summary))
+        print(level_table(f"max concurrency {lv.run.max_concurrency or 'unbounded'}", lv.summary, lv.spec))
         if lv.run.hit_time_limit:
             print(f"  stopped by --time-limit {args.time_limit:g}s")
     if len(report.levels) > 1:

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{t.name}: {r.target['url']} model {t.model}; EOS: {r.eos['mode']} ({r.eos['note']})")
         for lv in r.levels:
             if lv.summary.failed or lv.summary.short_outputs:
-                print(level_table(f"{t.name} max concurrency {lv.run.max_concurrency or 'unbounded'}", lv.summary))
+                print(level_table(f"{t.name} max concurrency {lv.run.max_concurrency or 'unbounded'}", lv.summary, lv.spec))
     table, rows = side_by_side(args, targets, reports)
     print(table)
     if args.json:

@@ -5,6 +5,7 @@ import asyncio
 import math
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import httpx
@@ -100,10 +101,14 @@ async def _wait_or_cancel(tasks: list[asyncio.Future], deadline: float) -> bool:
     return bool(pending)
 
 
-async def run_level(ep: Endpoint, workload: Workload, cfg: LoadConfig, deadline: float, label: str = "") -> LevelRun:
-    """Send the whole workload once. Stops at `deadline` (a time.perf_counter() value) no matter what."""
+async def run_level(ep: Endpoint, workload: Workload, cfg: LoadConfig, deadline: float, label: str = "",
+                    after_warmup: Callable[[], Awaitable[None]] | None = None) -> LevelRun:
+    """Send the whole workload once. Stops at `deadline` (a time.perf_counter() value) no matter what.
+    after_warmup: awaited between the warm-up and the measured requests (server counters read before the run)."""
     async with _client(cfg) as client:
         await _warm_up(client, ep, workload, cfg, deadline)
+        if after_warmup is not None:
+            await after_warmup()
         offsets = arrival_offsets(len(workload.jobs), cfg.request_rate, cfg.burstiness, cfg.seed)
         sem = asyncio.Semaphore(cfg.max_concurrency or max(1, workload.num_requests))
         sink: list[RequestResult] = []

@@ -58,6 +58,10 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole command; then it stops")
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    g.add_argument("--metrics-settle", type=float, default=1.5,
+                   help="seconds to wait before reading the server's spec_decode counters from /metrics, only when "
+                        "it exports them: kvmesh's gateway learns them from workers' load beats (1 s apart), so a "
+                        "read right after the last request can miss that request's drafts")
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,4 +133,5 @@ def describe_workload(w: ds.Workload, args: argparse.Namespace) -> dict:
 def describe_load(args: argparse.Namespace) -> dict:
     return {"request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
             "burstiness": args.burstiness, "levels": levels(args), "num_warmups": args.num_warmups,
-            "time_limit_s": args.time_limit, "request_timeout_s": args.request_timeout}
+            "time_limit_s": args.time_limit, "request_timeout_s": args.request_timeout,
+            "metrics_settle_s": args.metrics_settle}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .load import LevelRun
 from .metrics import Summary
+from .spec_metrics import SpecDecodeSummary
 
 SCHEMA = "kvmesh.bench.serve/1"
 
@@ -17,6 +18,7 @@ SCHEMA = "kvmesh.bench.serve/1"
 class LevelReport:
     run: LevelRun
     summary: Summary
+    spec: SpecDecodeSummary = field(default_factory=SpecDecodeSummary)
 
     def to_json(self, keep_text: bool = False) -> dict:
         return {
@@ -24,6 +26,7 @@ class LevelReport:
             "request_rate": jsonable_rate(self.run.request_rate),
             "hit_time_limit": self.run.hit_time_limit,
             "summary": self.summary.to_json(),
+            "spec_decode": self.spec.to_json(),  # every field None when the server exports no spec_decode counters
             "requests": [r.to_json(keep_text) for r in self.run.results],
         }
 
@@ -65,7 +68,7 @@ def _f(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def level_table(title: str, s: Summary) -> str:
+def level_table(title: str, s: Summary, spec: SpecDecodeSummary | None = None) -> str:
     rows: list[tuple[str, str]] = [
         ("Requests planned / sent", f"{s.planned} / {s.sent}"),
         ("Successful / failed", f"{s.completed} / {s.failed}"),
@@ -83,6 +86,13 @@ def level_table(title: str, s: Summary) -> str:
     for name, d in (("TTFT", s.ttft_ms), ("TPOT", s.tpot_ms), ("ITL", s.itl_ms), ("E2E", s.e2el_ms)):
         rows.append((f"{name} mean / median (ms)", f"{_f(d.mean)} / {_f(d.median)}"))
         rows.append((f"{name} p90 / p99 (ms)", f"{_f(d.p90)} / {_f(d.p99)}"))
+    if spec is not None and spec.present:
+        rows.append(("Spec decode drafts / draft tokens", f"{spec.spec_num_drafts} / {spec.spec_num_draft_tokens}"))
+        rows.append(("Spec decode accepted tokens", str(spec.spec_num_accepted_tokens)))
+        rows.append(("Mean acceptance length", _f(spec.spec_mean_acceptance_length)))
+        rows.append(("Draft acceptance rate", _f(spec.spec_draft_acceptance_rate, 3)))
+        if spec.spec_acceptance_rate_per_pos:
+            rows.append(("Acceptance rate per position", " ".join(f"{r:.3f}" for r in spec.spec_acceptance_rate_per_pos)))
     if s.short_outputs:
         rows.append(("Outputs shorter than requested", f"{s.short_outputs} (server did not honour ignore_eos)"))
     width = max(len(k) for k, _ in rows) + 2
@@ -101,6 +111,9 @@ def grid(header: list[str], rows: list[list[str]]) -> str:
 
 def sweep_table(levels: list[LevelReport]) -> str:
     header = ["concurrency", "ok/sent", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "E2E p50"]
+    spec = any(lv.spec.present for lv in levels)
+    if spec:
+        header.append("accept len")
     rows = []
     for lv in levels:
         s = lv.summary
@@ -108,5 +121,5 @@ def sweep_table(levels: list[LevelReport]) -> str:
             str(lv.run.max_concurrency or "unbounded"), f"{s.completed}/{s.sent}", _f(s.request_throughput),
             _f(s.output_throughput, 1), _f(s.ttft_ms.median, 1), _f(s.ttft_ms.p99, 1),
             _f(s.itl_ms.median, 1), _f(s.itl_ms.p99, 1), _f(s.e2el_ms.median, 1),
-        ])
+        ] + ([_f(lv.spec.spec_mean_acceptance_length)] if spec else []))
     return grid(header, rows) + "\n(latencies in ms)"

@@ -14,6 +14,7 @@ from .options import build_load
 from .payload import Endpoint, EosMode
 from .plots import Series
 from .report import LevelReport
+from .spec_metrics import SCRAPE_TIMEOUT_S, SpecCounters, SpecDecodeSummary, scrape
 
 # Exit codes of `bench serve` / `bench compare`, documented in their --help.
 EXIT_OK = 0  # the run finished; some requests may have failed (see the report)
@@ -38,8 +39,27 @@ async def prepare(ep: Endpoint, args: Namespace, deadline: float) -> tuple[Endpo
 
 async def measure(ep: Endpoint, workload: Workload, args: Namespace, level: int | None, deadline: float,
                   slo: dict[str, float], label: str) -> LevelReport:
-    run = await run_level(ep, workload, build_load(args, level), deadline, label)
-    return LevelReport(run, summarize(run.results, run.duration, run.planned, slo))
+    before: list[SpecCounters | None] = [None]
+
+    async def read_before() -> None:
+        # A tenth of the time left at most: reading counters must not eat the run's --time-limit (a server
+        # that accepts connections and never answers would otherwise take it all before a request is sent).
+        before[0] = await _settled_scrape(ep, args, args.num_warmups > 0, 0.1 * (deadline - time.perf_counter()))
+
+    run = await run_level(ep, workload, build_load(args, level), deadline, label, after_warmup=read_before)
+    # Only a server that exported the counters before the run is waited for: one without pays nothing.
+    after = await _settled_scrape(ep, args, before[0] is not None, deadline - time.perf_counter())
+    return LevelReport(run, summarize(run.results, run.duration, run.planned, slo), SpecDecodeSummary.of(before[0], after))
+
+
+async def _settled_scrape(ep: Endpoint, args: Namespace, requests_just_ran: bool, budget_s: float) -> SpecCounters | None:
+    """The server's spec_decode counters, read after --metrics-settle when requests just ran and the server has
+    such counters (they may reach its /metrics a load beat late); None past the budget (the time limit)."""
+    end = time.perf_counter() + budget_s
+    left = lambda: min(SCRAPE_TIMEOUT_S, end - time.perf_counter())  # noqa: E731
+    if requests_just_ran and args.metrics_settle > 0 and await scrape(ep.base_url, ep.api_key, left()) is not None:
+        await asyncio.sleep(max(0.0, min(args.metrics_settle, end - time.perf_counter())))
+    return await scrape(ep.base_url, ep.api_key, left())
 
 
 def series(label: str, levels: list[LevelReport]) -> Series:
