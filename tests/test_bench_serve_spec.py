@@ -13,7 +13,8 @@ from shared.cli import main
 from tests.gateway_harness import Mesh
 from tests.test_spec_decode import NGRAM, repetitive_prompts
 
-# Captured from a vLLM 0.10 server (ngram, num_speculative_tokens=3), trimmed to the spec lines and a neighbour.
+# Written by hand in the format vLLM exports (ngram, num_speculative_tokens=3; its metric names, types and labels),
+# not captured from a running vLLM: no vLLM server can run here. Trimmed to the spec lines and a neighbour.
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
