@@ -120,3 +120,63 @@ def test_a_long_engine_step_is_not_a_dead_worker(model_dir, tmp_path) -> None:  
         assert _migrations(mesh) == 0
     finally:
         mesh.close()
+
+
+def test_a_lost_tensor_parallel_rank_moves_the_workers_requests(model_dir, tmp_path) -> None:  # noqa: ANN001
+    """Issue 22: SIGKILL the follower rank of a TP=2 decode worker while streams run on it. Its engine fails
+    with TPRankError; the worker sends MOVE_ELSEWHERE (not "decode worker failed"), so every client's greedy
+    text equals the undisturbed run's; the worker's wait_closed fails (the runner exits non-zero for a restart)
+    and no rank is left: the follower is reaped and rank 0 has left its process group."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    mesh = Mesh(tmp_path, model_dir)
+    try:
+        mesh.start_tokenizer()
+        d0 = mesh.start_decoder("d0", num_kv_blocks=128, tensor_parallel_size=2)
+        mesh.wait_until(lambda: len(mesh.gateway.ctx.router.alive()) == 1)
+        client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        prompts = ["Once upon a time", "The quick brown fox", "In a distant galaxy"]
+        kw = dict(model="tiny", max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+        # Undisturbed on d0 alone; its prefix cache then draws the disturbed run's requests to it.
+        undisturbed = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+        d1 = mesh.start_decoder("d1", num_kv_blocks=128)
+        mesh.wait_until(lambda: len(mesh.gateway.ctx.router.alive()) == 2)
+        closed = mesh.call_soon(d0.wait_closed())  # what the service runner awaits
+        follower = d0.engine.tp.procs[0]
+        on_d0: list[int] = []
+
+        def kill() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and sum(len(d.requests.ids()) for d in (d0, d1)) < len(prompts):
+                time.sleep(0.005)  # every stream placed: none reaches d0 after the kill
+            time.sleep(0.3)  # tokens stream meanwhile
+            on_d0.append(len(d0.requests.ids()))
+            os.kill(follower.pid, signal.SIGKILL)
+
+        def stream(prompt: str) -> tuple[str, str | None]:
+            text, reason = "", None
+            for c in client.completions.create(prompt=prompt, stream=True, **kw):
+                if c.choices:
+                    text += c.choices[0].text
+                    reason = c.choices[0].finish_reason or reason
+            return text, reason
+
+        with ThreadPoolExecutor(len(prompts) + 1) as pool:
+            killer = pool.submit(kill)
+            results = list(pool.map(stream, prompts))
+            killer.result(30)
+        assert on_d0 and on_d0[0] >= 1, "no stream was on the TP worker when its rank was killed"
+        assert results == [(t, "length") for t in undisturbed]
+        assert _migrations(mesh) == on_d0[0]
+        with pytest.raises(RuntimeError, match="TPRankError"):
+            closed.result(30)
+        mesh.decoders.pop("d0")
+        mesh.call(d0.drain(1.0))  # the runner's drain before it exits
+        assert follower.poll() == -signal.SIGKILL
+        assert d0.engine.tp.closed and not dist.is_initialized()
+    finally:
+        mesh.close()

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from shared import bus, subjects
 from shared.config import EngineConfig
 from shared.engine.outputs import RequestOutput
+from shared.engine.tp.launch import TPRankError
 from shared.protocol import errors as codes
 from shared.protocol.errors import ErrorReply
 from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
@@ -188,10 +189,20 @@ class DecodeService(EngineWorker):
 
     async def on_engine_crash(self) -> None:
         self.draining = True
+        # A lost tensor-parallel rank is this worker's hardware/process failing, not its requests: they go on
+        # elsewhere with the drain's MOVE_ELSEWHERE chunk, which the gateway already answers by migrating
+        # (prompt + tokens streamed so far, this worker excluded) at once, without waiting for our beats to
+        # expire; the worker then exits non-zero (wait_closed) and its supervisor restarts it. Any other engine
+        # error may be caused by a request (a bug it triggers would crash the next worker too): those fail.
+        lost_rank = isinstance(self.thread.error, TPRankError)
+        if lost_rank:
+            log.error("decode worker lost a tensor-parallel rank; moving %d request(s) to other workers",
+                      len(self.requests))
         for rid in self.requests.ids():
             r = self.requests.pop(rid)
             self.outbox.put(Delivery(r.stream, r.span, TokenChunk(
-                request_id=rid, seq=r.next_seq, finish_reason="error", error="decode worker failed"), True))
+                request_id=rid, seq=r.next_seq, finish_reason="error",
+                error=codes.MOVE_ELSEWHERE if lost_rank else "decode worker failed"), True))
         await asyncio.wait_for(self.outbox.flush(), timeout=5)
 
     # --- cancellation ---------------------------------------------------------------------------
