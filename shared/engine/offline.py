@@ -2,18 +2,27 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence as Seq
+from typing import Protocol
 
 from tqdm import tqdm
 
 from shared.engine.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the engine calls this module; only its type is named here
-    from shared.engine.llm_engine import LLMEngine
+
+class Steppable(Protocol):
+    """What offline generation needs of an engine (LLMEngine, SimEngine): the engine imports this module, so
+    it is named by what it does rather than imported."""
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
 
 
-def generate(engine: LLMEngine, prompt_token_ids: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
+def generate(engine: Steppable, prompt_token_ids: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
              use_tqdm: bool = True) -> list[RequestOutput]:
     """Each prompt's finished RequestOutput, in prompt order."""
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompt_token_ids)
