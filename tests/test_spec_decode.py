@@ -374,3 +374,27 @@ def test_mesh_decode_worker_speculates_after_remote_prefill(checkpoints, tmp_pat
             metrics, "spec_decode_num_accepted_tokens_total", worker="d0")
     finally:
         mesh.close()
+
+
+def test_suffix_worker_table_never_crosses_cache_salts():
+    """A finished output teaches the worker-wide suffix table only for its own cache salt: a request under
+    another salt (or none) drafts nothing from it, one under the same salt drafts its continuation; the oldest
+    output leaves past the bound, its salt's table with it."""
+    from shared.engine.spec.suffix import SuffixProposer
+
+    def finished(prompt: list[int], output: list[int], salt: str | None) -> Sequence:
+        seq = Sequence(f"r{salt}", prompt, SamplingParams(max_tokens=len(output), cache_salt=salt))
+        seq.token_ids.extend(output)
+        return seq
+
+    proposer = SuffixProposer(depth=4, max_cached_requests=1, min_token_prob=0.1, max_spec_factor=4.0)
+    proposer.finished(finished([1, 2], [7, 8, 9, 10, 11], "a"))
+    context = [3, 4, 7, 8]  # ends with the start of salt a's output, nothing of it in its own tokens after that
+
+    def drafts(salt: str | None) -> list[int]:
+        return proposer.propose(Sequence(f"q{salt}", list(context), SamplingParams(max_tokens=8, cache_salt=salt)), 3)
+
+    assert drafts("a") == [9, 10, 11]
+    assert drafts("b") == [] and drafts(None) == []
+    proposer.finished(finished([1, 2], [5, 6, 5, 6], None))  # the bound (1) pushes salt a's output out
+    assert drafts("a") == [] and set(proposer.shared) == {""}

@@ -9,8 +9,10 @@ min_token_prob, when k tokens are drafted, or past max_spec_factor x the first m
 match drafts one token, a long one many. So the speculation length is chosen per request, per step.
 
 The request's own table (on Sequence.spec_index) is tried first; the worker-wide one holds the outputs of the
-last max_cached_requests finished requests (a bounded FIFO: an evicted output's counts are subtracted). One
-engine serves one cache salt, so the shared table never mixes salts.
+last max_cached_requests finished requests (a bounded FIFO: an evicted output's counts are subtracted). It is
+kept per request cache salt (vLLM's cache_salt; "" for none): a salted request neither drafts from nor
+feeds another salt's outputs, as its prefix-cache blocks are kept apart, so acceptance (and so timing) says
+nothing across salts. The engine's own mesh-wide salt is the same for every request of an engine.
 """
 from __future__ import annotations
 
@@ -60,8 +62,8 @@ class SuffixProposer:
         self.depth = depth
         self.min_token_prob = min_token_prob
         self.max_spec_factor = max_spec_factor
-        self.shared: Counts = {}
-        self.recent: deque[list[int]] = deque()
+        self.shared: dict[str, Counts] = {}  # cache salt ("" for none) -> counts of its recent outputs
+        self.recent: deque[tuple[str, list[int]]] = deque()  # (salt, output), oldest first, across salts
         self.max_cached = max_cached_requests
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
@@ -70,11 +72,12 @@ class SuffixProposer:
         own: RequestTable = seq.spec_index
         own.update(seq.token_ids)
         ctx = seq.token_ids[-self.depth :]
+        shared = self.shared.get(seq.params.cache_salt or "", {})
         drafts: list[int] = []
         score = 1.0
         limit = k
         while len(drafts) < limit:
-            hit = self._best(own.counts, ctx) or self._best(self.shared, ctx)
+            hit = self._best(own.counts, ctx) or self._best(shared, ctx)
             if hit is None:
                 break
             token, prob, matched = hit
@@ -102,7 +105,12 @@ class SuffixProposer:
         out = seq.output_token_ids
         if len(out) < 2:
             return
-        add_counts(self.shared, out, 1, self.depth)
-        self.recent.append(out)
+        salt = seq.params.cache_salt or ""
+        add_counts(self.shared.setdefault(salt, {}), out, 1, self.depth)
+        self.recent.append((salt, out))
         while len(self.recent) > self.max_cached:
-            add_counts(self.shared, self.recent.popleft(), 1, self.depth, sign=-1)
+            old_salt, old_out = self.recent.popleft()
+            table = self.shared[old_salt]
+            add_counts(table, old_out, 1, self.depth, sign=-1)
+            if not table:
+                del self.shared[old_salt]
