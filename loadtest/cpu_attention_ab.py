@@ -12,16 +12,14 @@ import argparse
 import importlib
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from loadtest.engine_ab import decode_tok_s, interleaved, median_ratio, medians
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.sampling_params import SamplingParams
 
 # The module (kernels/__init__.py exports a function of the same name).
 da = importlib.import_module("kernels.decode_attention")
@@ -32,14 +30,6 @@ def _sdpa(q, ks, vs, mask, scale):
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask,
                                        scale=scale, enable_gqa=True)
     return o.squeeze(2)
-
-
-def _tok_s(engine: LLMEngine, batch: int, out_len: int) -> float:
-    prompts = [[100 + (i * 7 + j) % 4000 for j in range(50)] for i in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    t = time.perf_counter()
-    engine.generate(prompts, params, use_tqdm=False)
-    return batch * out_len / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -57,19 +47,18 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=str(smollm2_checkpoint()), dtype="bfloat16", device="cpu", cpu_compile="off",
                                     max_num_seqs=max(batches)))
     arms = {"bmm": da._attend_one_query, "sdpa": _sdpa}
-    runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in arms}
-    for _ in range(args.rounds):
-        for b in batches:
-            for name, fn in arms.items():
-                da._attend_one_query = fn
-                runs[name][b].append(round(_tok_s(engine, b, 64), 2))
+
+    def measure(name: str, batch: int) -> float:
+        da._attend_one_query = arms[name]
+        return decode_tok_s(engine, batch)
+
+    runs = interleaved(arms, batches, args.rounds, measure)
     da._attend_one_query = arms["bmm"]
     report = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "decode": "eager", "threads": torch.get_num_threads(),
               "machine": f"{os.cpu_count()} cores, shared with other jobs (load average below)",
               "loadavg_1m_after": os.getloadavg()[0],
-              "ratio_bmm_vs_sdpa_median_of_rounds": {b: round(statistics.median(
-                  x / y for x, y in zip(runs["bmm"][b], runs["sdpa"][b])), 3) for b in batches},
-              "decode_tok_s_median": {n: {b: statistics.median(v) for b, v in per.items()} for n, per in runs.items()},
+              "ratio_bmm_vs_sdpa_median_of_rounds": median_ratio(runs, "bmm", "sdpa"),
+              "decode_tok_s_median": medians(runs),
               "runs": runs}
     print(json.dumps(report, indent=2))
     if args.json:

@@ -11,26 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from loadtest.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
-
-
-def _prompts(batch: int) -> list[list[int]]:
-    return [[100 + (i * 7 + j) % 4000 for j in range(50)] for i in range(batch)]
-
-
-def _tok_s(engine: LLMEngine, batch: int, out_len: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    t = time.perf_counter()
-    engine.generate(_prompts(batch), params, use_tqdm=False)
-    return batch * out_len / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -54,20 +43,15 @@ def main() -> None:
                                                cpu_compile="on" if name == "compiled" else "off"))
         build_s[name] = round(time.perf_counter() - t, 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    toks = {n: [o.output_token_ids for o in e.generate(_prompts(8), greedy, use_tqdm=False)] for n, e in engines.items()}
-    runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in engines}
-    for _ in range(args.rounds):
-        for b in batches:
-            for name, engine in engines.items():
-                runs[name][b].append(round(_tok_s(engine, b, args.out_len), 2))
-    ratio = {b: round(statistics.median(c / e for c, e in zip(runs["compiled"][b], runs["eager"][b])), 3)
-             for b in batches}
+    toks = {n: [o.output_token_ids for o in e.generate(decode_prompts(8), greedy, use_tqdm=False)] for n, e in engines.items()}
+    runs = interleaved(engines, batches, args.rounds, lambda name, b: decode_tok_s(engines[name], b, args.out_len))
+    ratio = median_ratio(runs, "compiled", "eager")
     report = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "threads": torch.get_num_threads(),
               "machine": f"{os.cpu_count()} cores, shared with other jobs (load average below)",
               "loadavg_1m_after": os.getloadavg()[0], "build_s": build_s,
               "compile_s_per_bucket": engines["compiled"].cpu_compile_seconds,
               "greedy_rows_identical": f"{sum(a == b for a, b in zip(toks['eager'], toks['compiled']))}/8",
-              "decode_tok_s_median": {n: {b: statistics.median(v) for b, v in per.items()} for n, per in runs.items()},
+              "decode_tok_s_median": medians(runs),
               "ratio_compiled_vs_eager_median_of_rounds": ratio, "runs": runs,
               "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     print(json.dumps(report, indent=2))

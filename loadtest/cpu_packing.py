@@ -10,23 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
+from loadtest.engine_ab import decode_tok_s, interleaved
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
-from shared.sampling_params import SamplingParams
-
-
-def _tok_s(engine: LLMEngine, batch: int, out_len: int = 64) -> float:
-    prompts = [[100 + (i * 7 + j) % 4000 for j in range(50)] for i in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    t = time.perf_counter()
-    engine.generate(prompts, params, use_tqdm=False)
-    return batch * out_len / (time.perf_counter() - t)
 
 
 def main() -> None:
@@ -41,11 +31,7 @@ def main() -> None:
     engines = {name: LLMEngine(EngineConfig(model=model, dtype="bfloat16", cpu_weight_packing=packed))
                for name, packed in (("packed", True), ("plain", False))}
     batches = [int(b) for b in args.batches.split(",")]
-    runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in engines}
-    for _ in range(args.rounds):
-        for b in batches:
-            for name, engine in engines.items():
-                runs[name][b].append(_tok_s(engine, b))
+    runs = interleaved(engines, batches, args.rounds, lambda name, b: decode_tok_s(engines[name], b, warm=True))
     best = {n: {b: round(max(v), 2) for b, v in per.items()} for n, per in runs.items()}
     report = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "threads": torch.get_num_threads(),
               "loadavg_1m_after": os.getloadavg()[0], "decode_tok_s_best": best,
