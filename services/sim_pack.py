@@ -22,26 +22,13 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
-from dataclasses import dataclass
 
-from nats.aio.client import Client
-
-from shared import bus
 from shared.engine.errors import EXIT_CONFIG, ConfigError, MemoryBudgetError
 from shared.launcher.spec import PACK_IDENTITIES_ENV as IDENTITIES_ENV
-from shared.service_runner import Service, add_common_arguments
-from shared.telemetry import setup_tracing
+from shared.service_runner import Hosted, add_common_arguments, run_services
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Member:
-    worker_id: str
-    service: Service
-    connect_opts: dict  # user / password / inbox_prefix of this worker's bus identity ({} on an open bus)
 
 
 def _role_module(role: str):  # noqa: ANN202 - one of the two engine services' modules
@@ -70,7 +57,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def members(args: argparse.Namespace, identities: dict[str, dict]) -> list[Member]:
+def members(args: argparse.Namespace, identities: dict[str, dict]) -> list[Hosted]:
     module = _role_module(args.role)
     out = []
     for wid in args.worker_ids:
@@ -80,45 +67,8 @@ def members(args: argparse.Namespace, identities: dict[str, dict]) -> list[Membe
         one = argparse.Namespace(**vars(args))
         one.worker_id = wid
         opts = {k: ident[k] for k in ("user", "password", "inbox_prefix") if ident and ident.get(k)}
-        out.append(Member(wid, module.build(one), opts))
+        out.append(Hosted(module.build(one), f"kvmesh-{args.role}-{wid}", opts))
     return out
-
-
-async def run_pack(role: str, pack: list[Member], nats_url: str, grace_s: float) -> int:
-    setup_tracing(f"kvmesh-{role}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    conns: list[Client] = []
-    try:
-        for m in pack:  # one after the other: each is a worker the gateway may route to once its beat comes
-            nc = await bus.connect(nats_url, name=f"kvmesh-{role}-{m.worker_id}", **m.connect_opts)
-            conns.append(nc)
-            await m.service.start(nc)
-        log.info("%d %s workers serving on %s", len(pack), role, nats_url)
-        # One worker's engine crashing ends the process (non-zero): the supervisor restarts the pack, as it
-        # would restart a one-worker process. The others' requests are moved by the gateway meanwhile.
-        closed = [asyncio.ensure_future(m.service.wait_closed()) for m in pack]
-        stopping = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({*closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        for f in (*closed, stopping):
-            f.cancel()
-        log.info("%d %s workers draining (grace %.1fs)", len(pack), role, grace_s)
-        await asyncio.wait_for(asyncio.gather(*(m.service.drain(grace_s) for m in pack)), timeout=grace_s + 5)
-        failed = [f for f in done if f is not stopping and not f.cancelled() and f.exception() is not None]
-        if failed:
-            raise failed[0].exception()  # type: ignore[misc]
-    finally:
-        async def close(nc: Client) -> None:
-            try:
-                await asyncio.wait_for(nc.drain(), timeout=5)
-            except Exception:  # noqa: BLE001 - a broken connection must not turn a clean stop into a crash
-                log.warning("NATS drain did not finish cleanly", exc_info=True)
-
-        await asyncio.gather(*(close(nc) for nc in conns))
-    log.info("%d %s workers stopped", len(pack), role)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.role}-pack %(levelname)s %(name)s: %(message)s")
     try:
         identities = json.loads(os.environ.get(IDENTITIES_ENV, "") or "{}")
-        return asyncio.run(run_pack(args.role, members(args, identities), args.nats_url, args.grace))
+        return asyncio.run(run_services(args.role, members(args, identities), args.nats_url, args.grace))
     except (MemoryBudgetError, ConfigError, json.JSONDecodeError) as e:
         print(f"kvmesh {args.role} pack: cannot start: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG

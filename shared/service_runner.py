@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 
@@ -77,32 +78,57 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", "INFO"))
 
 
+@dataclass(frozen=True)
+class Hosted:
+    """A service as a process runs it: its own NATS connection, under its own name and bus identity."""
+
+    service: Service
+    conn_name: str
+    connect_opts: dict = field(default_factory=dict)  # user / password / inbox_prefix ({}: the environment's)
+
+
 async def run_service(service: Service, nats_url: str, grace_s: float = DEFAULT_GRACE_S) -> int:
-    setup_tracing(f"kvmesh-{service.name}")
-    nc = await bus.connect(nats_url, name=f"kvmesh-{service.name}")
+    return await run_services(service.name, [Hosted(service, f"kvmesh-{service.name}")], nats_url, grace_s)
+
+
+async def run_services(role: str, hosted: list[Hosted], nats_url: str, grace_s: float = DEFAULT_GRACE_S) -> int:
+    """The lifecycle for one service, or several of one role sharing a process (services/sim_pack.py)."""
+    setup_tracing(f"kvmesh-{role}")
+    label = role if len(hosted) == 1 else f"{len(hosted)} {role} workers"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    conns: list[Client] = []
     try:
-        await service.start(nc)
-        log.info("%s serving on %s", service.name, nats_url)
-        closed = asyncio.ensure_future(service.wait_closed())
+        for h in hosted:  # one after the other: each is a worker the gateway may route to once its beat comes
+            nc = await bus.connect(nats_url, name=h.conn_name, **h.connect_opts)
+            conns.append(nc)
+            await h.service.start(nc)
+        log.info("%s serving on %s", label, nats_url)
+        closed = [asyncio.ensure_future(h.service.wait_closed()) for h in hosted]
         stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        closed.cancel()
-        stopping.cancel()
-        log.info("%s draining (grace %.1fs)", service.name, grace_s)
-        await asyncio.wait_for(service.drain(grace_s), timeout=grace_s + 5)
-        if closed.done() and not closed.cancelled() and closed.exception() is not None:
-            raise closed.exception()  # the service failed on its own: exit non-zero so a supervisor restarts it
+        done, _ = await asyncio.wait({*closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        for f in (*closed, stopping):
+            f.cancel()
+        log.info("%s draining (grace %.1fs)", label, grace_s)
+        await asyncio.wait_for(asyncio.gather(*(h.service.drain(grace_s) for h in hosted)), timeout=grace_s + 5)
+        # A service that failed on its own (in a pack: any one of them) ends the process non-zero, so a
+        # supervisor restarts it; the gateway moves the other workers' requests meanwhile.
+        failed = [f for f in done if f is not stopping and not f.cancelled() and f.exception() is not None]
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
     finally:
-        try:
-            await asyncio.wait_for(nc.drain(), timeout=5)
-        except Exception:  # noqa: BLE001 - a broken connection must not turn a clean stop into a crash
-            log.warning("NATS drain did not finish cleanly", exc_info=True)
-    log.info("%s stopped", service.name)
+        await asyncio.gather(*(_drain_connection(nc) for nc in conns))
+    log.info("%s stopped", label)
     return 0
+
+
+async def _drain_connection(nc: Client) -> None:
+    try:
+        await asyncio.wait_for(nc.drain(), timeout=5)
+    except Exception:  # noqa: BLE001 - a broken connection must not turn a clean stop into a crash
+        log.warning("NATS drain did not finish cleanly", exc_info=True)
 
 
 def main_for(name: str, add_arguments, build, argv: list[str] | None = None) -> int:
