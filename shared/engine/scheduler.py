@@ -138,7 +138,8 @@ class Scheduler:
         return outs
 
     def append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
-        return self.append_tokens(seq, [token], [lp], now)
+        assert self.outputs is not None
+        return self._output(seq, [token], self.outputs.append_token(seq, token, lp, now), now)
 
     def append_tokens(self, seq: Sequence, tokens: list[int], lps: list[TokenLogprobs | None],
                       now: float) -> RequestOutput:
@@ -152,6 +153,11 @@ class Scheduler:
             reason = self.outputs.append_token(seq, token, lp, now)
             if reason is not None:
                 break
+        return self._output(seq, new, reason, now)
+
+    def _output(self, seq: Sequence, new: list[int], reason: str | None, now: float) -> RequestOutput:
+        """The RequestOutput of the tokens just appended; a finish reason finishes and forgets the request."""
+        assert self.outputs is not None
         kv = None
         if reason is not None:
             kv = self.outputs.take_prompt_kv(seq)  # prefill-only requests: before the blocks are freed
