@@ -29,6 +29,7 @@ from shared.engine.prompt_logprobs import record_prompt_logprobs
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from shared.engine.sequence import Sequence
+from shared.engine.spec.grammar_drafts import draft_bitmask
 from shared.engine.spec.speculator import Speculator
 from shared.engine.step_metrics import CumulativeHistogram
 from shared.engine.step_rows import step_rows
@@ -221,7 +222,11 @@ class LLMEngine:
         bitmask = self.grammar().token_bitmask(matchers) if any(m is not None for m in matchers) else None
         samples = self.sampler.sample(logits[: len(r.rows)], r.sampling, token_bitmask=bitmask) if r.rows else []
         sampled = [(seq, token, lp) for seq, (token, lp) in zip(r.sampling, samples)]
-        verified = self.speculator.verify(self.sampler, logits[len(r.rows) :], r.drafts) if r.drafts else []
+        verified = []
+        if r.drafts:
+            # The grammar's mask at every drafted position: only structured requests touch xgrammar.
+            spec_mask = draft_bitmask(lambda n: self.grammar().allocate(n), r.drafts)
+            verified = self.speculator.verify(self.sampler, logits[len(r.rows) :], r.drafts, spec_mask)
         outs = self.scheduler.update_from_output(plan, sampled, time.time(), verified)
         if self.speculator is not None:
             self.speculator.observe_finished(r.sampling + [s for s, _ in r.drafts])

@@ -1,9 +1,10 @@
 """What the engine asks of speculative decoding: drafts before a step, bookkeeping after its verify.
 
 Before scheduling, every running request that is decoding (one token to compute, at least one output token,
-no structured-output grammar: its matcher cannot yet be rolled back over rejected drafts) gets up to k drafts
-from the proposer in Sequence.spec_token_ids, within its adaptive budget (shared/engine/spec/adaptive.py), its
-max_tokens and the model's length. The scheduler may cut them (token budget, free blocks); the runner computes
+not inside a reasoning section that precedes its structured-output grammar) gets up to k drafts from the
+proposer in Sequence.spec_token_ids, within its adaptive budget (shared/engine/spec/adaptive.py), its
+max_tokens and the model's length; a structured-output request's drafts are cut where its grammar would
+reject one (shared/engine/spec/grammar_drafts.py). The scheduler may cut them (token budget, free blocks); the runner computes
 the last token and the drafts in one forward; verify.py decides what is kept.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampler import Sampler
 from shared.engine.sequence import Sequence
 from shared.engine.spec.adaptive import DraftBudget, batch_allows
+from shared.engine.spec.grammar_drafts import grammar_prefix
 from shared.engine.spec.ngram import NgramProposer
 from shared.engine.spec.stats import SpecDecodeStats
 from shared.engine.spec.suffix import SuffixProposer
@@ -52,7 +54,8 @@ class Speculator:
         decoding = []
         for seq in running:
             seq.spec_token_ids = []
-            if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0 and seq.matcher is None:
+            # While a reasoning model still reasons, a draft could cross into its grammar: no drafts until then.
+            if seq.num_uncomputed_tokens == 1 and seq.num_output_tokens > 0 and (seq.matcher is None or seq.reasoning_over):
                 decoding.append(seq)
         if not decoding:
             return
@@ -65,15 +68,17 @@ class Speculator:
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
             k = min(room, seq.spec_budget.allowed())
             if k > 0:
-                seq.spec_token_ids = self.proposer.propose(seq, k)[:k]
+                drafts = self.proposer.propose(seq, k)[:k]
+                seq.spec_token_ids = drafts if seq.matcher is None else grammar_prefix(seq.matcher, drafts)
 
-    def verify(self, sampler: Sampler, logits: torch.Tensor,
-               drafts: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int], list[TokenLogprobs | None]]]:
+    def verify(self, sampler: Sampler, logits: torch.Tensor, drafts: list[tuple[Sequence, int]],
+               token_bitmask: torch.Tensor | None = None) -> list[tuple[Sequence, list[int], list[TokenLogprobs | None]]]:
         """What each (sequence, k drafts) of a verify step keeps (verify.py: accepted drafts, then the target's
-        token), from its k + 1 logits rows in turn; counts them and adapts each request's draft budget."""
+        token), from its k + 1 logits rows in turn; counts them and adapts each request's draft budget.
+        token_bitmask: the grammar masks of those rows (grammar_drafts.draft_bitmask), None without a grammar."""
         seqs, ks = [s for s, _ in drafts], [k for _, k in drafts]
         kept = []
-        for seq, k, (tokens, lps) in zip(seqs, ks, verify(sampler, logits, seqs, ks)):
+        for seq, k, (tokens, lps) in zip(seqs, ks, verify(sampler, logits, seqs, ks, token_bitmask)):
             self.stats.observe(k, len(tokens) - 1)
             if seq.spec_budget is not None:
                 seq.spec_budget.update(k, len(tokens) - 1)

@@ -4,13 +4,15 @@ A request verifying k drafts has k + 1 logits rows (its last token, then each dr
 the normal sampler's tokens at every row (shared/engine/sampler.py, through DraftPosition views, so logit
 bias, penalties and min_tokens see the drafts before each row) and keep the drafts up to the first that differs
 from the target, then the target's token there: the same tokens as decoding one at a time. Other requests go
-through the rejection sampler on the same processed probabilities. Logprobs are always the target's (the
-raw distribution at the row that emitted the token), as without speculation.
+through the rejection sampler on the same processed probabilities. A structured-output request's rows are first
+masked by its grammar at each position (token_bitmask, shared/engine/spec/grammar_drafts.py). Logprobs are
+always the target's (the raw distribution at the row that emitted the token), as without speculation.
 """
 from __future__ import annotations
 
 import torch
 
+from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.rejection_sampler import rejection_sample
 from shared.engine.sampler import Sampler, sampling_probs
@@ -21,8 +23,10 @@ Verified = tuple[list[int], list[TokenLogprobs | None]]  # emitted tokens (accep
 
 
 @torch.inference_mode()
-def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], ks: list[int]) -> list[Verified]:
-    """logits: [sum(k + 1), vocab], each sequence's k + 1 rows in turn; ks[i] drafts of seqs[i] are verified."""
+def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], ks: list[int],
+           token_bitmask: torch.Tensor | None = None) -> list[Verified]:
+    """logits: [sum(k + 1), vocab], each sequence's k + 1 rows in turn; ks[i] drafts of seqs[i] are verified.
+    token_bitmask: int32 [sum(k + 1), words], the grammar's mask at every row (None: no request has a grammar)."""
     starts, at = [], 0
     for k in ks:
         starts.append(at)
@@ -32,9 +36,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], ks: lis
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     other = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if greedy:
-        _greedy(sampler, logits, [(seqs[i], ks[i], starts[i]) for i in greedy], results, greedy)
+        _greedy(sampler, logits, [(seqs[i], ks[i], starts[i]) for i in greedy], results, greedy, token_bitmask)
     if other:
-        _rejection(sampler, logits, [(seqs[i], ks[i], starts[i]) for i in other], results, other)
+        _rejection(sampler, logits, [(seqs[i], ks[i], starts[i]) for i in other], results, other, token_bitmask)
     return results  # type: ignore[return-value]
 
 
@@ -53,9 +57,10 @@ def _select(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
 
-def _greedy(sampler: Sampler, logits: torch.Tensor, group, results, where) -> None:  # noqa: ANN001
+def _greedy(sampler: Sampler, logits: torch.Tensor, group, results, where, bitmask) -> None:  # noqa: ANN001
     rows, views = _rows(group)
-    samples = sampler.sample(_select(logits, rows), views)  # type: ignore[arg-type]
+    mask = None if bitmask is None else _select(bitmask, rows)
+    samples = sampler.sample(_select(logits, rows), views, token_bitmask=mask)  # type: ignore[arg-type]
     at = 0
     for (seq, k, _), i in zip(group, where):
         mine = samples[at : at + k + 1]
@@ -64,12 +69,14 @@ def _greedy(sampler: Sampler, logits: torch.Tensor, group, results, where) -> No
         at += k + 1
 
 
-def _rejection(sampler: Sampler, logits: torch.Tensor, group, results, where) -> None:  # noqa: ANN001
+def _rejection(sampler: Sampler, logits: torch.Tensor, group, results, where, bitmask) -> None:  # noqa: ANN001
     rows, views = _rows(group)
     lg = _select(logits, rows).float()
     params = [v.params for v in views]
     top_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
     raw = torch.log_softmax(lg, dim=-1) if top_n is not None else None
+    if bitmask is not None:  # as in Sampler.sample: the grammar first, the raw logprobs before it
+        apply_token_bitmask(lg, _select(bitmask, rows))
     sampler.process_logits(lg, views)  # type: ignore[arg-type]
     probs = sampling_probs(lg, params)
     emitted = rejection_sample(probs, [seq.spec_token_ids[:k] for seq, k, _ in group],
