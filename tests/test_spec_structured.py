@@ -142,3 +142,41 @@ def test_real_model_json_with_speculation(smollm2_dir):
         stats = engine.speculator.stats
         assert stats.mean_acceptance_length > 1.5, f"{name}: {stats}"
         assert_all_free(engine)
+
+
+def test_mesh_structured_output_speculates(checkpoints, tmp_path):
+    """A decode worker started with --speculative-config behind the real gateway and the openai client: a
+    json_schema completion gives the engine's text without speculation, chat with response_format json_schema
+    gives valid JSON, and the worker's spec_decode counters show accepted drafts."""
+    import httpx
+    import openai
+
+    from shared.models.tokenizer import load_tokenizer
+    from tests.gateway_harness import Mesh
+    from tests.test_metrics import sample
+
+    ckpt = checkpoints["qwen3"]
+    tok = load_tokenizer(ckpt.path)
+    example = json.dumps({"name": "abc", "items": [1, 2, 3, 1, 2, 3], "ok": True})
+    prompt = tok.encode(f"Answer like {example} {example}")
+    params = SamplingParams(max_tokens=64, temperature=0.0, structured=_schema(SCHEMA))
+    want = make_engine(ckpt).generate([prompt], params, use_tqdm=False)[0]
+    mesh = Mesh(tmp_path, ckpt.path)
+    try:
+        mesh.start_tokenizer()
+        mesh.start_decoder("d0", speculative_config=SUFFIX)
+        mesh.wait_until(lambda: mesh.gateway.ctx.router.alive())
+        client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0,
+                                      extra_body={"structured_outputs": {"json": SCHEMA}})
+        assert r.choices[0].text == tok.decode(want.output_token_ids, skip_special_tokens=True)
+        assert r.usage.completion_tokens == len(want.output_token_ids)
+        fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": example}],
+                                           temperature=0, max_tokens=96, response_format=fmt)
+        if r.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        metrics = httpx.get(f"{mesh.url}/metrics", timeout=10).text
+        assert sample(metrics, "spec_decode_num_accepted_tokens_total", worker="d0") > 0
+    finally:
+        mesh.close()
