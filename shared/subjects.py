@@ -31,6 +31,8 @@ QUEUE_DECODE = "kvmesh.decode"
 DECODE_CANCEL = "kvmesh.decode.cancel"
 DECODE_EVENTS_ALL = "kvmesh.decode.events.*"
 DECODE_LOAD_ALL = "kvmesh.decode.load.*"
+# Finished outputs for the other decode workers' suffix tables (fan-out; services/decode/suffix_sharing.py).
+DECODE_SUFFIX_ALL = "kvmesh.decode.suffix.*"
 
 # --- prefill
 PREFILL_PREFILL = "kvmesh.prefill.prefill"
@@ -69,6 +71,11 @@ def decode_kv_push(worker_id: str) -> str:
 def decode_events(worker_id: str) -> str:
     """BlockStored / BlockRemoved events of one decode worker (ordered, fan-out)."""
     return f"kvmesh.decode.events.{worker_token(worker_id)}"
+
+
+def decode_suffix(worker_id: str) -> str:
+    """Finished outputs one decode worker shares with the others (fan-out)."""
+    return f"kvmesh.decode.suffix.{worker_token(worker_id)}"
 
 
 def decode_load(worker_id: str) -> str:

@@ -127,3 +127,17 @@ class EvictAll(Command["OffloadBatch | None"]):
     def run(self, engine: LLMEngine) -> OffloadBatch | None:
         engine.tiers.evict_all()
         return engine.tiers.collect([], self.store, "eviction")
+
+
+@dataclass(frozen=True)
+class LearnOutputs(Command[int]):
+    """Other decode workers' finished outputs, (cache salt, output tokens) each, join the worker-wide suffix
+    table (shared suffix decoding); returns how many were learned (0 without a suffix proposer)."""
+
+    outputs: tuple[tuple[str | None, tuple[int, ...]], ...]
+
+    def run(self, engine: LLMEngine) -> int:
+        spec = engine.speculator
+        if spec is None:
+            return 0
+        return sum(spec.learn_output(salt, list(tokens)) for salt, tokens in self.outputs)

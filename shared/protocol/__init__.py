@@ -15,12 +15,13 @@ from shared.protocol.kvstore import (
 )
 from shared.protocol.kvtransfer import KVBlockChunk, KVChunkAck
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
+from shared.protocol.suffix import SharedOutput, SuffixOutputs
 from shared.protocol.tokenizer import ChatMessage, DecodeReply, DecodeRequest, EncodeReply, EncodeRequest
 
 __all__ = [
     "BlockRemoved", "BlockStored", "CancelRequest", "ChatMessage", "ContainsReply", "ContainsRequest",
     "DecodeReply", "DecodeRequest", "EncodeReply", "EncodeRequest", "ErrorReply", "GenerateRequest",
     "GetReply", "GetRequest", "KVBlockChunk", "KVChunkAck", "LoadBeat", "PutReply", "PutRequest",
-    "RemotePrefillReply", "RemotePrefillRequest", "StatsReply", "StatsRequest", "StoredBlock",
-    "TokenChunk", "TokenLogprob",
+    "RemotePrefillReply", "RemotePrefillRequest", "SharedOutput", "StatsReply", "StatsRequest", "StoredBlock",
+    "SuffixOutputs", "TokenChunk", "TokenLogprob",
 ]  # fmt: skip

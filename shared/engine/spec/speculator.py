@@ -85,6 +85,14 @@ class Speculator:
             kept.append((seq, tokens, lps))
         return kept
 
+    def learn_output(self, cache_salt: str | None, token_ids: list[int]) -> bool:
+        """Another decode worker's finished output joins the worker-wide suffix table; False (nothing learned)
+        for proposers without one."""
+        if not isinstance(self.proposer, SuffixProposer):
+            return False
+        self.proposer.learn(cache_salt, token_ids)
+        return True
+
     def observe_finished(self, seqs: Iterable[Sequence]) -> None:
         """Finished outputs feed the proposer's worker-wide table (suffix decoding)."""
         for seq in seqs:

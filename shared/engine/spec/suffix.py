@@ -12,7 +12,8 @@ The request's own table (on Sequence.spec_index) is tried first; the worker-wide
 last max_cached_requests finished requests (a bounded FIFO: an evicted output's counts are subtracted). It is
 kept per request cache salt (vLLM's cache_salt; "" for none): a salted request neither drafts from nor
 feeds another salt's outputs, as its prefix-cache blocks are kept apart, so acceptance (and so timing) says
-nothing across salts. The engine's own mesh-wide salt is the same for every request of an engine.
+nothing across salts. The engine's own mesh-wide salt is the same for every request of an engine. Decode
+workers may also learn each other's finished outputs (learn; services/decode/suffix_sharing.py, opt-in).
 """
 from __future__ import annotations
 
@@ -102,10 +103,14 @@ class SuffixProposer:
 
     def finished(self, seq: Sequence) -> None:
         """A finished request's output joins the worker-wide table (the oldest leaves past the bound)."""
-        out = seq.output_token_ids
+        self.learn(seq.params.cache_salt, seq.output_token_ids)
+
+    def learn(self, cache_salt: str | None, out: list[int]) -> None:
+        """An output joins the worker-wide table of its salt: this worker's, or another decode worker's
+        (services/decode/suffix_sharing.py); the oldest leaves past the bound."""
         if len(out) < 2:
             return
-        salt = seq.params.cache_salt or ""
+        salt = cache_salt or ""
         add_counts(self.shared.setdefault(salt, {}), out, 1, self.depth)
         self.recent.append((salt, out))
         while len(self.recent) > self.max_cached:
