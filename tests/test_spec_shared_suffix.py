@@ -70,6 +70,19 @@ def test_workers_learn_each_others_outputs_per_salt(nats_server, checkpoints) ->
     asyncio.run(main())
 
 
+def test_sharing_without_suffix_speculation_is_a_config_error(checkpoints) -> None:
+    import pytest
+
+    from services.decode.service import DecodeService, DecodeSettings
+    from shared.engine.errors import ConfigError
+    from tests.mesh_helpers import engine_config
+
+    for spec in (None, SpeculativeConfig(method="ngram")):
+        with pytest.raises(ConfigError, match="needs suffix speculation"):
+            DecodeService(engine_config(checkpoints["llama"], speculative_config=spec),
+                          DecodeSettings("d0", share_suffix_outputs=True))
+
+
 def test_a_learned_answer_raises_acceptance_on_the_other_worker(nats_server, checkpoints) -> None:  # noqa: F811
     """The same greedy request on d1 after d0 answered it: with sharing d1 drafts d0's answer and accepts more
     than the same run without sharing (random-weight models: the answer is not in the prompt)."""

@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from shared import bus, subjects
 from shared.config import EngineConfig
+from shared.engine.errors import ConfigError
 from shared.engine.outputs import RequestOutput
 from shared.engine.tp.launch import TPRankError
 from shared.protocol import errors as codes
@@ -62,6 +63,10 @@ class DecodeService(EngineWorker):
 
     def __init__(self, engine_config: EngineConfig, settings: DecodeSettings) -> None:
         super().__init__(engine_config, settings.use_kvstore, settings.worker_id, settings.beat_interval_s)
+        spec = engine_config.speculative_config
+        if settings.share_suffix_outputs and (spec is None or spec.method != "suffix"):
+            raise ConfigError("--share-suffix-outputs needs suffix speculation "
+                              "(--speculative-config '{\"method\": \"suffix\"}')")
         self.settings = settings
         self.kv_host, self.direct_kv = settings.kv_host, settings.direct_kv
         self.requests = RequestTable()
@@ -89,8 +94,7 @@ class DecodeService(EngineWorker):
                                                     nothing_below_device=self.kvstore is None
                                                     and not self.engine.config.host_kv_bytes)
         self.outbox = Outbox(nc, subjects.decode_events(s.worker_id))
-        spec = self.engine.config.speculative_config
-        if s.share_suffix_outputs and spec is not None and spec.method == "suffix":
+        if s.share_suffix_outputs:
             self.suffix_sharing = SuffixSharing(nc, s.worker_id, self.engine.block_manager.root, self.thread)
             await self.suffix_sharing.start()
         await self.transport.start(s.worker_id)
