@@ -6,7 +6,7 @@ request at a time; after a round every shared output has reached the other worke
 both arms see the same requests in the same places and the same order, once with sharing off and once on, each
 arm on fresh workers. Workloads where the same kind of answer recurs on different workers: (a) grounded, bench
 spec's four input-grounded templates over several documents; (b) chat, bench spec's four questions, each asked
-in several phrasings. Reported per workload and arm: drafts, draft tokens, accepted tokens, mean acceptance
+in several phrasings; (c) email, the same short email for six people (`--workloads grounded,chat,email`). Reported per workload and arm: drafts, draft tokens, accepted tokens, mean acceptance
 length (1 + accepted / drafts), output tokens per verify-or-decode step (output tokens / engine steps that
 emitted for a request), whether the outputs equal the other arm's (greedy), and wall seconds (noise here).
 """
@@ -51,6 +51,9 @@ CHAT_PHRASINGS = [
      "What could I do on a weekend trip to the mountains? Some ideas please.",
      "Suggest a few ideas for a mountain weekend getaway."],
 ]
+# (c) formulaic answers: the same kind of message for different people, as a support or office assistant writes.
+EMAILS = [("Anna", "Monday"), ("Ben", "Tuesday"), ("Carla", "Wednesday"), ("David", "Thursday"), ("Emma", "Friday"),
+          ("Frank", "Saturday")]
 SPEC = '{"method": "suffix", "num_speculative_tokens": 6}'
 
 
@@ -60,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--workloads", default="grounded,chat")
+    p.add_argument("--workloads", default="grounded,chat,email")
     p.add_argument("--json", default="loadtest/results/spec_shared_suffix_cpu.json", metavar="PATH")
 
 
@@ -71,6 +74,8 @@ def prompts(tok, workload: str) -> list[list[int]]:  # noqa: ANN001
 
     if workload == "grounded":
         texts = [t.format(doc=d) for t in SPEC_WORKLOADS["grounded"] for d in DOCS]
+    elif workload == "email":
+        texts = [f"Write a short, polite email to {name} declining the meeting on {day}." for name, day in EMAILS]
     else:
         texts = [q for phrasings in CHAT_PHRASINGS for q in phrasings]
     return [encode_chat(tok, [{"role": "user", "content": t}]) for t in texts]
