@@ -119,6 +119,26 @@ def test_greedy_structured_equals_no_speculation(arch, checkpoints):
         assert_all_free(engine)
 
 
+def test_sampled_structured_requests_stay_valid_under_rejection_sampling(checkpoints):
+    """Sampled requests verify through the rejection sampler on masked probabilities: every finished answer
+    satisfies its schema and the matchers stay exact after every step."""
+    from shared.models.tokenizer import load_tokenizer
+
+    ckpt = checkpoints["qwen3"]
+    tok = load_tokenizer(ckpt.path)
+    example = json.dumps({"name": "abc", "items": [1, 2, 3, 1, 2, 3], "ok": True})
+    requests = [(f"s{i}", tok.encode(f"{example} {example}"),
+                 SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, seed=i, structured=_schema(SCHEMA)))
+                for i in range(6)]
+    engine = make_engine(ckpt, speculative_config=NGRAM)
+    outs = _run_checking_matchers(engine, requests)
+    for out in outs.values():
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(tok.decode(out.output_token_ids, skip_special_tokens=True)), SCHEMA)
+    assert engine.speculator.stats.num_draft_tokens > 0
+    assert_all_free(engine)
+
+
 def test_real_model_json_with_speculation(smollm2_dir):
     """SmolLM2 asked to repeat a JSON document under its schema: the same tokens as without speculation, valid
     JSON, and long accepted runs (the prompt holds the answer)."""
