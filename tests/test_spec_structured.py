@@ -139,6 +139,7 @@ def test_sampled_structured_requests_stay_valid_under_rejection_sampling(checkpo
     assert_all_free(engine)
 
 
+@pytest.mark.slow  # 20 s on a quiet machine, minutes under load: the tiny-model tests above cover exactness
 def test_real_model_json_with_speculation(smollm2_dir):
     """SmolLM2 asked to repeat a JSON document under its schema: the same tokens as without speculation, valid
     JSON, and long accepted runs (the prompt holds the answer)."""
