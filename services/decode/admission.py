@@ -34,11 +34,16 @@ from shared.engine.engine_thread import EngineStopped, EngineThread
 from shared.engine.llm_engine import Reservation
 from shared.kv_transport import NatsKVTransport, TransferError
 from shared.kv_blocks import KVBlocks
+from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, GenerateRequest
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.decode")
+
+
+# A prompt whose prefill worker lost a rank is asked of the queue group once more before it is computed here.
+PREFILL_ATTEMPTS = 2
 
 
 class State(enum.Enum):
@@ -79,6 +84,10 @@ class Host(Protocol):
     def admitted(self, admission: Admission) -> None: ...
 
 
+class PrefillMoved(TransferError):
+    """The prefill worker lost a tensor-parallel rank and answered MOVE_ELSEWHERE: another may take the prompt."""
+
+
 class InvalidRequest(Exception):
     """The engine refused the request (a 400 for the client)."""
 
@@ -97,6 +106,7 @@ class Admission:
         self.transfer_id: str | None = None
         self.went_remote = False
         self.fell_back = False
+        self.prefill_moves = 0  # remote prefills asked again after their prefill worker lost a rank
         self._task: asyncio.Task | None = None
 
     # --- driving ------------------------------------------------------------------------------------
@@ -165,7 +175,20 @@ class Admission:
             self.state = State.RUNNING
 
     async def _remote_prefill(self, res: Reservation, cached: int) -> bool:
-        """True when the prompt's KV arrived and the first token was emitted; False to compute locally."""
+        """True when the prompt's KV arrived and the first token was emitted; False to compute locally.
+
+        A prefill worker that lost a tensor-parallel rank answers MOVE_ELSEWHERE at once: the prompt is asked of
+        the prefill queue group again (another worker, the failed one refuses while it drains), as a decode
+        worker's streams move; a second failure computes locally as any other does."""
+        for attempt in range(PREFILL_ATTEMPTS):
+            moved = await self._remote_prefill_once(res, cached, last=attempt == PREFILL_ATTEMPTS - 1)
+            if moved is not None:
+                return moved
+            self.prefill_moves += 1
+        return False  # pragma: no cover - the last attempt never asks to move
+
+    async def _remote_prefill_once(self, res: Reservation, cached: int, last: bool) -> bool | None:
+        """One prefill worker's attempt; None when it asked the prompt to move elsewhere (and not `last`)."""
         rid, req, host, s = self.rid, self.req, self.host, self.settings
         first_block = cached // s.block_size
         self.transfer_id = transfer_id = uuid.uuid4().hex
@@ -190,7 +213,8 @@ class Admission:
                 reply = await bus.request(host.nc, subjects.PREFILL_PREFILL, msg, timeout=deadline,
                                           expect=RemotePrefillReply)
                 if reply.error is not None or reply.first_token_id is None:
-                    raise TransferError(f"prefill worker failed: {reply.error}")
+                    error = PrefillMoved if reply.error == codes.MOVE_ELSEWHERE else TransferError
+                    raise error(f"prefill worker failed: {reply.error}")
                 await asyncio.wait_for(done, timeout=s.kv_transfer_timeout_s)
             except (bus.BusError, TransferError, asyncio.TimeoutError, asyncio.CancelledError) as e:
                 host.transport.forget(transfer_id)
@@ -198,6 +222,11 @@ class Admission:
                     done.cancel()
                 self.transfer_id = None
                 span.set_attribute("kvmesh.fallback", str(e) or type(e).__name__)
+                if isinstance(e, PrefillMoved) and not last and self.state is not State.CANCELLED:
+                    # No cancel: the failed worker's engine is gone, and a cancel of this request id could
+                    # overtake the next attempt (another subject) at the worker that takes it.
+                    log.warning("prefill worker of %s lost a rank; asking another", rid)
+                    return None
                 await bus.publish(host.nc, subjects.PREFILL_CANCEL, CancelRequest(request_id=rid, reason="fallback"))
                 if isinstance(e, asyncio.CancelledError):
                     raise

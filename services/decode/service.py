@@ -64,6 +64,7 @@ class DecodeService(EngineWorker):
         self.num_cancels = 0  # cancel messages seen (for any request)
         self.remote_prefills = 0  # prompts whose KV came from a prefill worker
         self.remote_fallbacks = 0  # remote attempts that ended in a local recompute
+        self.prefill_moves = 0  # remote prefills asked of another prefill worker after theirs lost a rank
         self.queued_local = 0  # admitted while the KV pool was full: prefilled here once blocks free up
 
     @property
@@ -151,6 +152,7 @@ class DecodeService(EngineWorker):
     def admitted(self, admission: Admission) -> None:
         self.remote_prefills += admission.went_remote and not admission.fell_back and admission.state is State.RUNNING
         self.remote_fallbacks += admission.fell_back
+        self.prefill_moves += admission.prefill_moves
         self.queued_local += admission.state is State.QUEUED
 
     # --- outputs --------------------------------------------------------------------------------
