@@ -29,7 +29,7 @@ from nats.aio.client import Client
 from opentelemetry import trace
 
 from shared import bus, subjects
-from shared.engine.commands import Abort, Commit, Enqueue, Reserve, WriteBlocks
+from shared.engine.commands import Abort, Commit, Enqueue, ExpectShards, ForgetShards, Reserve, WriteBlocks
 from shared.engine.engine_thread import EngineStopped, EngineThread
 from shared.engine.llm_engine import Reservation
 from shared.kv_transport import NatsKVTransport, TransferError
@@ -76,6 +76,7 @@ class Host(Protocol):
     nc: Client
     thread: EngineThread
     transport: NatsKVTransport
+    kv_rank_endpoints: list[str]  # a tensor-parallel worker's ranks 1..N-1 direct KV channels ([]: none)
 
     async def load_prefix(self, rid: str, res: Reservation) -> int: ...
 
@@ -104,6 +105,7 @@ class Admission:
         self.reservation: Reservation | None = None
         self.num_cached_tokens = 0
         self.transfer_id: str | None = None
+        self.by_rank = False  # the transfer in flight may arrive rank by rank (followers hold its blocks' ids)
         self.went_remote = False
         self.fell_back = False
         self.prefill_moves = 0  # remote prefills asked again after their prefill worker lost a rank
@@ -201,10 +203,14 @@ class Admission:
         endpoint = host.transport.endpoint
         token = secrets.token_bytes(16) if endpoint else b""  # only the prefill worker we ask learns it
         done = host.transport.expect(transfer_id, res.num_blocks, write, s.kv_transfer_timeout_s, token=token)
+        # Rank by rank when a prefill worker of this degree takes it: every rank learns where its shards go first.
+        self.by_rank = bool(token and host.kv_rank_endpoints) and await host.thread.run(
+            ExpectShards(rid, transfer_id, token, first_block, s.kv_transfer_timeout_s))
         msg = RemotePrefillRequest(request_id=rid, transfer_id=transfer_id, prompt_token_ids=req.prompt_token_ids,
                                    num_cached_tokens=cached, decode_worker_id=s.worker_id,
                                    num_dest_blocks=res.num_blocks - first_block, block_size=s.block_size,
-                                   sampling=req.sampling, kv_endpoint=endpoint, kv_token=token)
+                                   sampling=req.sampling, kv_endpoint=endpoint, kv_token=token,
+                                   kv_rank_endpoints=host.kv_rank_endpoints if self.by_rank else [])
         with _tracer.start_as_current_span("decode.remote_prefill", context=trace.set_span_in_context(self.span),
                                            attributes={"kvmesh.transfer_id": transfer_id}) as span:
             try:
@@ -220,6 +226,8 @@ class Admission:
                 host.transport.forget(transfer_id)
                 if not done.done():
                     done.cancel()
+                if not isinstance(e, asyncio.CancelledError):  # a cancel forgets it before its Abort
+                    await self._forget_shards()
                 self.transfer_id = None
                 span.set_attribute("kvmesh.fallback", str(e) or type(e).__name__)
                 if isinstance(e, PrefillMoved) and not last and self.state is not State.CANCELLED:
@@ -233,6 +241,7 @@ class Admission:
                 log.warning("remote prefill of %s failed (%s); computing locally", rid, e or type(e).__name__)
                 self.fell_back = True
                 return False
+        await self._forget_shards()
         self.transfer_id = None
         if self.state is State.CANCELLED:
             return True
@@ -244,6 +253,12 @@ class Admission:
         self.state = State.RUNNING
         return True
 
+    async def _forget_shards(self) -> None:
+        """The transfer's blocks stop taking shards on every rank (a no-op unless it went rank by rank)."""
+        if self.by_rank and self.transfer_id is not None:
+            self.by_rank = False
+            await self.host.thread.run(ForgetShards(self.transfer_id))
+
     # --- cancellation -------------------------------------------------------------------------------
 
     async def cancel(self, reason: str) -> None:
@@ -251,6 +266,7 @@ class Admission:
         if self.state in (State.CANCELLED, State.FAILED):
             return
         self.state = State.CANCELLED
+        await self._forget_shards()  # before the Abort frees the blocks: no rank writes into them after
         await self.host.thread.run(Abort(self.rid))
         if self.transfer_id is not None:
             self.host.transport.forget(self.transfer_id)

@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from shared import bus, subjects
 from shared.config import EngineConfig
+from shared.engine.commands import ListenKVRanks
 from shared.engine.outputs import RequestOutput
 from shared.engine.tp.launch import TPRankError
 from shared.protocol import errors as codes
@@ -48,6 +49,9 @@ class DecodeSettings:
     beat_interval_s: float = 1.0
     kv_host: str | None = None  # the direct KV channel's address (None: the one this worker reaches NATS from)
     direct_kv: bool = True  # False: prefill workers push KV over NATS only
+    # Tensor-parallel: a prefill worker of the same degree sends each rank's KV heads to the matching rank here
+    # (False: whole blocks through rank 0, gathered there and scattered here, as between different degrees).
+    rank_kv: bool = True
 
 
 class DecodeService(EngineWorker):
@@ -66,6 +70,7 @@ class DecodeService(EngineWorker):
         self.remote_fallbacks = 0  # remote attempts that ended in a local recompute
         self.prefill_moves = 0  # remote prefills asked of another prefill worker after theirs lost a rank
         self.queued_local = 0  # admitted while the KV pool was full: prefilled here once blocks free up
+        self.kv_rank_endpoints: list[str] = []  # this worker's ranks 1..N-1 direct KV channels (tensor parallel)
 
     @property
     def active(self) -> dict[str, DecodeRequest]:
@@ -84,6 +89,11 @@ class DecodeService(EngineWorker):
                                                     and not self.engine.config.host_kv_bytes)
         self.outbox = Outbox(nc, subjects.decode_events(s.worker_id))
         await self.transport.start(s.worker_id)
+        server = getattr(self.transport, "server", None)  # the direct channel (MeshKVTransport), when there is one
+        if s.rank_kv and server is not None and self.engine.config.tensor_parallel_size > 1:
+            ports = await self.thread.run(ListenKVRanks(server.host))
+            host = f"[{server.host}]" if ":" in server.host else server.host
+            self.kv_rank_endpoints = [f"tcp://{host}:{port}" for port in ports]
         self.cancel_sub = await bus.subscribe(nc, subjects.DECODE_CANCEL, self._on_cancel, CancelRequest)
         self.micro = await bus.add_micro_service(nc, subjects.SERVICE_DECODE, VERSION, [
             bus.Endpoint("generate", subjects.DECODE_GENERATE, subjects.QUEUE_DECODE, self._on_generate,
@@ -249,6 +259,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address prefill workers push KV to directly (shared memory on this host, TCP from "
                              "others); default: the address this worker reaches NATS from (env KVMESH_KV_HOST)")
     parser.add_argument("--no-direct-kv", action="store_true", help="prefill workers push KV over NATS only")
+    parser.add_argument("--no-rank-kv", action="store_true",
+                        help="tensor parallel: a prefill worker of the same degree pushes whole blocks through rank 0 "
+                             "(default: each rank's KV heads straight to the matching rank)")
 
 
 def build(args: argparse.Namespace) -> DecodeService:
@@ -257,7 +270,7 @@ def build(args: argparse.Namespace) -> DecodeService:
         worker_id=args.worker_id, remote_prefill_threshold=args.remote_prefill_threshold,
         use_kvstore=not args.no_kvstore, remote_prefill_timeout_s=args.remote_prefill_timeout,
         remote_prefill_timeout_per_token_s=args.remote_prefill_timeout_per_token,
-        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_host=args.kv_host,
+        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_host=args.kv_host, rank_kv=not args.no_rank_kv,
         # A simulated worker's placeholder KV travels over NATS: the direct channel's frames refuse it.
         direct_kv=not args.no_direct_kv and factory is None))
     service.engine_factory = factory

@@ -18,10 +18,11 @@ from opentelemetry import trace
 
 from shared import bus, subjects
 from shared.config import EngineConfig
-from shared.engine.commands import Abort, Commit, Enqueue, Reserve
+from shared.engine.commands import Abort, Commit, Enqueue, Reserve, RouteKVByRank
 from shared.engine.engine_thread import EngineStopped
 from shared.engine.outputs import RequestOutput
 from shared.engine.tp.launch import TPRankError
+from shared.engine.tp.shard_link import ShardTarget
 from shared.kv_transport import TransferError
 from shared.kv_transport.outgoing import OutgoingTransfer
 from shared.protocol import errors as codes
@@ -60,6 +61,7 @@ class PrefillService(EngineWorker):
         self.kv_pieces = 0  # blocks of a chunk pushed while the prompt's next chunk computed
         self.draining = False
         self.moved = 0  # requests answered MOVE_ELSEWHERE after a rank was lost
+        self.by_rank_pushes = 0  # KV pushes sent rank to rank (a decode worker of this tensor-parallel degree)
 
     async def start(self, nc: Client) -> None:
         await self.start_engine(nc)
@@ -118,6 +120,12 @@ class PrefillService(EngineWorker):
                     "kvmesh.request_id": rid, "kvmesh.prompt_tokens": len(req.prompt_token_ids),
                     "kvmesh.decode_cached_tokens": req.num_cached_tokens}) as span:
                 try:
+                    if req.kv_rank_endpoints and tx.direct_offered:
+                        by_rank = await self.thread.run(RouteKVByRank(rid, ShardTarget(
+                            req.transfer_id, req.kv_token, tuple(req.kv_rank_endpoints),
+                            self.settings.kv_transfer_timeout_s)))
+                        span.set_attribute("kvmesh.kv.by_rank", by_rank)
+                        self.by_rank_pushes += by_rank
                     cached = await self._admit(rid, req.prompt_token_ids, params, first_block)
                     self.beats.changed()
                     span.set_attribute("kvmesh.cached_tokens", cached)

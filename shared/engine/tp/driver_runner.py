@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from shared.engine.kv_cache import gather_blocks, write_blocks
 from shared.engine.kv_placeholder import PLACEHOLDER_MESSAGE, is_placeholder
@@ -16,7 +17,8 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.sequence import Sequence
 from shared.engine.tp.kv_heads import gather_heads, scatter_heads
 from shared.engine.tp.launch import TPWorkers
-from shared.engine.tp.step_message import KV_DTYPES, Header, Op, StepLayout
+from shared.engine.tp.shard_link import ShardSendError, ShardTarget, local_kv
+from shared.engine.tp.step_message import KV_DTYPES, Header, Op, StepLayout, pack_strings
 from shared.models.llama import LlamaFamilyForCausalLM
 from shared.models.tp.degree import kv_replicas
 
@@ -32,6 +34,11 @@ class TPDriverRunner(ModelRunner):
         self.kv_heads = model.cfg.num_kv_heads
         self.local_kv_heads = model.cache_config.num_kv_heads
         self.replicas = kv_replicas(model.cfg, self.size)
+        # Rank-to-rank transfers this rank receives: transfer id -> the blocks they fill. Only those blocks take
+        # a write of this rank's shard alone (the followers' shards come to them directly).
+        self._shard_transfers: dict[str, set[int]] = {}
+        self.shard_writes = 0  # writes of this rank's shard alone (rank-to-rank pieces received)
+        self.whole_writes = 0  # writes of whole blocks, scattered by heads
 
     # --- the KV pool ----------------------------------------------------------------------------
 
@@ -74,6 +81,8 @@ class TPDriverRunner(ModelRunner):
         ids = list(block_ids)
         layers = self.kv_caches[first_layer : first_layer + k.shape[0]]
         cache = self.kv_caches[0][0]
+        if k.dim() == 5 and k.shape[3] == self.local_kv_heads != self.kv_heads:
+            return self._write_own_shard(ids, k, v, first_layer)
         whole = (len(layers), len(ids), cache.shape[1], self.kv_heads, cache.shape[3])
         # Checked here, before any rank is told: a bad write must fail this request, not the ranks.
         if not layers or tuple(k.shape) != whole or tuple(v.shape) != whole:
@@ -81,6 +90,7 @@ class TPDriverRunner(ModelRunner):
                              f"expected {whole}")
         if k.dtype != cache.dtype and torch.float8_e4m3fn in (k.dtype, cache.dtype):
             raise ValueError(f"KV blocks in {k.dtype} cannot be written into a {cache.dtype} cache")
+        self.whole_writes += 1
         with self.workers.guard("writing KV blocks"):
             self.channel.send(Header(Op.WRITE, len(ids), (first_layer, len(layers))),
                               torch.tensor(ids, dtype=torch.int32, device=self.device))
@@ -91,6 +101,68 @@ class TPDriverRunner(ModelRunner):
                 out = torch.empty(self._local_shape(whole_t), dtype=cache.dtype, device=self.device)
                 mine.append(scatter_heads(whole_t, out, self.size, 0, group, self.replicas))
             write_blocks(self.kv_caches, ids, mine[0], mine[1], first_layer)
+
+    # --- rank-to-rank KV (shared/engine/tp/shard_link.py) -----------------------------------------
+
+    def listen_shards(self, host: str) -> list[int]:
+        """Open a KV receiver on every follower rank, on host; their ports, rank 1 first."""
+        with self.workers.guard("opening the ranks' KV receivers"):
+            words = pack_strings([host])
+            self.channel.send(Header(Op.LISTEN, words.numel()), words.to(self.device))
+            ports = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+            dist.gather(torch.zeros(1, dtype=torch.int64), ports, dst=0, group=self.channel.control)
+        return [int(p) for p in ports[1:]]
+
+    def expect_shards(self, transfer_id: str, token: bytes, block_ids: Seq[int], first_block: int,
+                      deadline_s: float) -> None:
+        """The followers accept their shards of logical blocks [first_block, ...) into block_ids, this rank its
+        own through write_blocks."""
+        ids = list(block_ids)
+        with self.workers.guard("registering a rank-to-rank transfer"):
+            words = torch.cat([torch.tensor(ids, dtype=torch.int32), pack_strings([transfer_id, token])])
+            self.channel.send(Header(Op.EXPECT, words.numel(), (len(ids), first_block, int(deadline_s * 1e3))),
+                              words.to(self.device))
+        self._shard_transfers[transfer_id] = set(ids)
+
+    def forget_shards(self, transfer_id: str) -> None:
+        """Before the transfer's blocks can be reused: the followers refuse its later frames."""
+        if self._shard_transfers.pop(transfer_id, None) is None:
+            return
+        with self.workers.guard("forgetting a rank-to-rank transfer"):
+            words = pack_strings([transfer_id])
+            self.channel.send(Header(Op.FORGET, words.numel()), words.to(self.device))
+
+    def send_shards(self, target: ShardTarget, block_ids: Seq[int], first_block: int, final: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every follower sends its shard of the blocks to its decode rank and waits for the acks; then this rank's
+        own shard (on the CPU) for the worker's usual path to decode rank 0. ShardSendError when any failed."""
+        if len(target.rank_endpoints) != self.size - 1:
+            raise ShardSendError(f"{len(target.rank_endpoints) + 1} decode ranks for {self.size} prefill ranks")
+        ids = list(block_ids)
+        with self.workers.guard("sending KV shards rank to rank"):
+            words = torch.cat([torch.tensor(ids, dtype=torch.int32),
+                               pack_strings([target.transfer_id, target.token, *target.rank_endpoints])])
+            self.channel.send(Header(Op.SEND_SHARDS, words.numel(),
+                                     (len(ids), first_block, int(final), int(target.deadline_s * 1e3))),
+                              words.to(self.device))
+            k, v = gather_blocks(self.kv_caches, ids)
+            ok = torch.ones(1, dtype=torch.int64)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.channel.control)
+        if not int(ok):
+            raise ShardSendError(f"a follower rank could not send its KV shard of {target.transfer_id}")
+        return local_kv(k), local_kv(v)
+
+    def _write_own_shard(self, ids: list[int], k: torch.Tensor, v: torch.Tensor, first_layer: int) -> None:
+        """Rank 0's shard of a rank-to-rank transfer: written here alone (each follower got its own)."""
+        expected = set().union(*self._shard_transfers.values()) if self._shard_transfers else set()
+        if not set(ids) <= expected:
+            raise ValueError(f"KV blocks with {k.shape[3]} of {self.kv_heads} KV heads for blocks no rank-to-rank "
+                             f"transfer reserved")
+        cache = self.kv_caches[0][0]
+        if tuple(k.shape[2:]) != tuple(cache.shape[1:]) or k.shape != v.shape or k.dtype != cache.dtype:
+            raise ValueError(f"KV shard {tuple(k.shape)} {k.dtype} does not fit {tuple(cache.shape)} {cache.dtype}")
+        write_blocks(self.kv_caches, ids, k.to(self.device), v.to(self.device), first_layer)
+        self.shard_writes += 1
 
     # --- a step ---------------------------------------------------------------------------------
 
