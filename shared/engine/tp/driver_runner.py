@@ -5,18 +5,20 @@ operation on its shards), and KV blocks gathered from / scattered to the ranks' 
 Decode graphs are not used: every step runs eagerly (the followers replay no graph)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from shared.engine.kv_cache import gather_blocks, write_blocks
+from shared.engine.kv_cache import allocate_kv_cache, gather_blocks, write_blocks
 from shared.engine.kv_placeholder import PLACEHOLDER_MESSAGE, is_placeholder
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sequence import Sequence
 from shared.engine.tp.kv_heads import gather_heads, scatter_heads
 from shared.engine.tp.launch import TPWorkers
+from shared.engine.tp.rank_memory import FIELDS
 from shared.engine.tp.shard_link import ShardSendError, ShardTarget, local_kv
 from shared.engine.tp.step_message import KV_DTYPES, Header, Op, StepLayout, pack_strings
 from shared.models.llama import LlamaFamilyForCausalLM
@@ -48,10 +50,26 @@ class TPDriverRunner(ModelRunner):
             super().allocate_kv_cache(num_blocks, dtype)
 
     @contextmanager
-    def temporary_kv_cache(self, num_blocks: int, dtype: torch.dtype):
-        raise NotImplementedError("the memory profile does not run under tensor parallelism: give --num-kv-blocks "
-                                  "or --kv-cache-bytes")
-        yield 0  # pragma: no cover
+    def temporary_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> Iterator[int]:
+        """The memory profile's cache on every rank (each measures its own step around it: rank_memory.py)."""
+        with self.workers.guard("swapping in the profile's KV cache"):
+            self.channel.send(Header(Op.PROFILE_KV, 0, (num_blocks, KV_DTYPES.index(dtype), 1)))
+        real = self.kv_caches
+        self.kv_caches = allocate_kv_cache(self.model.cache_config, num_blocks, self.block_size, dtype, self.device)
+        try:
+            yield sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
+        finally:
+            self.kv_caches = real
+            with self.workers.guard("swapping the KV cache back"):
+                self.channel.send(Header(Op.PROFILE_KV, 0, (0, 0, 0)))
+
+    def rank_memory(self) -> list[list[int]]:
+        """The followers' memory reports (rank_memory.RankMemory.report), rank 1 first."""
+        with self.workers.guard("gathering the ranks' memory profiles"):
+            self.channel.send(Header(Op.MEMORY))
+            parts = [torch.zeros(FIELDS, dtype=torch.int64) for _ in range(self.size)]
+            dist.gather(torch.zeros(FIELDS, dtype=torch.int64), parts, dst=0, group=self.channel.control)
+        return [p.tolist() for p in parts[1:]]
 
     def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True):
         raise NotImplementedError("decode graphs are not captured under tensor parallelism (use --enforce-eager)")

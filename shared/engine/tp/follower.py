@@ -14,6 +14,7 @@ from shared.engine.kv_cache import gather_blocks, write_blocks
 from shared.engine.model_runner import ModelRunner
 from shared.engine.tp.channel import TPChannel
 from shared.engine.tp.kv_heads import gather_heads, scatter_heads
+from shared.engine.tp.rank_memory import RankMemory
 from shared.engine.tp.shard_link import ShardLink, ShardTarget, local_kv
 from shared.engine.tp.step_message import KV_DTYPES, Op, StepLayout, unpack_strings
 from shared.kv_blocks import KVBlocks
@@ -23,8 +24,10 @@ log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def follow(runner: ModelRunner, channel: TPChannel, rank: int, size: int) -> None:
+def follow(runner: ModelRunner, channel: TPChannel, rank: int, size: int, memory: RankMemory | None = None) -> None:
     model = runner.model
+    memory = memory or RankMemory(runner.device)
+    real: list | None = None  # the real KV cache while the memory profile's temporary one is in
     kept: torch.Tensor | None = None
     replicas = kv_replicas(model.cfg, size)  # ranks holding each KV head: whole blocks take each head once
     link: ShardLink | None = None  # the data plane, opened by the first rank-to-rank op
@@ -33,14 +36,33 @@ def follow(runner: ModelRunner, channel: TPChannel, rank: int, size: int) -> Non
             header, payload = channel.receive()
             if header.op == Op.STOP:
                 return
+            if header.op == Op.PROFILE_KV:
+                real = _profile_cache(runner, memory, header.args, real)
+                continue
+            if header.op == Op.MEMORY:
+                dist.gather(memory.report(), None, dst=0, group=channel.control)
+                continue
             if header.op in (Op.LISTEN, Op.EXPECT, Op.FORGET, Op.SEND_SHARDS):
-                link = link or ShardLink(runner.kv_caches)
+                link = link or ShardLink(lambda: runner.kv_caches)
                 _rank_to_rank(link, runner, channel, rank, header.op, header.args, payload)
                 continue
             kept = _do(runner, channel, rank, size, replicas, header.op, header.args, payload, kept)
     finally:
         if link is not None:
             link.close()
+
+
+def _profile_cache(runner: ModelRunner, memory: RankMemory, args: tuple[int, ...], real: list | None) -> list | None:
+    """PROFILE_KV: swap the profile's temporary cache in (measuring from there) or the real one back; the real."""
+    if args[2]:
+        real = runner.kv_caches
+        before = memory.allocated()
+        runner.allocate_kv_cache(args[0], KV_DTYPES[args[1]])
+        memory.profile_started(sum(t.numel() * t.element_size() for layer in runner.kv_caches for t in layer), before)
+        return real
+    memory.profile_ended()
+    runner.kv_caches = real
+    return None
 
 
 def _rank_to_rank(link: ShardLink, runner: ModelRunner, channel: TPChannel, rank: int, op: Op,

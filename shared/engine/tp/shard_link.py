@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,8 +51,8 @@ class ShardSendError(RuntimeError):
 class ShardLink:
     """A follower rank's end of the data plane: a receiver (decode workers) and a sender (prefill workers)."""
 
-    def __init__(self, kv_caches: KVCaches) -> None:
-        self.kv_caches = kv_caches
+    def __init__(self, kv_caches: Callable[[], KVCaches]) -> None:
+        self.kv_caches = kv_caches  # the runner's cache when a frame lands (the runner may swap it: the profile)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="tp-shard-link", daemon=True)
         self._thread.start()
@@ -73,9 +73,10 @@ class ShardLink:
 
     def expect(self, transfer_id: str, token: bytes, block_ids: list[int], first_block: int, deadline_s: float) -> None:
         """Accept this rank's shard of logical blocks [first_block, first_block + len(block_ids)) into block_ids."""
-        cache = self.kv_caches[0][0]
 
         async def write(blocks: KVBlocks) -> None:  # on the loop thread, between frames: FORGET cannot interleave
+            caches = self.kv_caches()
+            cache = caches[0][0]
             if blocks.first_block < first_block:
                 raise ValueError(f"block {blocks.first_block} before the transfer's first {first_block}")
             if blocks.k.shape[2:] != cache.shape[1:] or blocks.k.dtype != cache.dtype:
@@ -83,7 +84,7 @@ class ShardLink:
                                  f"{tuple(cache.shape)} {cache.dtype}")
             ids = block_ids[blocks.first_block - first_block : blocks.end_block - first_block]
             with torch.inference_mode():  # the cache is an inference tensor (allocated under inference mode)
-                write_blocks(self.kv_caches, ids, blocks.k.to(cache.device), blocks.v.to(cache.device),
+                write_blocks(caches, ids, blocks.k.to(cache.device), blocks.v.to(cache.device),
                              blocks.first_layer)
 
         async def register() -> None:
