@@ -285,6 +285,7 @@ async def measure_ttft_both_tp(model: str, args: argparse.Namespace, rng: random
     from services.decode.service import DecodeService, DecodeSettings
     from services.engine_args import PREFILL_CHUNK_TOKENS
     from shared import bus, subjects
+    from shared.protocol.events import LoadBeat
     from shared.protocol.generate import GenerateRequest, TokenChunk
     from shared.sampling_params import SamplingParams
 
@@ -315,18 +316,41 @@ async def measure_ttft_both_tp(model: str, args: argparse.Namespace, rng: random
                     await asyncio.sleep(0.5)
             vocab = decode.engine.model_config.vocab_size
             params = SamplingParams(max_tokens=1, temperature=0.0)
+            # The prefill worker's beats carry its cumulative KV handout (inside its engine steps: gathering
+            # whole blocks, or the ranks sending their heads) and push wait (after the last piece until decode
+            # had every block): per request, the KV path's own seconds, which the TTFT's compute noise hides.
+            beats: list[LoadBeat] = []
+
+            async def on_beat(beat: LoadBeat, ctx) -> None:  # noqa: ANN001
+                beats.append(beat)
+
+            sub = await bus.subscribe(nc, subjects.prefill_load("p-tp"), on_beat, LoadBeat)
+            kv_s: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            pushes = 0
             for i in range(args.repeats + 1):  # the first round warms up
                 for mode in (modes if i % 2 else modes[::-1]):
                     decode.kv_rank_endpoints = by_rank if mode == "rank_to_rank" else []
                     req = GenerateRequest(request_id=uuid.uuid4().hex, sampling=params,
                                           prompt_token_ids=random_tokens(rng, args.prompt_len, vocab))
+                    before = beats[-1] if beats else None
                     t0 = time.perf_counter()
                     async with await bus.request_stream(nc, subjects.decode_generate("d-tp"), req, timeout=300,
                                                         expect=TokenChunk) as stream:
                         async for _ in stream:
                             break
+                    ttft = time.perf_counter() - t0
+                    pushes += 1
+                    for _ in range(100):  # until a beat counts this push
+                        if beats and beats[-1].kv_pushes >= pushes:
+                            break
+                        await asyncio.sleep(0.05)
+                    after = beats[-1]
                     if i:
-                        results[mode].append(time.perf_counter() - t0)
+                        results[mode].append(ttft)
+                        kv_s[mode].append({
+                            "handout_s": after.kv_handout_seconds - (before.kv_handout_seconds if before else 0.0),
+                            "push_wait_s": after.kv_push_wait_seconds - (before.kv_push_wait_seconds if before else 0.0)})
+            await sub.unsubscribe()
             writes = await decode.thread.call(lambda e: (e.runner.shard_writes, e.runner.whole_writes))
             remote, fallbacks = decode.remote_prefills, decode.remote_fallbacks
             await decode.drain(5)
@@ -336,8 +360,13 @@ async def measure_ttft_both_tp(model: str, args: argparse.Namespace, rng: random
             await prefill.wait()
     assert fallbacks == 0, f"{fallbacks} remote prefills fell back to a local prefill"
     med = {m: statistics.median(ts) for m, ts in results.items()}
+    kv_ms = {m: {k: 1e3 * statistics.median(r[k] for r in runs) for k in ("handout_s", "push_wait_s")}
+             for m, runs in kv_s.items()}
     return {"ttft_remote_via_rank0_s": med["via_rank0"], "ttft_remote_rank_to_rank_s": med["rank_to_rank"],
             "rank_to_rank_saves_ms": 1e3 * (med["via_rank0"] - med["rank_to_rank"]),
+            "kv_path_ms": {m: {"handout_ms": v["handout_s"], "push_wait_ms": v["push_wait_s"],
+                               "total_ms": v["handout_s"] + v["push_wait_s"]} for m, v in kv_ms.items()},
+            "kv_runs": kv_s,
             "prefill_chunk_tokens": chunk, "remote_prefills": remote, "decode_rank0_shard_writes": writes[0],
             "decode_rank0_whole_writes": writes[1], "runs": results}
 
@@ -356,6 +385,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"TTFT {args.prompt_len}-token prompt, remote prefill TP={args.prefill_tp} -> decode "
               f"TP={args.decode_tp}: KV via rank 0 {ttft['ttft_remote_via_rank0_s']:.3f} s, rank to rank "
               f"{ttft['ttft_remote_rank_to_rank_s']:.3f} s (saves {ttft['rank_to_rank_saves_ms']:.1f} ms)")
+        for mode, v in ttft["kv_path_ms"].items():
+            print(f"  KV path {mode:>12}: handout in the prefill engine {v['handout_ms']:.1f} ms + push wait "
+                  f"{v['push_wait_ms']:.1f} ms = {v['total_ms']:.1f} ms a request (medians)")
         write_result(args.json, result)
         return 0
     with model_dir(args) as model:

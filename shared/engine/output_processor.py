@@ -8,6 +8,7 @@ update_from_output and frees what finished; it touches no queue and no block its
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -38,6 +39,7 @@ class OutputProcessor:
         self.capture_kv: dict[str, int] = {}
         # Prefill-only requests whose KV goes rank to rank: request id -> (target, the runner's send).
         self.by_rank: dict[str, tuple[Any, SendShards]] = {}
+        self.handout_s = 0.0  # seconds spent reading (or sending rank to rank) captured KV, cumulative
 
     def route_by_rank(self, request_id: str, target: Any, send: SendShards) -> None:
         """Before the request is queued: its captured KV leaves rank by rank (each piece's follower shards sent
@@ -49,10 +51,11 @@ class OutputProcessor:
         ranks sent theirs (None when one could not: the transfer is given up, its decode worker computes it)."""
         ids = seq.block_table[first:last]
         route = self.by_rank.get(seq.request_id)
-        if route is None:
-            return KVBlocks(*self._read_blocks(ids), first_block=first)
-        target, send = route
+        t0 = time.perf_counter()
         try:
+            if route is None:
+                return KVBlocks(*self._read_blocks(ids), first_block=first)
+            target, send = route
             return KVBlocks(*send(target, ids, first, last * self.block_size >= seq.num_prompt_tokens),
                             first_block=first)
         except ShardSendError as e:
@@ -60,6 +63,8 @@ class OutputProcessor:
             self.capture_kv.pop(seq.request_id, None)
             self.by_rank.pop(seq.request_id, None)
             return None
+        finally:
+            self.handout_s += time.perf_counter() - t0
 
     def append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> str | None:
         """Record a sampled token; returns the finish reason it brings (None: the request goes on)."""
