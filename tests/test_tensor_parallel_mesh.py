@@ -140,7 +140,8 @@ def _prefill_process(nats_url: str, ckpt, tp: int, worker_id: str) -> subprocess
 def test_equal_degrees_send_kv_rank_to_rank(nats_server, checkpoints, hf_reference, rank_kv):
     """Prefill TP=2 -> decode TP=2: each prefill rank's KV heads go straight to the matching decode rank over the
     direct channel (rank 0 writes only its own shard: no whole block is scattered); --no-rank-kv keeps the
-    through-rank-0 path. Greedy tokens equal transformers' either way (a rank missing its heads would not)."""
+    through-rank-0 path. Greedy tokens equal transformers' either way (a rank missing its heads would not); a rank
+    that cannot send its heads gives the transfer up and decode computes the prompt itself."""
     from shared import bus
     from tests.nats_fixtures import wait_discoverable
 
@@ -166,6 +167,17 @@ def test_equal_degrees_send_kv_rank_to_rank(nats_server, checkpoints, hf_referen
                 writes = await decode.thread.call(lambda e: (e.runner.shard_writes, e.runner.whole_writes))
                 assert (writes[0] > 0, writes[1] == 0) == (rank_kv, rank_kv), writes
                 assert await decode.thread.call(lambda e: e.runner._shard_transfers) == {}
+                if rank_kv:
+                    # Rank 1's receiver out of reach: the prefill's follower cannot send its heads, so the whole
+                    # transfer is given up (rank 0 sends nothing either) and decode computes the prompt itself.
+                    decode.kv_rank_endpoints = ["tcp://127.0.0.1:9"]
+                    extra = random_prompts([70], seed=28)[0]
+                    tokens, _ = await generate(nc, extra, greedy(MAX_NEW, None), "r-unreachable")
+                    assert tokens == hf_reference(ckpt, extra, MAX_NEW)[0]
+                    await wait_idle(decode)
+                    assert decode.remote_fallbacks == 1
+                    assert await decode.thread.call(lambda e: e.runner.shard_writes) == writes[0]
+                    assert await decode.thread.call(lambda e: e.runner._shard_transfers) == {}
 
         asyncio.run(main())
     finally:
