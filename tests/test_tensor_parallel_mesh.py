@@ -169,14 +169,13 @@ def test_equal_degrees_send_kv_rank_to_rank(nats_server, checkpoints, hf_referen
                 assert await decode.thread.call(lambda e: e.runner._shard_transfers) == {}
                 if rank_kv:
                     # Rank 1's receiver out of reach: the prefill's follower cannot send its heads, so the whole
-                    # transfer is given up (rank 0 sends nothing either) and decode computes the prompt itself.
+                    # transfer is given up at its last piece and decode computes the prompt itself.
                     decode.kv_rank_endpoints = ["tcp://127.0.0.1:9"]
                     extra = random_prompts([70], seed=28)[0]
                     tokens, _ = await generate(nc, extra, greedy(MAX_NEW, None), "r-unreachable")
                     assert tokens == hf_reference(ckpt, extra, MAX_NEW)[0]
                     await wait_idle(decode)
-                    assert decode.remote_fallbacks == 1
-                    assert await decode.thread.call(lambda e: e.runner.shard_writes) == writes[0]
+                    assert decode.remote_fallbacks == 1  # (rank 0's earlier pieces may have landed: recomputed)
                     assert await decode.thread.call(lambda e: e.runner._shard_transfers) == {}
 
         asyncio.run(main())

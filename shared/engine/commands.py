@@ -185,5 +185,6 @@ class RouteKVByRank(Command[bool]):
         ranks = engine.tp.size if engine.tp is not None else 1
         if ranks == 1 or len(self.target.rank_endpoints) != ranks - 1:
             return False
-        engine.scheduler.outputs.route_by_rank(self.request_id, self.target, engine.runner.send_shards)
+        engine.scheduler.outputs.route_by_rank(self.request_id, self.target, engine.runner.send_shards,
+                                               engine.runner.abandon_shards)
         return True

@@ -39,12 +39,21 @@ class OutputProcessor:
         self.capture_kv: dict[str, int] = {}
         # Prefill-only requests whose KV goes rank to rank: request id -> (target, the runner's send).
         self.by_rank: dict[str, tuple[Any, SendShards]] = {}
+        self.abandon_shards: Callable[[str], None] | None = None  # the runner's, for a request aborted mid-way
         self.handout_s = 0.0  # seconds spent reading (or sending rank to rank) captured KV, cumulative
 
-    def route_by_rank(self, request_id: str, target: Any, send: SendShards) -> None:
+    def route_by_rank(self, request_id: str, target: Any, send: SendShards, abandon: Callable[[str], None]) -> None:
         """Before the request is queued: its captured KV leaves rank by rank (each piece's follower shards sent
         first; kv_blocks then hold rank 0's shard only)."""
         self.by_rank[request_id] = (target, send)
+        self.abandon_shards = abandon
+
+    def drop(self, request_id: str) -> None:
+        """An aborted request: nothing more to hand out; followers sending its pieces rank to rank let them go."""
+        self.capture_kv.pop(request_id, None)
+        route = self.by_rank.pop(request_id, None)
+        if route is not None and self.abandon_shards is not None:
+            self.abandon_shards(route[0].transfer_id)
 
     def _captured(self, seq: Sequence, first: int, last: int) -> KVBlocks | None:
         """K/V of logical blocks [first, last) of a prefill-only request: whole, or rank 0's shard after the other

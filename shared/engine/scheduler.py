@@ -174,8 +174,7 @@ class Scheduler:
         """Stop a request wherever it is (held, waiting or running) and free its blocks."""
         seq = self.requests.pop(request_id, None)
         if self.outputs is not None:  # also for one never queued (its admission failed after it was routed)
-            self.outputs.capture_kv.pop(request_id, None)
-            self.outputs.by_rank.pop(request_id, None)
+            self.outputs.drop(request_id)
         if seq is None:
             return None
         if self.held.pop(request_id, None) is not None:

@@ -150,10 +150,17 @@ class TPDriverRunner(ModelRunner):
             words = pack_strings([transfer_id])
             self.channel.send(Header(Op.FORGET, words.numel()), words.to(self.device))
 
+    def abandon_shards(self, transfer_id: str) -> None:
+        """A rank-to-rank transfer this worker sends ends before its last piece: the followers drop its state."""
+        with self.workers.guard("abandoning a rank-to-rank transfer"):
+            words = pack_strings([transfer_id])
+            self.channel.send(Header(Op.FORGET, words.numel()), words.to(self.device))
+
     def send_shards(self, target: ShardTarget, block_ids: Seq[int], first_block: int, final: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every follower sends its shard of the blocks to its decode rank and waits for the acks; then this rank's
-        own shard (on the CPU) for the worker's usual path to decode rank 0. ShardSendError when any failed."""
+        """Every follower sends its shard of the blocks to its decode rank (a last piece: after waiting for every
+        piece's acks); then this rank's own shard (on the CPU) for the worker's usual path to decode rank 0.
+        ShardSendError when any follower's piece failed (known at the last piece)."""
         if len(target.rank_endpoints) != self.size - 1:
             raise ShardSendError(f"{len(target.rank_endpoints) + 1} decode ranks for {self.size} prefill ranks")
         ids = list(block_ids)
@@ -165,7 +172,8 @@ class TPDriverRunner(ModelRunner):
                               words.to(self.device))
             k, v = gather_blocks(self.kv_caches, ids)
             ok = torch.ones(1, dtype=torch.int64)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.channel.control)
+            if final:  # the followers' every piece acked (earlier pieces went out while the prefill computed on)
+                dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.channel.control)
         if not int(ok):
             raise ShardSendError(f"a follower rank could not send its KV shard of {target.transfer_id}")
         return local_kv(k), local_kv(v)

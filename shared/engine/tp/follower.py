@@ -71,8 +71,10 @@ def _rank_to_rank(link: ShardLink, runner: ModelRunner, channel: TPChannel, rank
     if op == Op.LISTEN:
         port = link.listen(unpack_strings(payload)[0].decode())
         dist.gather(torch.tensor([port], dtype=torch.int64), None, dst=0, group=channel.control)
-    elif op == Op.FORGET:
-        link.forget(unpack_strings(payload)[0].decode())
+    elif op == Op.FORGET:  # a receiver's transfer over, or a sender's abandoned
+        tid = unpack_strings(payload)[0].decode()
+        link.forget(tid)
+        link.abandon(tid)
     elif op == Op.EXPECT:
         n, first_block, deadline_ms = args[0], args[1], args[2]
         tid, token = unpack_strings(payload[n:])
@@ -86,8 +88,9 @@ def _rank_to_rank(link: ShardLink, runner: ModelRunner, channel: TPChannel, rank
                           final)
         if error is not None:
             log.warning("rank %d could not send its KV shard of %s: %s", rank, target.transfer_id, error)
-        ok = torch.tensor([0 if error else 1], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=channel.control)
+        if final:
+            ok = torch.tensor([0 if error else 1], dtype=torch.int64)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=channel.control)
 
 
 def _do(runner: ModelRunner, channel: TPChannel, rank: int, size: int, replicas: int, op: Op, args: tuple[int, ...],

@@ -4,9 +4,10 @@ prefill worker sends its head shard of each block straight to rank r of the deco
 gathered to rank 0, pushed whole, and scattered again. Degrees that differ still go through rank 0 as whole blocks
 (re-sharded by head ranges on the receiver); tiers and the kvstore always hold whole blocks.
 
-Who knows what is done: rank 0 of the prefill worker sends its own shard of a piece only after every follower's
-shard of it was acknowledged (written into the decode rank's cache; SEND_SHARDS all-reduces the outcome), so
-when decode rank 0 has its shard of every block, every rank has. Decode followers write into blocks rank 0
+Who knows what is done: followers send the pieces of a transfer in order while the prefill computes on; at the
+last piece each waits for all its acks (written into the decode rank's cache) and SEND_SHARDS all-reduces the
+outcome, and only then does rank 0 hand out its own last piece: so when decode rank 0 has its shard of every
+block, every rank has. Decode followers write into blocks rank 0
 reserved and told them (EXPECT); rank 0 forgets the transfer on them (FORGET) before those blocks can be reused,
 and frames arriving later are refused.
 
@@ -60,6 +61,7 @@ class ShardLink:
         self.server: DirectServer | None = None
         self.sender = DirectSender()
         self._next_seq: dict[str, int] = {}  # frames sent so far of each open outgoing transfer
+        self._sending: dict[str, asyncio.Task] = {}  # its last piece going out (each piece waits for the one before)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -99,17 +101,42 @@ class ShardLink:
         self._call(go())
 
     def send(self, target: ShardTarget, endpoint: str, blocks: KVBlocks, final: bool) -> str | None:
-        """Send this rank's shard of a piece and wait for the receiver's acks; the error, if it failed."""
+        """Send this rank's shard of a piece after the transfer's earlier pieces. A piece that is not the last goes
+        out while the engine computes on (None at once); the last waits for every piece's acks and returns the
+        first error of any (None: all written at the receiver)."""
         tid = target.transfer_id
         seq = self._next_seq.pop(tid, 0)
-        try:
-            self._call(asyncio.wait_for(self.sender.send(endpoint, target.token, tid, blocks, target.deadline_s,
-                                                         first_seq=seq, final=final), target.deadline_s))
-        except (TransferError, OSError, asyncio.TimeoutError) as e:
-            return f"{type(e).__name__}: {e}"
+        earlier = self._sending.pop(tid, None)
+
+        async def piece() -> str | None:
+            error = await earlier if earlier is not None else None
+            if error is not None:
+                return error
+            try:
+                await asyncio.wait_for(self.sender.send(endpoint, target.token, tid, blocks, target.deadline_s,
+                                                        first_seq=seq, final=final), target.deadline_s)
+            except (TransferError, OSError, asyncio.TimeoutError) as e:
+                return f"{type(e).__name__}: {e}"
+            return None
+
+        async def start() -> asyncio.Task:
+            return asyncio.ensure_future(piece())
+
+        task = self._call(start())
         if not final:
+            self._sending[tid] = task
             self._next_seq[tid] = seq + self.sender.num_frames(blocks)
-        return None
+            return None
+
+        async def wait() -> str | None:
+            return await task
+
+        return self._call(wait())
+
+    def abandon(self, transfer_id: str) -> None:
+        """The request ended before its last piece (cancelled): its pieces still going out finish on their own."""
+        self._sending.pop(transfer_id, None)
+        self._next_seq.pop(transfer_id, None)
 
     def close(self) -> None:
         async def go() -> None:

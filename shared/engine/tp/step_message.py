@@ -22,7 +22,8 @@ class Op(IntEnum):
     # Rank-to-rank KV (shared/engine/tp/shard_link.py): each rank's head shard on the data plane, not via rank 0.
     LISTEN = 7  # payload: strings [host]: open this rank's KV receiver there; ports gathered to rank 0
     EXPECT = 8  # args: n_ids, first_block, deadline_ms; payload: block ids + strings [transfer id, token]
-    FORGET = 9  # payload: strings [transfer id]: refuse the transfer's later frames (before its blocks are reused)
+    FORGET = 9  # payload: strings [transfer id]: refuse the transfer's later frames (before its blocks are reused);
+    #             a sender's: drop the state of a transfer abandoned before its last piece
     PROFILE_KV = 11  # args: num_blocks, dtype code, on: swap a temporary KV cache in (1) or the real one back (0)
     MEMORY = 12  # gather this rank's memory profile (RankMemory.report) to rank 0, on the control group
     SEND_SHARDS = 10  # args: n_ids, first_block, final, deadline_ms; payload: block ids + strings
