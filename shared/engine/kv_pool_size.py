@@ -32,7 +32,7 @@ def plan_num_blocks(c: EngineConfig, runner: ModelRunner, sampler: Sampler, kv_d
     now = snapshot(c.device)
     # Growth of device memory in use that torch's allocator does not account for (cuBLAS, NCCL, ...).
     non_torch = max(start.free_bytes - now.free_bytes - torch.cuda.memory_reserved(device), 0)
-    graphs = 0 if c.enforce_eager or c.tensor_parallel_size > 1 else CUDA_GRAPH_RESERVE  # TP runs eagerly
+    graphs = 0 if c.enforce_eager else CUDA_GRAPH_RESERVE
     profiles = [MemoryProfile(start.total_bytes, start.free_bytes, weights, peak, non_torch, graphs)]
     rank_memory = getattr(runner, "rank_memory", None)  # a tensor-parallel rank 0: the followers measured too
     if rank_memory is not None:

@@ -2,7 +2,8 @@
 the model or the KV cache first broadcast to the follower ranks (shared/engine/tp/follower.py does the same
 operation on its shards), and KV blocks gathered from / scattered to the ranks' head shards.
 
-Decode graphs are not used: every step runs eagerly (the followers replay no graph)."""
+Decode graphs: every rank captures the same buckets in step (their all-reduces inside); a decode step sends the
+followers only its staged rows, and each rank replays its own graph (CPU: the same padded path eagerly)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -71,8 +72,15 @@ class TPDriverRunner(ModelRunner):
             dist.gather(torch.zeros(FIELDS, dtype=torch.int64), parts, dst=0, group=self.channel.control)
         return [p.tolist() for p in parts[1:]]
 
-    def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True):
-        raise NotImplementedError("decode graphs are not captured under tensor parallelism (use --enforce-eager)")
+    def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True,
+                          forward=None):  # noqa: ANN001
+        """Every rank builds its decode graphs and captures them in step (a bucket's forward, all-reduces and all,
+        is captured on all ranks at once); a decode step then broadcasts only the staged rows (GRAPH_STEP)."""
+        if forward is not None:
+            raise NotImplementedError("--cpu-compile does not run under tensor parallelism")
+        with self.workers.guard("capturing decode graphs"):
+            self.channel.send(Header(Op.GRAPHS, 0, (max_model_len, max_num_seqs, int(capture))))
+            return super().use_decode_graphs(max_model_len, max_num_seqs, capture)
 
     def _local_shape(self, whole: torch.Tensor) -> list[int]:
         shape = list(whole.shape)
@@ -194,7 +202,14 @@ class TPDriverRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
-        return self.execute_rows(plan, sample_rows, [])[0]
+        graphs = self.graphs
+        if graphs is None or not graphs.can_run(plan) or sample_rows != list(range(len(plan))):
+            return self.execute_rows(plan, sample_rows, [])[0]
+        bs, n, width = graphs.stage(plan)
+        payload = torch.cat([graphs.vec[:, :bs].reshape(-1), graphs.tables[:bs, :width].reshape(-1)])
+        with self.workers.guard("replaying a decode graph"):
+            self.channel.send(Header(Op.GRAPH_STEP, payload.numel(), (bs, n, width)), payload)
+            return self.model.compute_logits(graphs.replay(bs, n))
 
     @torch.inference_mode()
     def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int]

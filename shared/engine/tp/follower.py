@@ -113,6 +113,13 @@ def _do(runner: ModelRunner, channel: TPChannel, rank: int, size: int, replicas:
         n = layout.num_sample_rows
         model.compute_logits(hidden[rows[:n]])  # this rank's share of the gather; rank 0 samples
         kept = hidden[rows[n:]]
+    elif op == Op.GRAPHS:
+        runner.use_decode_graphs(args[0], args[1], capture=bool(args[2]))
+    elif op == Op.GRAPH_STEP:
+        bs, n, width = args[0], args[1], args[2]
+        rows, tables = payload[: 4 * bs].view(4, bs), payload[4 * bs : 4 * bs + bs * width].view(bs, width)
+        runner.graphs.load(bs, width, rows, tables)
+        model.compute_logits(runner.graphs.replay(bs, n))  # this rank's share of the gather; rank 0 samples
     elif op == Op.LOGITS:
         assert kept is not None
         model.compute_logits(kept[args[0] : args[1]])

@@ -26,6 +26,8 @@ class Op(IntEnum):
     #             a sender's: drop the state of a transfer abandoned before its last piece
     PROFILE_KV = 11  # args: num_blocks, dtype code, on: swap a temporary KV cache in (1) or the real one back (0)
     MEMORY = 12  # gather this rank's memory profile (RankMemory.report) to rank 0, on the control group
+    GRAPHS = 13  # args: max_model_len, max_num_seqs, capture: build (and capture, in step with rank 0) decode graphs
+    GRAPH_STEP = 14  # args: bs, n, width; payload: the staged rows [4, bs] then tables [bs, width]: replay bucket bs
     SEND_SHARDS = 10  # args: n_ids, first_block, final, deadline_ms; payload: block ids + strings
     #                   [transfer id, token, endpoint of rank 1, ...]: send this rank's heads; status all-reduced
 
