@@ -19,6 +19,9 @@ summary (DIR/summary.json holds the same):
                serve, stay within their budgets, pools as planned
   kv-transfer  `kvmesh bench kv-transfer` at the Qwen3-0.6B shape
   tiers        `kvmesh bench tiers` at the Qwen3-0.6B shape
+  tp           tensor parallelism (issue 22): `kvmesh bench offline --tensor-parallel-size N` at the Llama-3.1-8B
+               shape over every visible GPU (N = 2, 4 or 8), and the Llama-3.1-70B shape at N = 8 when there are
+               eight; skipped, saying why, with fewer than two GPUs (smoke: TP=2 on the CPU over gloo)
 
 On a machine with only torch, triton and transformers: install the mesh's wheels from
 ../shared/tools/gpu-wheels (see README, "GPU check"). `--device cpu --smoke` runs every step at tiny shapes
@@ -44,6 +47,7 @@ from pathlib import Path
 STEPS: list[tuple[str, int, int]] = [
     ("env", 60, 60), ("kernels", 120, 120), ("greedy", 120, 120), ("graphs", 90, 90), ("decode", 120, 120),
     ("offline", 240, 120), ("two-workers", 180, 120), ("kv-transfer", 90, 120), ("tiers", 90, 120),
+    ("tp", 300, 120),
 ]
 TOTAL_BUDGET = 480
 
@@ -507,10 +511,30 @@ def step_tiers(args) -> dict:
     return _bench(argv, out)
 
 
+def step_tp(args) -> dict:
+    if args.smoke:
+        argv = ["offline", "--device", args.device, "--tensor-parallel-size", "2", "--num-prompts", "4",
+                "--input-len-min", "8", "--input-len-max", "16", "--output-len-min", "4", "--output-len-max", "8",
+                "--skip-hf"]
+        return _bench(argv, Path(args.out) / "tp-offline.json")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    degree = max((n for n in (2, 4, 8) if n <= gpus), default=0)
+    if degree == 0:
+        return {"ok": True, "skipped": f"{gpus} GPU(s): tensor parallelism needs at least two"}
+    runs = {}
+    for shape in ["llama-3.1-8b"] + (["llama-3.1-70b"] if degree == 8 else []):
+        argv = ["offline", "--shape", shape, "--device", "cuda", "--tensor-parallel-size", str(degree),
+                "--skip-hf"]
+        runs[shape] = _bench(argv, Path(args.out) / f"tp-offline-{shape}.json")
+    return {"ok": all(r["ok"] for r in runs.values()), "degree": degree, "runs": runs}
+
+
 STEP_FUNCTIONS: dict[str, Callable] = {
     "env": step_env, "kernels": step_kernels, "greedy": step_greedy, "graphs": step_graphs,
     "two-workers": step_two_workers, "decode": step_decode, "offline": step_offline,
-    "kv-transfer": step_kv_transfer, "tiers": step_tiers,
+    "kv-transfer": step_kv_transfer, "tiers": step_tiers, "tp": step_tp,
 }
 
 

@@ -10,8 +10,10 @@
 
 --decode-tp / --prefill-tp: the receiving (decode) or sending (prefill) engine runs tensor-parallel, so the
 figures include gathering whole blocks from the ranks' head shards or scattering them by heads (in the TTFT
-part, the "remote" decode worker or the prefill worker). One of the two only: torch.distributed allows one TP
-engine per process. On this CPU TP is for correctness: the figures show what resharding costs, not a speed-up.
+part, the "remote" decode worker or the prefill worker). Both > 1: the prefill worker runs in its own process
+(torch.distributed allows one TP engine per process) and the TTFT of KV through rank 0 is compared with KV sent
+rank to rank (equal degrees), round by round on the same workers. On this CPU TP is for correctness: the
+figures show what resharding costs, not a speed-up.
 """
 from __future__ import annotations
 
@@ -271,13 +273,123 @@ async def measure_ttft(model: str, args: argparse.Namespace, rng: random.Random)
             "ratio_remote_over_local": med["remote"] / med["local"], "runs": results}
 
 
+async def measure_ttft_both_tp(model: str, args: argparse.Namespace, rng: random.Random) -> dict:
+    """Both workers tensor-parallel (one TP engine per process): the prefill worker runs in its own process, the
+    decode worker here. Rounds alternate, on the same two workers, a remote prefill whose KV goes through rank 0
+    (gathered whole on the prefill side, scattered by heads here: what every transfer did before) and one sent
+    rank to rank (each prefill rank's heads straight to the matching decode rank), so the difference between the
+    two TTFTs is the KV path's (the prefill compute is the same); at --prefill-chunk-tokens 0 the whole push comes
+    after the compute, with chunks most of it overlaps the next chunk."""
+    import os
+
+    from services.decode.service import DecodeService, DecodeSettings
+    from services.engine_args import PREFILL_CHUNK_TOKENS
+    from shared import bus, subjects
+    from shared.protocol.events import LoadBeat
+    from shared.protocol.generate import GenerateRequest, TokenChunk
+    from shared.sampling_params import SamplingParams
+
+    chunk = PREFILL_CHUNK_TOKENS if args.prefill_chunk_tokens is None else args.prefill_chunk_tokens
+    cfg = dataclasses.replace(_engine_config(model, args), tensor_parallel_size=args.decode_tp)
+    decode = DecodeService(cfg, DecodeSettings("d-tp", remote_prefill_threshold=0, use_kvstore=False,
+                                               remote_prefill_timeout_s=300))
+    modes = ("via_rank0", "rank_to_rank")
+    results: dict[str, list[float]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-nats-") as tmp, NatsServer(workdir=tmp) as nats:
+        threads = max(1, torch.get_num_threads() // 2)  # the two workers share the cores
+        prefill = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.prefill", "--nats-url", nats.url, "--model", model, "--dtype", "float32",
+            "--kv-cache-bytes", str(args.kv_cache_bytes), "--no-kvstore", "--worker-id", "p-tp",
+            "--long-prefill-token-threshold", str(chunk), "--tensor-parallel-size", str(args.prefill_tp),
+            "--threads", str(threads), env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        try:
+            nc = await bus.connect(nats.url)
+            torch.set_num_threads(threads)
+            await decode.start(await bus.connect(nats.url))
+            by_rank = list(decode.kv_rank_endpoints)
+            assert by_rank, "the decode worker opened no rank-to-rank receivers"
+            for _ in range(600):  # the prefill worker loads its ranks meanwhile
+                try:
+                    await nc.request(f"$SRV.PING.{subjects.SERVICE_PREFILL}", b"", timeout=0.5)
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    await asyncio.sleep(0.5)
+            vocab = decode.engine.model_config.vocab_size
+            params = SamplingParams(max_tokens=1, temperature=0.0)
+            # The prefill worker's beats carry its cumulative KV handout (inside its engine steps: gathering
+            # whole blocks, or the ranks sending their heads) and push wait (after the last piece until decode
+            # had every block): per request, the KV path's own seconds, which the TTFT's compute noise hides.
+            beats: list[LoadBeat] = []
+
+            async def on_beat(beat: LoadBeat, ctx) -> None:  # noqa: ANN001
+                beats.append(beat)
+
+            sub = await bus.subscribe(nc, subjects.prefill_load("p-tp"), on_beat, LoadBeat)
+            kv_s: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            pushes = 0
+            for i in range(args.repeats + 1):  # the first round warms up
+                for mode in (modes if i % 2 else modes[::-1]):
+                    decode.kv_rank_endpoints = by_rank if mode == "rank_to_rank" else []
+                    req = GenerateRequest(request_id=uuid.uuid4().hex, sampling=params,
+                                          prompt_token_ids=random_tokens(rng, args.prompt_len, vocab))
+                    before = beats[-1] if beats else None
+                    t0 = time.perf_counter()
+                    async with await bus.request_stream(nc, subjects.decode_generate("d-tp"), req, timeout=300,
+                                                        expect=TokenChunk) as stream:
+                        async for _ in stream:
+                            break
+                    ttft = time.perf_counter() - t0
+                    pushes += 1
+                    for _ in range(100):  # until a beat counts this push
+                        if beats and beats[-1].kv_pushes >= pushes:
+                            break
+                        await asyncio.sleep(0.05)
+                    after = beats[-1]
+                    if i:
+                        results[mode].append(ttft)
+                        kv_s[mode].append({
+                            "handout_s": after.kv_handout_seconds - (before.kv_handout_seconds if before else 0.0),
+                            "push_wait_s": after.kv_push_wait_seconds - (before.kv_push_wait_seconds if before else 0.0)})
+            await sub.unsubscribe()
+            writes = await decode.thread.call(lambda e: (e.runner.shard_writes, e.runner.whole_writes))
+            remote, fallbacks = decode.remote_prefills, decode.remote_fallbacks
+            await decode.drain(5)
+            await nc.drain()
+        finally:
+            prefill.terminate()
+            await prefill.wait()
+    assert fallbacks == 0, f"{fallbacks} remote prefills fell back to a local prefill"
+    med = {m: statistics.median(ts) for m, ts in results.items()}
+    kv_ms = {m: {k: 1e3 * statistics.median(r[k] for r in runs) for k in ("handout_s", "push_wait_s")}
+             for m, runs in kv_s.items()}
+    return {"ttft_remote_via_rank0_s": med["via_rank0"], "ttft_remote_rank_to_rank_s": med["rank_to_rank"],
+            "rank_to_rank_saves_ms": 1e3 * (med["via_rank0"] - med["rank_to_rank"]),
+            "kv_path_ms": {m: {"handout_ms": v["handout_s"], "push_wait_ms": v["push_wait_s"],
+                               "total_ms": v["handout_s"] + v["push_wait_s"]} for m, v in kv_ms.items()},
+            "kv_runs": kv_s,
+            "prefill_chunk_tokens": chunk, "remote_prefills": remote, "decode_rank0_shard_writes": writes[0],
+            "decode_rank0_whole_writes": writes[1], "runs": results}
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.decode_tp > 1 and args.prefill_tp > 1:
-        print("kvmesh bench kv-transfer: --decode-tp and --prefill-tp cannot both be > 1 (one tensor-parallel "
-              "engine per process)", file=sys.stderr)
-        return 2
     warn_if_busy()
     rng = random.Random(args.seed)
+    if args.decode_tp > 1 and args.prefill_tp > 1:
+        with model_dir(args) as model:
+            print(f"TTFT with a TP={args.prefill_tp} prefill worker (own process) and a TP={args.decode_tp} decode "
+                  "worker: KV through rank 0 vs rank to rank ...", file=sys.stderr)
+            ttft = asyncio.run(measure_ttft_both_tp(model, args, rng))
+            result = {"prompt_len": args.prompt_len, "model": read_shape(model), "ttft": ttft,
+                      "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "machine": machine_info("cpu"),
+                      "torch_threads": torch.get_num_threads()}
+        print(f"TTFT {args.prompt_len}-token prompt, remote prefill TP={args.prefill_tp} -> decode "
+              f"TP={args.decode_tp}: KV via rank 0 {ttft['ttft_remote_via_rank0_s']:.3f} s, rank to rank "
+              f"{ttft['ttft_remote_rank_to_rank_s']:.3f} s (saves {ttft['rank_to_rank_saves_ms']:.1f} ms)")
+        for mode, v in ttft["kv_path_ms"].items():
+            print(f"  KV path {mode:>12}: handout in the prefill engine {v['handout_ms']:.1f} ms + push wait "
+                  f"{v['push_wait_ms']:.1f} ms = {v['total_ms']:.1f} ms a request (medians)")
+        write_result(args.json, result)
+        return 0
     with model_dir(args) as model:
         print("KV transfer over NATS, TCP and shared memory ...", file=sys.stderr)
         transfer = asyncio.run(measure_transfer(model, args, rng))

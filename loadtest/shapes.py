@@ -45,6 +45,13 @@ SHAPES: dict[str, RealShape] = {
         intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
         rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE | {"factor": 8.0}, dtype="bfloat16",
         bos_token_id=128000, eos_token_id=128001), write_weights=False),
+    # Llama-3.1-70B: what tensor parallelism is for (141 GB of bf16 weights fit no single GPU): the GPU benchmark
+    # `kvmesh bench offline --shape llama-3.1-70b --tensor-parallel-size 4|8 --device cuda` (random weights).
+    "llama-3.1-70b": RealShape("llama-3.1-70b", "LlamaForCausalLM", dict(
+        hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE | {"factor": 8.0}, dtype="bfloat16",
+        bos_token_id=128000, eos_token_id=128001), write_weights=False),
     # Mistral-7B-v0.1: the sliding-window shape (4096) of the family.
     "mistral-7b": RealShape("mistral-7b", "MistralForCausalLM", dict(
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -92,6 +92,7 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         offloaded_blocks=offloaded, offload_dropped_blocks=offload_dropped, host_tier_hit_tokens=host_hit_tokens,
         kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes, kv_endpoint=kv_endpoint,
         kv_pushes=push.pushes, kv_push_bytes=push.bytes, kv_push_wait_seconds=push.wait_s,
+        kv_handout_seconds=stats.kv_handout_seconds,
         bus_reconnects=bus_reconnects,
         spec_num_drafts=spec.num_drafts if spec else 0, spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,

@@ -5,7 +5,11 @@ greedy tokens equal transformers'. (One TP engine per process: the other worker 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +123,62 @@ def test_kvmesh_up_prefill_tp1_decode_tp2_exact(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _prefill_process(nats_url: str, ckpt, tp: int, worker_id: str) -> subprocess.Popen:  # noqa: ANN001
+    """A prefill worker in its own process, as `kvmesh up` runs one (one TP engine per process: the decode worker
+    of the pair is tensor-parallel in this one)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.prefill", "--nats-url", nats_url, "--model", str(ckpt.path), "--dtype",
+         "float32", "--device", "cpu", "--num-kv-blocks", "128", "--no-kvstore", "--long-prefill-token-threshold",
+         "32", "--tensor-parallel-size", str(tp), "--threads", "1", "--worker-id", worker_id], env=env)
+
+
+@pytest.mark.parametrize("rank_kv", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["rank-to-rank", "via-rank0"])
+def test_equal_degrees_send_kv_rank_to_rank(nats_server, checkpoints, hf_reference, rank_kv):
+    """Prefill TP=2 -> decode TP=2: each prefill rank's KV heads go straight to the matching decode rank over the
+    direct channel (rank 0 writes only its own shard: no whole block is scattered); --no-rank-kv keeps the
+    through-rank-0 path. Greedy tokens equal transformers' either way (a rank missing its heads would not); a rank
+    that cannot send its heads gives the transfer up and decode computes the prompt itself."""
+    from shared import bus
+    from tests.nats_fixtures import wait_discoverable
+
+    ckpt = checkpoints["qwen3"]  # 2 KV heads: one per rank
+    prompts = random_prompts([40, 90, 130], seed=27)
+    decode = decode_service(ckpt, threshold=0, kvstore=False, tensor_parallel_size=2, num_kv_blocks=128,
+                            remote_timeout=60.0)
+    decode.settings.rank_kv = rank_kv
+    proc = _prefill_process(nats_server, ckpt, 2, "p-tp2")
+    try:
+        async def main():
+            nc0 = await bus.connect(nats_server)
+            await wait_discoverable(nc0, subjects.SERVICE_PREFILL, timeout=120)
+            await nc0.drain()
+            async with running(nats_server, decode) as nc:
+                assert len(decode.kv_rank_endpoints) == (1 if rank_kv else 0)
+                results = await asyncio.gather(*(generate(nc, p, greedy(MAX_NEW, None), f"r{i}")
+                                                 for i, p in enumerate(prompts)))
+                for p, (tokens, _) in zip(prompts, results):
+                    assert tokens == hf_reference(ckpt, p, MAX_NEW)[0]
+                await wait_idle(decode)
+                assert (decode.remote_prefills, decode.remote_fallbacks) == (len(prompts), 0)
+                writes = await decode.thread.call(lambda e: (e.runner.shard_writes, e.runner.whole_writes))
+                assert (writes[0] > 0, writes[1] == 0) == (rank_kv, rank_kv), writes
+                assert await decode.thread.call(lambda e: e.runner._shard_transfers) == {}
+                if rank_kv:
+                    # Rank 1's receiver out of reach: the prefill's follower cannot send its heads, so the whole
+                    # transfer is given up at its last piece and decode computes the prompt itself.
+                    decode.kv_rank_endpoints = ["tcp://127.0.0.1:9"]
+                    extra = random_prompts([70], seed=28)[0]
+                    tokens, _ = await generate(nc, extra, greedy(MAX_NEW, None), "r-unreachable")
+                    assert tokens == hf_reference(ckpt, extra, MAX_NEW)[0]
+                    await wait_idle(decode)
+                    assert decode.remote_fallbacks == 1  # (rank 0's earlier pieces may have landed: recomputed)
+                    assert await decode.thread.call(lambda e: e.runner._shard_transfers) == {}
+
+        asyncio.run(main())
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0

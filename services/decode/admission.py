@@ -29,16 +29,21 @@ from nats.aio.client import Client
 from opentelemetry import trace
 
 from shared import bus, subjects
-from shared.engine.commands import Abort, Commit, Enqueue, Reserve, WriteBlocks
+from shared.engine.commands import Abort, Commit, Enqueue, ExpectShards, ForgetShards, Reserve, WriteBlocks
 from shared.engine.engine_thread import EngineStopped, EngineThread
 from shared.engine.llm_engine import Reservation
 from shared.kv_transport import NatsKVTransport, TransferError
 from shared.kv_blocks import KVBlocks
+from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, GenerateRequest
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.decode")
+
+
+# A prompt whose prefill worker lost a rank is asked of the queue group once more before it is computed here.
+PREFILL_ATTEMPTS = 2
 
 
 class State(enum.Enum):
@@ -71,12 +76,17 @@ class Host(Protocol):
     nc: Client
     thread: EngineThread
     transport: NatsKVTransport
+    kv_rank_endpoints: list[str]  # a tensor-parallel worker's ranks 1..N-1 direct KV channels ([]: none)
 
     async def load_prefix(self, rid: str, res: Reservation) -> int: ...
 
     async def reject(self, admission: Admission, message: str) -> None: ...
 
     def admitted(self, admission: Admission) -> None: ...
+
+
+class PrefillMoved(TransferError):
+    """The prefill worker lost a tensor-parallel rank and answered MOVE_ELSEWHERE: another may take the prompt."""
 
 
 class InvalidRequest(Exception):
@@ -95,8 +105,10 @@ class Admission:
         self.reservation: Reservation | None = None
         self.num_cached_tokens = 0
         self.transfer_id: str | None = None
+        self.by_rank = False  # the transfer in flight may arrive rank by rank (followers hold its blocks' ids)
         self.went_remote = False
         self.fell_back = False
+        self.prefill_moves = 0  # remote prefills asked again after their prefill worker lost a rank
         self._task: asyncio.Task | None = None
 
     # --- driving ------------------------------------------------------------------------------------
@@ -165,7 +177,20 @@ class Admission:
             self.state = State.RUNNING
 
     async def _remote_prefill(self, res: Reservation, cached: int) -> bool:
-        """True when the prompt's KV arrived and the first token was emitted; False to compute locally."""
+        """True when the prompt's KV arrived and the first token was emitted; False to compute locally.
+
+        A prefill worker that lost a tensor-parallel rank answers MOVE_ELSEWHERE at once: the prompt is asked of
+        the prefill queue group again (another worker, the failed one refuses while it drains), as a decode
+        worker's streams move; a second failure computes locally as any other does."""
+        for attempt in range(PREFILL_ATTEMPTS):
+            moved = await self._remote_prefill_once(res, cached, last=attempt == PREFILL_ATTEMPTS - 1)
+            if moved is not None:
+                return moved
+            self.prefill_moves += 1
+        return False  # pragma: no cover - the last attempt never asks to move
+
+    async def _remote_prefill_once(self, res: Reservation, cached: int, last: bool) -> bool | None:
+        """One prefill worker's attempt; None when it asked the prompt to move elsewhere (and not `last`)."""
         rid, req, host, s = self.rid, self.req, self.host, self.settings
         first_block = cached // s.block_size
         self.transfer_id = transfer_id = uuid.uuid4().hex
@@ -178,10 +203,14 @@ class Admission:
         endpoint = host.transport.endpoint
         token = secrets.token_bytes(16) if endpoint else b""  # only the prefill worker we ask learns it
         done = host.transport.expect(transfer_id, res.num_blocks, write, s.kv_transfer_timeout_s, token=token)
+        # Rank by rank when a prefill worker of this degree takes it: every rank learns where its shards go first.
+        self.by_rank = bool(token and host.kv_rank_endpoints) and await host.thread.run(
+            ExpectShards(rid, transfer_id, token, first_block, s.kv_transfer_timeout_s))
         msg = RemotePrefillRequest(request_id=rid, transfer_id=transfer_id, prompt_token_ids=req.prompt_token_ids,
                                    num_cached_tokens=cached, decode_worker_id=s.worker_id,
                                    num_dest_blocks=res.num_blocks - first_block, block_size=s.block_size,
-                                   sampling=req.sampling, kv_endpoint=endpoint, kv_token=token)
+                                   sampling=req.sampling, kv_endpoint=endpoint, kv_token=token,
+                                   kv_rank_endpoints=host.kv_rank_endpoints if self.by_rank else [])
         with _tracer.start_as_current_span("decode.remote_prefill", context=trace.set_span_in_context(self.span),
                                            attributes={"kvmesh.transfer_id": transfer_id}) as span:
             try:
@@ -190,20 +219,29 @@ class Admission:
                 reply = await bus.request(host.nc, subjects.PREFILL_PREFILL, msg, timeout=deadline,
                                           expect=RemotePrefillReply)
                 if reply.error is not None or reply.first_token_id is None:
-                    raise TransferError(f"prefill worker failed: {reply.error}")
+                    error = PrefillMoved if reply.error == codes.MOVE_ELSEWHERE else TransferError
+                    raise error(f"prefill worker failed: {reply.error}")
                 await asyncio.wait_for(done, timeout=s.kv_transfer_timeout_s)
             except (bus.BusError, TransferError, asyncio.TimeoutError, asyncio.CancelledError) as e:
                 host.transport.forget(transfer_id)
                 if not done.done():
                     done.cancel()
+                if not isinstance(e, asyncio.CancelledError):  # a cancel forgets it before its Abort
+                    await self._forget_shards()
                 self.transfer_id = None
                 span.set_attribute("kvmesh.fallback", str(e) or type(e).__name__)
+                if isinstance(e, PrefillMoved) and not last and self.state is not State.CANCELLED:
+                    # No cancel: the failed worker's engine is gone, and a cancel of this request id could
+                    # overtake the next attempt (another subject) at the worker that takes it.
+                    log.warning("prefill worker of %s lost a rank; asking another", rid)
+                    return None
                 await bus.publish(host.nc, subjects.PREFILL_CANCEL, CancelRequest(request_id=rid, reason="fallback"))
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 log.warning("remote prefill of %s failed (%s); computing locally", rid, e or type(e).__name__)
                 self.fell_back = True
                 return False
+        await self._forget_shards()
         self.transfer_id = None
         if self.state is State.CANCELLED:
             return True
@@ -215,6 +253,12 @@ class Admission:
         self.state = State.RUNNING
         return True
 
+    async def _forget_shards(self) -> None:
+        """The transfer's blocks stop taking shards on every rank (a no-op unless it went rank by rank)."""
+        if self.by_rank and self.transfer_id is not None:
+            self.by_rank = False
+            await self.host.thread.run(ForgetShards(self.transfer_id))
+
     # --- cancellation -------------------------------------------------------------------------------
 
     async def cancel(self, reason: str) -> None:
@@ -222,6 +266,7 @@ class Admission:
         if self.state in (State.CANCELLED, State.FAILED):
             return
         self.state = State.CANCELLED
+        await self._forget_shards()  # before the Abort frees the blocks: no rank writes into them after
         await self.host.thread.run(Abort(self.rid))
         if self.transfer_id is not None:
             self.host.transport.forget(self.transfer_id)

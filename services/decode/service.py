@@ -20,6 +20,7 @@ from opentelemetry import trace
 from shared import bus, subjects
 from shared.config import EngineConfig
 from shared.engine.errors import ConfigError
+from shared.engine.commands import ListenKVRanks
 from shared.engine.outputs import RequestOutput
 from shared.engine.tp.launch import TPRankError
 from shared.protocol import errors as codes
@@ -55,6 +56,9 @@ class DecodeSettings:
     # saves 1-4% of decode steps (loadtest/results/spec_shared_suffix_cpu.json) while each worker's engine
     # thread counts every peer's outputs too.
     share_suffix_outputs: bool = False
+    # Tensor-parallel: a prefill worker of the same degree sends each rank's KV heads to the matching rank here
+    # (False: whole blocks through rank 0, gathered there and scattered here, as between different degrees).
+    rank_kv: bool = True
 
 
 class DecodeService(EngineWorker):
@@ -75,8 +79,10 @@ class DecodeService(EngineWorker):
         self.num_cancels = 0  # cancel messages seen (for any request)
         self.remote_prefills = 0  # prompts whose KV came from a prefill worker
         self.remote_fallbacks = 0  # remote attempts that ended in a local recompute
+        self.prefill_moves = 0  # remote prefills asked of another prefill worker after theirs lost a rank
         self.queued_local = 0  # admitted while the KV pool was full: prefilled here once blocks free up
         self.suffix_sharing: SuffixSharing | None = None
+        self.kv_rank_endpoints: list[str] = []  # this worker's ranks 1..N-1 direct KV channels (tensor parallel)
 
     @property
     def active(self) -> dict[str, DecodeRequest]:
@@ -98,6 +104,11 @@ class DecodeService(EngineWorker):
             self.suffix_sharing = SuffixSharing(nc, s.worker_id, self.engine.block_manager.root, self.thread)
             await self.suffix_sharing.start()
         await self.transport.start(s.worker_id)
+        server = getattr(self.transport, "server", None)  # the direct channel (MeshKVTransport), when there is one
+        if s.rank_kv and server is not None and self.engine.config.tensor_parallel_size > 1:
+            ports = await self.thread.run(ListenKVRanks(server.host))
+            host = f"[{server.host}]" if ":" in server.host else server.host
+            self.kv_rank_endpoints = [f"tcp://{host}:{port}" for port in ports]
         self.cancel_sub = await bus.subscribe(nc, subjects.DECODE_CANCEL, self._on_cancel, CancelRequest)
         self.micro = await bus.add_micro_service(nc, subjects.SERVICE_DECODE, VERSION, [
             bus.Endpoint("generate", subjects.DECODE_GENERATE, subjects.QUEUE_DECODE, self._on_generate,
@@ -168,6 +179,7 @@ class DecodeService(EngineWorker):
     def admitted(self, admission: Admission) -> None:
         self.remote_prefills += admission.went_remote and not admission.fell_back and admission.state is State.RUNNING
         self.remote_fallbacks += admission.fell_back
+        self.prefill_moves += admission.prefill_moves
         self.queued_local += admission.state is State.QUEUED
 
     # --- outputs --------------------------------------------------------------------------------
@@ -272,6 +284,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("KVMESH_SHARE_SUFFIX_OUTPUTS", "") == "1",
                         help="suffix speculation: publish finished outputs to the other decode workers' suffix "
                              "tables and learn theirs (env KVMESH_SHARE_SUFFIX_OUTPUTS=1)")
+    parser.add_argument("--no-rank-kv", action="store_true",
+                        help="tensor parallel: a prefill worker of the same degree pushes whole blocks through rank 0 "
+                             "(default: each rank's KV heads straight to the matching rank)")
 
 
 def build(args: argparse.Namespace) -> DecodeService:
@@ -280,7 +295,7 @@ def build(args: argparse.Namespace) -> DecodeService:
         worker_id=args.worker_id, remote_prefill_threshold=args.remote_prefill_threshold,
         use_kvstore=not args.no_kvstore, remote_prefill_timeout_s=args.remote_prefill_timeout,
         remote_prefill_timeout_per_token_s=args.remote_prefill_timeout_per_token,
-        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_host=args.kv_host,
+        kv_transfer_timeout_s=args.kv_transfer_timeout, kv_host=args.kv_host, rank_kv=not args.no_rank_kv,
         share_suffix_outputs=args.share_suffix_outputs,
         # A simulated worker's placeholder KV travels over NATS: the direct channel's frames refuse it.
         direct_kv=not args.no_direct_kv and factory is None))

@@ -18,8 +18,11 @@ from opentelemetry import trace
 
 from shared import bus, subjects
 from shared.config import EngineConfig
-from shared.engine.commands import Abort, Commit, Enqueue, Reserve
+from shared.engine.commands import Abort, Commit, Enqueue, Reserve, RouteKVByRank
+from shared.engine.engine_thread import EngineStopped
 from shared.engine.outputs import RequestOutput
+from shared.engine.tp.launch import TPRankError
+from shared.engine.tp.shard_link import ShardTarget
 from shared.kv_transport import TransferError
 from shared.kv_transport.outgoing import OutgoingTransfer
 from shared.protocol import errors as codes
@@ -42,6 +45,10 @@ class PrefillSettings:
     kv_transfer_timeout_s: float = 30.0
 
 
+class _RankLost(Exception):
+    """A pending request's engine lost a tensor-parallel rank (set on its future by on_engine_crash)."""
+
+
 class PrefillService(EngineWorker):
     name = "prefill"
     role = "prefill"
@@ -53,6 +60,8 @@ class PrefillService(EngineWorker):
         self.outgoing: dict[str, OutgoingTransfer] = {}  # each request's KV push, open while it computes
         self.kv_pieces = 0  # blocks of a chunk pushed while the prompt's next chunk computed
         self.draining = False
+        self.moved = 0  # requests answered MOVE_ELSEWHERE after a rank was lost
+        self.by_rank_pushes = 0  # KV pushes sent rank to rank (a decode worker of this tensor-parallel degree)
 
     async def start(self, nc: Client) -> None:
         await self.start_engine(nc)
@@ -110,10 +119,22 @@ class PrefillService(EngineWorker):
             with _tracer.start_as_current_span("prefill.compute", attributes={
                     "kvmesh.request_id": rid, "kvmesh.prompt_tokens": len(req.prompt_token_ids),
                     "kvmesh.decode_cached_tokens": req.num_cached_tokens}) as span:
-                cached = await self._admit(rid, req.prompt_token_ids, params, first_block)
-                self.beats.changed()
-                span.set_attribute("kvmesh.cached_tokens", cached)
-                out: RequestOutput = await fut
+                try:
+                    if req.kv_rank_endpoints and tx.direct_offered:
+                        by_rank = await self.thread.run(RouteKVByRank(rid, ShardTarget(
+                            req.transfer_id, req.kv_token, tuple(req.kv_rank_endpoints),
+                            self.settings.kv_transfer_timeout_s)))
+                        span.set_attribute("kvmesh.kv.by_rank", by_rank)
+                        self.by_rank_pushes += by_rank
+                    cached = await self._admit(rid, req.prompt_token_ids, params, first_block)
+                    self.beats.changed()
+                    span.set_attribute("kvmesh.cached_tokens", cached)
+                    out: RequestOutput = await fut
+                except (_RankLost, EngineStopped):
+                    if not isinstance(self.thread.error, TPRankError):
+                        raise
+                    self.moved += 1
+                    return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error=codes.MOVE_ELSEWHERE)
                 span.set_attribute("kvmesh.kv.pieces", tx.pieces + 1)
             if out.finish_reason == "abort" or out.kv_blocks is None:
                 return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error="cancelled")
@@ -159,8 +180,20 @@ class PrefillService(EngineWorker):
 
     async def on_engine_crash(self) -> None:
         self.draining = True
+        # A lost tensor-parallel rank is this worker failing, not its requests: each is answered MOVE_ELSEWHERE
+        # at once and its decode worker asks another prefill worker (services/decode/admission.py), as a decode
+        # worker's streams move; the worker then exits non-zero for its supervisor. Any other engine error may
+        # be a request's doing: those are only cancelled (their decode workers compute them after the timeout).
+        lost_rank = isinstance(self.thread.error, TPRankError)
+        if lost_rank:
+            log.error("prefill worker lost a tensor-parallel rank; moving %d request(s) to other workers",
+                      len(self.pending))
         for fut in self.pending.values():
-            if not fut.done():
+            if fut.done():
+                continue
+            if lost_rank:
+                fut.set_exception(_RankLost())
+            else:
                 fut.cancel()
 
     async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:

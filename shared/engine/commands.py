@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.offload import BlockStore, OffloadBatch
 from shared.engine.outputs import RequestOutput, TokenLogprobs
+from shared.engine.tp.shard_link import ShardTarget
 from shared.kv_blocks import KVBlocks
 from shared.sampling_params import SamplingParams
 
@@ -141,3 +142,63 @@ class LearnOutputs(Command[int]):
         if spec is None:
             return 0
         return sum(spec.learn_output(salt, list(tokens)) for salt, tokens in self.outputs)
+
+
+# --- rank-to-rank KV between tensor-parallel workers of one degree (shared/engine/tp/shard_link.py) ---------
+
+
+@dataclass(frozen=True)
+class ListenKVRanks(Command[list[int]]):
+    """Open a KV receiver on each follower rank, on host: their ports, rank 1 first ([] for one process)."""
+
+    host: str
+
+    def run(self, engine: LLMEngine) -> list[int]:
+        return engine.runner.listen_shards(self.host) if engine.tp is not None else []
+
+
+@dataclass(frozen=True)
+class ExpectShards(Command[bool]):
+    """A held request's logical blocks from first_block on may arrive rank by rank for this transfer."""
+
+    request_id: str
+    transfer_id: str
+    token: bytes
+    first_block: int
+    deadline_s: float
+
+    def run(self, engine: LLMEngine) -> bool:
+        if not engine.is_held(self.request_id) or engine.tp is None:
+            return False
+        ids = engine.scheduler.held[self.request_id].block_table[self.first_block:]
+        engine.runner.expect_shards(self.transfer_id, self.token, ids, self.first_block, self.deadline_s)
+        return True
+
+
+@dataclass(frozen=True)
+class ForgetShards(Command[None]):
+    """The transfer is over (done, failed or cancelled): its late frames are refused on every rank. Run before
+    its blocks can be reused (an Abort, or a local recompute)."""
+
+    transfer_id: str
+
+    def run(self, engine: LLMEngine) -> None:
+        if engine.tp is not None:
+            engine.runner.forget_shards(self.transfer_id)
+
+
+@dataclass(frozen=True)
+class RouteKVByRank(Command[bool]):
+    """Before a prefill-only request is queued: its KV leaves rank by rank for `target` (a ShardTarget) when the
+    receiver has as many ranks as this engine; False (whole blocks) otherwise."""
+
+    request_id: str
+    target: ShardTarget
+
+    def run(self, engine: LLMEngine) -> bool:
+        ranks = engine.tp.size if engine.tp is not None else 1
+        if ranks == 1 or len(self.target.rank_endpoints) != ranks - 1:
+            return False
+        engine.scheduler.outputs.route_by_rank(self.request_id, self.target, engine.runner.send_shards,
+                                               engine.runner.abandon_shards)
+        return True

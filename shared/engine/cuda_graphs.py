@@ -121,6 +121,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, plan: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Hidden states [len(plan), hidden] of a decode-only step."""
+        bs, n, _ = self.stage(plan)
+        return self.replay(bs, n)
+
+    def stage(self, plan: list[tuple[Sequence, int]]) -> tuple[int, int, int]:
+        """The step's rows into the static buffers (self.vec, self.tables[:bs, :width]); (bs, n, width)."""
         n = len(plan)
         bs = self.bucket(n)
         bsz = self.block_size
@@ -148,6 +153,17 @@ class DecodeGraphs:
             self.stream.copy(self.vec, vec)
             self.stream.copy(self.tables[:bs, :width], host_t.view(bs, width))
             self.staging.sent()
+        return bs, n, width
+
+    def load(self, bs: int, width: int, vec: torch.Tensor, tables: torch.Tensor) -> None:
+        """A tensor-parallel follower: rank 0's staged rows ([4, bs] and [bs, width], on the device) into the
+        static buffers its own graphs read."""
+        self.vec[:, :bs].copy_(vec)
+        self.tables[:bs, :width].copy_(tables)
+
+    @torch.inference_mode()
+    def replay(self, bs: int, n: int) -> torch.Tensor:
+        """The staged step of bucket bs: its first n rows (the graph, or the same forward eagerly)."""
         graph = self.graphs.get(bs)
         if graph is None:
             return self._forward(bs)[:n]

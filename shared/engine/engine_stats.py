@@ -21,6 +21,7 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found (cumulative)
     iteration_tokens: CumulativeHistogram | None = None  # tokens computed per step (cumulative)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters (None: the engine does not speculate)
+    kv_handout_seconds: float = 0.0  # handing prefill-only requests' KV out (OutputProcessor.handout_s, cumulative)
 
 
 def engine_stats(scheduler: Scheduler, bm: BlockManager, iteration_tokens: CumulativeHistogram,
@@ -40,4 +41,5 @@ def engine_stats(scheduler: Scheduler, bm: BlockManager, iteration_tokens: Cumul
         spec_decode=None if spec is None else SpecDecodeStats(spec.num_drafts, spec.num_draft_tokens,
                                                               spec.num_accepted_tokens,
                                                               list(spec.num_accepted_tokens_per_pos)),
+        kv_handout_seconds=scheduler.outputs.handout_s if scheduler.outputs is not None else 0.0,
     )

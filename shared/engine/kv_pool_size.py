@@ -8,7 +8,9 @@ import torch
 
 from shared.config import EngineConfig
 from shared.engine.kv_cache import bytes_per_block, num_blocks_for
+from shared.engine.errors import MemoryBudgetError
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, DeviceSnapshot, MemoryProfile, plan_kv_pool, snapshot
+from shared.engine.tp.rank_memory import profile_of
 from shared.engine.model_runner import ModelRunner
 from shared.engine.profile_run import profile_run
 from shared.engine.sampler import Sampler
@@ -30,9 +32,26 @@ def plan_num_blocks(c: EngineConfig, runner: ModelRunner, sampler: Sampler, kv_d
     now = snapshot(c.device)
     # Growth of device memory in use that torch's allocator does not account for (cuBLAS, NCCL, ...).
     non_torch = max(start.free_bytes - now.free_bytes - torch.cuda.memory_reserved(device), 0)
-    profile = MemoryProfile(start.total_bytes, start.free_bytes, weights, peak, non_torch,
-                            0 if c.enforce_eager else CUDA_GRAPH_RESERVE)
-    plan = plan_kv_pool(profile, c.gpu_memory_utilization, bytes_per_block(mc, c.block_size, kv_dtype),
-                        -(-max_model_len // c.block_size))
-    log.info("memory: %s", plan.describe(profile))
-    return plan.num_blocks
+    graphs = 0 if c.enforce_eager else CUDA_GRAPH_RESERVE
+    profiles = [MemoryProfile(start.total_bytes, start.free_bytes, weights, peak, non_torch, graphs)]
+    rank_memory = getattr(runner, "rank_memory", None)  # a tensor-parallel rank 0: the followers measured too
+    if rank_memory is not None:
+        profiles += [profile_of(report, graphs) for report in rank_memory()]
+    # A rank's blocks hold its KV heads only (runner.model.cache_config): each rank's pool is planned on its own
+    # GPU, and the worker's is the smallest (block tables are the same on every rank).
+    return plan_rank_pools(profiles, c.gpu_memory_utilization,
+                           bytes_per_block(runner.model.cache_config, c.block_size, kv_dtype),
+                           -(-max_model_len // c.block_size))
+
+
+def plan_rank_pools(profiles: list[MemoryProfile], utilization: float, bytes_per_block: int, min_blocks: int) -> int:
+    """KV blocks every rank's budget holds: the plan of the neediest rank (MemoryBudgetError names the rank that
+    cannot hold one full-length request); one profile for a single-device engine."""
+    plans = []
+    for rank, profile in enumerate(profiles):
+        try:
+            plans.append(plan_kv_pool(profile, utilization, bytes_per_block, min_blocks))
+        except MemoryBudgetError as e:
+            raise (MemoryBudgetError(f"tensor-parallel rank {rank}: {e}") if len(profiles) > 1 else e) from None
+        log.info("memory%s: %s", f" (rank {rank})" if len(profiles) > 1 else "", plans[-1].describe(profile))
+    return min(p.num_blocks for p in plans)

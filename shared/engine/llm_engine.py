@@ -73,7 +73,7 @@ class LLMEngine:
         self.num_blocks = plan_num_blocks(c, self.runner, self.sampler, self.kv_dtype, self.max_model_len, start)
         self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
-        if c.device.startswith("cuda") and not c.enforce_eager and self.tp is None:
+        if c.device.startswith("cuda") and not c.enforce_eager:
             self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
         # (bucket, seconds of its first step) of the CPU decode graphs compiled at start; [] when eager.
         self.cpu_compile_seconds = compile_cpu_decode(self.runner, self.model, c, self.dtype, self.max_model_len)

@@ -7,16 +7,25 @@ update_from_output and frees what finished; it touches no queue and no block its
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.kv_blocks import KVBlocks
 from shared.engine.sequence import Sequence
+from shared.engine.tp.shard_link import ShardSendError
 
 ReadBlocks = Callable[[Seq[int]], tuple[torch.Tensor, torch.Tensor]]
+# Rank-to-rank (shared/engine/tp/shard_link.py): (target, block ids, first logical block, final) -> rank 0's shard,
+# after every other rank sent its own; raises when one could not.
+SendShards = Callable[[Any, Seq[int], int, bool], tuple[torch.Tensor, torch.Tensor]]
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -28,6 +37,43 @@ class OutputProcessor:
         self._read_blocks = read_blocks
         # Prefill-only requests: request id -> the first logical block whose KV has not been handed out yet.
         self.capture_kv: dict[str, int] = {}
+        # Prefill-only requests whose KV goes rank to rank: request id -> (target, the runner's send).
+        self.by_rank: dict[str, tuple[Any, SendShards]] = {}
+        self.abandon_shards: Callable[[str], None] | None = None  # the runner's, for a request aborted mid-way
+        self.handout_s = 0.0  # seconds spent reading (or sending rank to rank) captured KV, cumulative
+
+    def route_by_rank(self, request_id: str, target: Any, send: SendShards, abandon: Callable[[str], None]) -> None:
+        """Before the request is queued: its captured KV leaves rank by rank (each piece's follower shards sent
+        first; kv_blocks then hold rank 0's shard only)."""
+        self.by_rank[request_id] = (target, send)
+        self.abandon_shards = abandon
+
+    def drop(self, request_id: str) -> None:
+        """An aborted request: nothing more to hand out; followers sending its pieces rank to rank let them go."""
+        self.capture_kv.pop(request_id, None)
+        route = self.by_rank.pop(request_id, None)
+        if route is not None and self.abandon_shards is not None:
+            self.abandon_shards(route[0].transfer_id)
+
+    def _captured(self, seq: Sequence, first: int, last: int) -> KVBlocks | None:
+        """K/V of logical blocks [first, last) of a prefill-only request: whole, or rank 0's shard after the other
+        ranks sent theirs (None when one could not: the transfer is given up, its decode worker computes it)."""
+        ids = seq.block_table[first:last]
+        route = self.by_rank.get(seq.request_id)
+        t0 = time.perf_counter()
+        try:
+            if route is None:
+                return KVBlocks(*self._read_blocks(ids), first_block=first)
+            target, send = route
+            return KVBlocks(*send(target, ids, first, last * self.block_size >= seq.num_prompt_tokens),
+                            first_block=first)
+        except ShardSendError as e:
+            log.warning("rank-to-rank KV of %s failed: %s", seq.request_id, e)
+            self.capture_kv.pop(seq.request_id, None)
+            self.by_rank.pop(seq.request_id, None)
+            return None
+        finally:
+            self.handout_s += time.perf_counter() - t0
 
     def append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> str | None:
         """Record a sampled token; returns the finish reason it brings (None: the request goes on)."""
@@ -56,11 +102,14 @@ class OutputProcessor:
 
     def take_prompt_kv(self, seq: Sequence) -> KVBlocks | None:
         """A finishing prefill-only request's prompt KV not yet handed out (read before its blocks are freed)."""
-        first = self.capture_kv.pop(seq.request_id, None)
+        first = self.capture_kv.get(seq.request_id)
         if first is None:
             return None
         last = -(-seq.num_prompt_tokens // self.block_size)
-        return KVBlocks(*self._read_blocks(seq.block_table[first:last]), first_block=first)
+        kv = self._captured(seq, first, last)
+        self.capture_kv.pop(seq.request_id, None)
+        self.by_rank.pop(seq.request_id, None)
+        return kv
 
     def captured_pieces(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """For prefill-only requests still computing their prompt: the K/V of the blocks this step
@@ -74,8 +123,11 @@ class OutputProcessor:
             done = seq.num_computed_tokens // self.block_size
             if done <= start:
                 continue
+            kv = self._captured(seq, start, done)
+            if kv is None:
+                continue
             out = self.output(seq, [])
-            out.kv_blocks = KVBlocks(*self._read_blocks(seq.block_table[start:done]), first_block=start)
+            out.kv_blocks = kv
             self.capture_kv[seq.request_id] = done
             pieces.append(out)
         return pieces

@@ -81,7 +81,7 @@ def profile_run(runner: ModelRunner, sampler: Sampler, kv_dtype: torch.dtype, ma
             if memory is not None:
                 memory.reset_peak()
             logits, hidden = runner.execute_rows(plan, rows, [r for r, _, _ in prompt_rows])
-            record_prompt_logprobs(runner.model.compute_logits, hidden, prompt_rows)
+            record_prompt_logprobs(runner.prompt_logits, hidden, prompt_rows)  # TP: every rank's head runs
             del hidden
             sampler.sample(logits, samplers)
             if memory is None:

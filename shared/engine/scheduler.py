@@ -173,13 +173,13 @@ class Scheduler:
     def abort(self, request_id: str) -> Sequence | None:
         """Stop a request wherever it is (held, waiting or running) and free its blocks."""
         seq = self.requests.pop(request_id, None)
+        if self.outputs is not None:  # also for one never queued (its admission failed after it was routed)
+            self.outputs.drop(request_id)
         if seq is None:
             return None
         if self.held.pop(request_id, None) is not None:
             self.bm.free_blocks(seq)
         self.finish(seq)
-        if self.outputs is not None:
-            self.outputs.capture_kv.pop(request_id, None)
         seq.finish_reason = "abort"
         seq.finished_time = time.time()
         return seq

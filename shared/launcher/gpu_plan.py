@@ -31,6 +31,9 @@ NON_TORCH_BYTES = 1 * GIB
 # Rows of full-vocabulary float32 logits a step may hold beside its activations: the sampled rows (up to
 # max_num_seqs) and a prompt-logprobs slice (shared/engine/prompt_logprobs.py), each twice (logits, softmax).
 PROMPT_LOGPROB_ROWS = 256
+# A tensor-parallel rank's NCCL communicators and buffers, outside torch's allocator: an estimate (a few hundred
+# MiB per communicator with NCCL's defaults), not measured here (no multi-GPU machine); rounded up.
+NCCL_BYTES = 1 * GIB
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class WorkerNeeds:
     activations: int
     overhead: int  # non-torch memory + the CUDA graphs' reserve
     kv_per_token: int
+    num_kv_heads: int = 0  # the model's (0: unknown, the KV then divides by the degree)
 
     @property
     def fixed(self) -> int:
@@ -62,6 +66,17 @@ class WorkerNeeds:
 
     def total(self, tokens: int) -> int:
         return self.fixed + self.kv_per_token * tokens
+
+    def per_rank(self, tp: int) -> WorkerNeeds:
+        """What the neediest rank of a worker of degree tp holds on its GPU: 1/tp of the weights (the vocabulary
+        too is split), its KV heads (replicated when the degree exceeds them), NCCL beside the runtime; the
+        activations stay whole (hidden-size rows are not split, and rank 0 gathers every row's full logits)."""
+        if tp == 1:
+            return self
+        heads = self.num_kv_heads or tp
+        local_heads = max(heads // tp, 1)
+        return WorkerNeeds(-(-self.weights // tp), self.activations, self.overhead + NCCL_BYTES,
+                           self.kv_per_token * local_heads // heads, self.num_kv_heads)
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -88,16 +103,19 @@ def worker_needs(cfg: ModelConfig, dtype: str, kv_cache_dtype: str, max_num_batc
         activations=t * per_token * elem + logits,
         overhead=NON_TORCH_BYTES + CUDA_GRAPH_RESERVE,
         kv_per_token=2 * cfg.num_layers * cfg.kv_size * kv_elem,
+        num_kv_heads=cfg.num_kv_heads,
     )
 
 
 @dataclass(frozen=True)
 class WorkerPlan:
     name: str
-    device: str
+    device: str  # its GPUs, comma-separated (one per rank)
     share: float
-    budget: int
-    need: int
+    budget: int  # per rank: its share of the smallest of its GPUs
+    need: int  # per rank: the neediest rank's (WorkerNeeds.per_rank)
+    tp: int = 1
+    rank_needs: WorkerNeeds | None = None
 
     @property
     def fits(self) -> bool:
@@ -122,10 +140,13 @@ class GpuPlan:
         rows = [f"GPU plan: {self.decode} decode + {self.prefill} prefill worker(s), max_model_len {self.max_model_len}; "
                 f"each needs weights {_gib(n.weights)} + activations {_gib(n.activations)} + runtime "
                 f"{_gib(n.overhead)} + KV {_gib(n.kv_per_token * self.max_model_len)} "
-                f"({n.kv_per_token // 1024} KiB/token)",
-                f"{'worker':<12}{'GPU':>5}{'share':>7}{'budget':>12}{'needs':>12}  fits"]
+                f"({n.kv_per_token // 1024} KiB/token)"]
+        if any(w.tp > 1 for w in self.workers):
+            rows.append("tensor-parallel workers: budget and needs are per rank (each rank on its own GPU; weights "
+                        "and KV heads split, activations whole, NCCL estimated)")
+        rows.append(f"{'worker':<12}{'GPU':>7}{'tp':>4}{'share':>7}{'budget':>12}{'needs':>12}  fits")
         for w in self.workers:
-            rows.append(f"{w.name:<12}{w.device:>5}{w.share:>7.2f}{_gib(w.budget):>12}{_gib(w.need):>12}  "
+            rows.append(f"{w.name:<12}{w.device:>7}{w.tp:>4}{w.share:>7.2f}{_gib(w.budget):>12}{_gib(w.need):>12}  "
                         + ("yes" if w.fits else "NO"))
         rows += [f"changed: {c}" for c in self.changes]
         return "\n".join(rows)
@@ -141,17 +162,25 @@ class PlanError(ValueError):
 
 def evaluate(opts: MeshOptions, gpu_bytes: dict[str, int], needs: WorkerNeeds, max_model_len: int,
              changes: tuple[str, ...] = ()) -> GpuPlan:
-    workers = tuple(WorkerPlan(name, p.device, p.gpu_memory_utilization, int(gpu_bytes[p.device] * p.gpu_memory_utilization),
-                               needs.total(max_model_len))
-                    for name, p in placement(opts).items())
+    workers = []
+    for name, p in placement(opts).items():
+        tp = opts.tp(name.split("-")[0])
+        rank = needs.per_rank(tp)
+        workers.append(WorkerPlan(name, p.device, p.gpu_memory_utilization,
+                                  int(min(gpu_bytes[d] for d in p.devices) * p.gpu_memory_utilization),
+                                  rank.total(max_model_len), tp, rank))
+    workers = tuple(workers)
     return GpuPlan(opts.prefill, opts.decode, max_model_len, workers, changes, needs)
 
 
 def _longest_that_fits(plan: GpuPlan, block_size: int) -> int:
     # A shortened context leaves HEADROOM of the budget unplanned: the estimate is not the worker's measured
     # profile, and a context cut to the last byte would turn a small underestimate into an exit 78 at start.
-    room = int(min(w.budget for w in plan.workers) * (1 - HEADROOM)) - plan.needs.fixed
-    tokens = max(room, 0) // plan.needs.kv_per_token
+    def fits(w: WorkerPlan) -> int:
+        n = w.rank_needs or plan.needs
+        return max(int(w.budget * (1 - HEADROOM)) - n.fixed, 0) // n.kv_per_token
+
+    tokens = min(fits(w) for w in plan.workers)
     step = max(block_size, 256)
     return tokens // step * step
 
@@ -160,7 +189,7 @@ def plan_mesh(opts: MeshOptions, gpu_bytes: dict[str, int], needs: WorkerNeeds, 
               block_size: int = 16, layout_given: bool = False) -> GpuPlan:
     """The layout to start: the one asked for if it fits, else the closest that does (reasons in .changes), else
     PlanError. layout_given: --prefill/--decode were set by the user (keep them; only the context may shrink)."""
-    missing = [d for d in opts.devices if d not in gpu_bytes]
+    missing = [d for d in opts.devices if d not in gpu_bytes]  # (a worker's ranks use only these)
     if missing:
         raise PlanError(f"no memory size for GPU(s) {', '.join(missing)}: give --gpu-memory SIZE (or DEVICE=SIZE)")
     max_len = opts.max_model_len or model_max_len

@@ -85,11 +85,20 @@ class MeshOptions:
         assert self.sim_workers_per_process == 1 or self.engine == "sim", \
             "--sim-workers-per-process is for simulated workers (--engine sim) only"
         assert self.decode_tp >= 1 and self.prefill_tp >= 1, "--decode-tp and --prefill-tp must be >= 1"
-        assert not (self.devices and max(self.decode_tp, self.prefill_tp) > 1), \
-            "tensor parallelism on GPUs is not planned by kvmesh up yet (--decode-tp/--prefill-tp run on CPU)"
+        for role in ("decode", "prefill"):  # a worker's ranks each need their own GPU (NCCL: one rank per GPU)
+            tp = self.tp(role)
+            assert not (self.devices and self.replicas(role) and tp > len(self.devices)), (
+                f"--{role}-tp {tp} needs {tp} GPUs, one per rank, but --devices gives {len(self.devices)} "
+                f"({','.join(self.devices)}): add GPUs to --devices or lower --{role}-tp")
+        assert not (self.engine == "sim" and max(self.decode_tp, self.prefill_tp) > 1), \
+            "--engine sim runs no model: --decode-tp/--prefill-tp do not apply"
 
     def replicas(self, service: str) -> int:
         return 1 if service == "gateway" else int(getattr(self, service))
+
+    def tp(self, role: str) -> int:
+        """Tensor-parallel degree of an engine role's workers (ranks, and GPUs, per worker)."""
+        return self.decode_tp if role == "decode" else self.prefill_tp
 
 
 # A decode worker holds every running request's KV for its whole life and batches far more requests
@@ -100,27 +109,43 @@ PLACEMENT_WEIGHT = {"decode": 2.0, "prefill": 1.0}
 
 @dataclass(frozen=True)
 class Placement:
-    device: str  # CUDA_VISIBLE_DEVICES for the worker process
-    gpu_memory_utilization: float  # its share of that GPU's total memory
+    devices: tuple[str, ...]  # the worker's GPUs, rank r on devices[r] (one, without tensor parallelism)
+    gpu_memory_utilization: float  # its share of each of those GPUs' total memory (the smallest any rank has)
+
+    @property
+    def device(self) -> str:
+        """CUDA_VISIBLE_DEVICES for the worker process: its ranks see their GPUs as cuda:0, cuda:1, ... in order
+        (shared/engine/tp/launch.rank_device), so each rank is pinned to its own."""
+        return ",".join(self.devices)
 
 
 def placement(opts: MeshOptions) -> dict[str, Placement]:
-    """Engine worker instance name -> its GPU and memory share; {} on CPU.
+    """Engine worker instance name -> its GPUs and memory share; {} on CPU.
 
     Workers go round robin over the devices, decode workers first (so with fewer GPUs than workers the
-    decode workers are spread widest); the workers on one GPU split opts.gpu_memory_utilization by
-    PLACEMENT_WEIGHT, rounded down to 0.01 so the shares never add up to more than the total."""
+    decode workers are spread widest); a tensor-parallel worker takes as many consecutive devices (wrapping
+    round) as it has ranks. The ranks on one GPU split opts.gpu_memory_utilization by PLACEMENT_WEIGHT (a rank
+    holds 1/tp of its worker's weights and KV, so each rank weighs what its role does), rounded down to 0.01 so
+    the shares never add up to more than the total; a worker gets the smallest share any of its ranks has (one
+    --gpu-memory-utilization for all its ranks)."""
     if not opts.devices:
         return {}
     names = [f"decode-{i}" for i in range(opts.decode)] + [f"prefill-{i}" for i in range(opts.prefill)]
-    device_of = {name: opts.devices[i % len(opts.devices)] for i, name in enumerate(names)}
+    devices_of: dict[str, tuple[str, ...]] = {}
+    cursor = 0
+    for name in names:
+        tp = opts.tp(name.split("-")[0])
+        devices_of[name] = tuple(opts.devices[(cursor + r) % len(opts.devices)] for r in range(tp))
+        cursor += tp
     weight_on: dict[str, float] = {}
-    for name, dev in device_of.items():
-        weight_on[dev] = weight_on.get(dev, 0.0) + PLACEMENT_WEIGHT[name.split("-")[0]]
+    for name, devs in devices_of.items():
+        for dev in devs:
+            weight_on[dev] = weight_on.get(dev, 0.0) + PLACEMENT_WEIGHT[name.split("-")[0]]
     out = {}
-    for name, dev in device_of.items():
-        share = opts.gpu_memory_utilization * PLACEMENT_WEIGHT[name.split("-")[0]] / weight_on[dev]
-        out[name] = Placement(dev, int(share * 100) / 100)
+    for name, devs in devices_of.items():
+        share = min(opts.gpu_memory_utilization * PLACEMENT_WEIGHT[name.split("-")[0]] / weight_on[dev]
+                    for dev in devs)
+        out[name] = Placement(devs, int(share * 100) / 100)
     return out
 
 

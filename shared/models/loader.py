@@ -165,8 +165,6 @@ def load_model(
     cfg = load_model_config(model_dir)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     shard = shard_of(cfg, tp.rank, tp.size) if tp is not None and tp.size > 1 else None  # raises on a bad degree
-    if shard is not None and quantization:
-        raise ValueError(f"--quantization {quantization} is not supported with tensor parallelism yet")
     plan = None if load_format == "dummy" else weight_plan(cfg, shard)
     located = None if plan is None else _validate(_shard_files(model_dir), plan, model_dir)
 
@@ -199,8 +197,10 @@ def load_model(
                             dst[t.row_offset : t.row_offset + part.shape[0]].copy_(part)
     if quantization:
         from shared.models.quant_linear import quantize_model
+        from shared.models.tp.quant import quantize_tp_model
 
-        n = quantize_model(model, quantization)
+        # A rank quantizes its shards as the whole model's would be (every rank runs this: int8 row scales agree).
+        n = (quantize_tp_model if shard is not None else quantize_model)(model, quantization)
         log.info("%s weight-only quantization: %.1f M weights quantized", quantization, n / 1e6)
     if pack_weights and device == "cpu" and torch_dtype == torch.bfloat16:
         from shared.models.packed_linear import pack_model, packing_available

@@ -80,6 +80,9 @@ class LoadBeat(Message):
     kv_pushes: int = Field(default=0, ge=0)
     kv_push_bytes: int = Field(default=0, ge=0)
     kv_push_wait_seconds: float = Field(default=0.0, ge=0)
+    # Engine seconds spent handing a prefill's KV out (gathering whole blocks from the ranks, or each rank sending
+    # its heads to its decode rank): the part of a push inside the engine's steps (cumulative).
+    kv_handout_seconds: float = Field(default=0.0, ge=0)
     # Times the worker's NATS connection reconnected. On a locked-down bus a process may answer a request
     # only on the connection that received it, so a worker that moved to another server can no longer
     # stream the requests it already had: the gateway resumes them elsewhere when this grows.

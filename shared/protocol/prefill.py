@@ -32,6 +32,9 @@ class RemotePrefillRequest(Message):
     # token a push on it must carry. None: push over NATS.
     kv_endpoint: str | None = None
     kv_token: bytes = b""
+    # A tensor-parallel decode worker's ranks 1..N-1 (direct channels, same token): a prefill worker of the same
+    # degree sends each rank's head shard to its rank (kv_endpoint gets rank 0's), any other sends whole blocks.
+    kv_rank_endpoints: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _ranges(self) -> RemotePrefillRequest:

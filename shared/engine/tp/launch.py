@@ -172,7 +172,4 @@ def start_tensor_parallel(c: EngineConfig) -> TPWorkers:
         if int(last.split(":")[1]) >= torch.cuda.device_count():
             raise ValueError(f"tensor-parallel size {c.tensor_parallel_size} from {c.device} needs {last}, but "
                              f"this machine has {torch.cuda.device_count()} CUDA device(s)")
-        if c.num_kv_blocks is None and c.kv_cache_bytes is None:
-            raise ValueError("tensor parallelism on CUDA needs --num-kv-blocks or --kv-cache-bytes (the memory "
-                             "profile does not run across ranks yet)")
     return TPWorkers(c)

@@ -19,6 +19,17 @@ class Op(IntEnum):
     LOGITS = 4  # args: start, end: the output head over rows [start, end) of the last step's hidden rows
     GATHER = 5  # payload: block ids: send this rank's heads of those blocks to rank 0
     WRITE = 6  # args: first_layer, num_layers; payload: block ids: receive this rank's heads and write them
+    # Rank-to-rank KV (shared/engine/tp/shard_link.py): each rank's head shard on the data plane, not via rank 0.
+    LISTEN = 7  # payload: strings [host]: open this rank's KV receiver there; ports gathered to rank 0
+    EXPECT = 8  # args: n_ids, first_block, deadline_ms; payload: block ids + strings [transfer id, token]
+    FORGET = 9  # payload: strings [transfer id]: refuse the transfer's later frames (before its blocks are reused);
+    #             a sender's: drop the state of a transfer abandoned before its last piece
+    PROFILE_KV = 11  # args: num_blocks, dtype code, on: swap a temporary KV cache in (1) or the real one back (0)
+    MEMORY = 12  # gather this rank's memory profile (RankMemory.report) to rank 0, on the control group
+    GRAPHS = 13  # args: max_model_len, max_num_seqs, capture: build (and capture, in step with rank 0) decode graphs
+    GRAPH_STEP = 14  # args: bs, n, width; payload: the staged rows [4, bs] then tables [bs, width]: replay bucket bs
+    SEND_SHARDS = 10  # args: n_ids, first_block, final, deadline_ms; payload: block ids + strings
+    #                   [transfer id, token, endpoint of rank 1, ...]: send this rank's heads; status all-reduced
 
 
 # The KV cache dtypes a follower can be told to allocate, by code (torch dtypes have no stable integer).
@@ -91,3 +102,27 @@ class StepLayout:
             out[name] = (payload[off : off + rows] if cols < 0
                          else payload[off : off + rows * cols].view(rows, cols))
         return out
+
+
+def pack_strings(items: list[str | bytes]) -> torch.Tensor:
+    """Strings and byte strings as int32 words for a payload: per item its byte length, then its bytes padded to
+    a multiple of 4 (a byte string travels as bytes; the reader knows which items are text)."""
+    words: list[torch.Tensor] = []
+    for item in items:
+        raw = item.encode() if isinstance(item, str) else bytes(item)
+        padded = raw + bytes(-len(raw) % 4)
+        words.append(torch.tensor([len(raw)], dtype=torch.int32))
+        if padded:
+            words.append(torch.frombuffer(bytearray(padded), dtype=torch.int32))
+    return torch.cat(words) if words else torch.empty(0, dtype=torch.int32)
+
+
+def unpack_strings(words: torch.Tensor) -> list[bytes]:
+    """pack_strings' items back, as bytes."""
+    raw = words.cpu().contiguous().numpy().tobytes()
+    out, at = [], 0
+    while at < len(raw):
+        n = int.from_bytes(raw[at : at + 4], "little", signed=True)
+        out.append(raw[at + 4 : at + 4 + n])
+        at += 4 + n + (-n % 4)
+    return out

@@ -13,6 +13,7 @@ import torch
 
 from shared.engine.model_runner import ModelRunner
 from shared.engine.tp.follower import follow
+from shared.engine.tp.rank_memory import RankMemory
 from shared.engine.tp.launch import config_from_json, join_groups, rank_device
 from shared.models.loader import load_model
 
@@ -50,11 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     device = rank_device(c.device, args.rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    memory = RankMemory.at_start(device)  # before the weights: the memory profile's start (CUDA only)
     tp, channel = join_groups(args.rank, args.size, args.init, c.device)
     model, _ = load_model(c.model, dtype=c.dtype, device=device, load_format=c.load_format, seed=c.seed,
                           max_positions=c.max_model_len, quantization=c.quantization,
                           pack_weights=c.cpu_weight_packing, tp=tp)
-    follow(ModelRunner(model, c.block_size, device), channel, args.rank, args.size)
+    memory.loaded()
+    follow(ModelRunner(model, c.block_size, device), channel, args.rank, args.size, memory)
     return 0
 
 
