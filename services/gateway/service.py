@@ -80,6 +80,7 @@ class GatewayService(Service):
             router=router, metrics=GatewayMetrics(router, cfg.served_model_name),
             tracer=trace.get_tracer("kvmesh.gateway"), created=int(time.time()),
         )
+        ctx.metrics.max_inflight.labels(ctx.metrics.model).set(cfg.max_inflight_requests)
 
         async def on_event(ev: BlockStored | BlockRemoved, msg: bus.RequestContext) -> None:
             # A worker speaks only for itself: the id in the event must be the subject's (the bus lets each
@@ -171,6 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-inflight-requests", type=int, default=GatewayConfig.max_inflight_requests,
+                        help="generation requests the gateway serves at once; past it a new one gets 429 with "
+                             "Retry-After at once (0: no bound)")
     parser.add_argument("--max-waiting", type=int, default=128,
                         help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")
@@ -200,7 +204,7 @@ def build(args: argparse.Namespace) -> GatewayService:
     return GatewayService(GatewayConfig(
         model_dir=args.model,
         served_model_name=args.served_model_name or Path(args.model).resolve().name,
-        host=args.host, port=args.port, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
+        host=args.host, port=args.port, max_waiting=args.max_waiting, max_inflight_requests=args.max_inflight_requests, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,

@@ -1,0 +1,56 @@
+"""The gateway under more streams than it can carry (issue 25): it refuses new requests at its bound with a
+fast OpenAI error instead of slowing every stream down, and a token stream it lost (NATS cut it off as a slow
+consumer, or dropped its messages) ends with an error event instead of hanging. Real nats-server, real
+decode workers, the real openai client over HTTP."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway_harness import one_decoder_mesh, openai_client
+
+
+def _metric(mesh, name: str) -> float:  # noqa: ANN001
+    for line in mesh.gateway.ctx.metrics.render().decode().splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_past_the_inflight_bound_a_request_gets_a_fast_429(tmp_path_factory) -> None:  # noqa: ANN001
+    with one_decoder_mesh(tmp_path_factory, "admission", max_inflight_requests=2) as mesh:
+        client = openai_client(mesh)
+        d0 = mesh.decoders["d0"]
+        args = dict(model="tiny", prompt="Hello", max_tokens=200, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True})
+        streams = [client.completions.create(**args) for _ in range(2)]  # each has its first token
+        # The engine busy for 4 s: both streams stay in flight whatever the machine's speed.
+        stalled = mesh.call_soon(d0.thread.call(lambda e: time.sleep(4.0)))
+        assert mesh.gateway.ctx.in_flight == 2
+        t0 = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(**args)
+        assert time.monotonic() - t0 < 1.0, "the refusal waited for the busy engine"
+        err = info.value
+        assert err.status_code == 429 and err.response.headers["retry-after"] == "1"
+        assert err.body["code"] == "too_many_requests" and "--max-inflight-requests" in err.body["message"]
+        with pytest.raises(openai.RateLimitError):  # chat too, and the non-streamed form
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert mesh.gateway.ctx.in_flight == 2  # refused requests leave nothing counted
+        assert _metric(mesh, 'kvmesh:gateway_requests_rejected_total{model_name="tiny",reason="max_inflight_requests"}') == 2
+        assert _metric(mesh, "kvmesh:gateway_max_inflight_requests") == 2
+        assert _metric(mesh, 'kvmesh:request_errors_total{model_name="tiny",status="429"}') == 2
+        # The admitted streams are untouched: they run to the end once the engine is free.
+        stalled.result(30)
+        for s in streams:
+            chunks = list(s)
+            assert sum(1 for c in chunks if c.choices and c.choices[0].text is not None) >= 199
+            assert chunks[-1].choices[0].finish_reason == "length"
+        mesh.wait_until(lambda: mesh.gateway.ctx.in_flight == 0)
+        out = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
+        assert out.choices[0].finish_reason == "length"
+        # /health and /metrics are not generation requests: never refused.
+        assert httpx.get(f"{mesh.url}/health").status_code == 200
