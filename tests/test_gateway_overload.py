@@ -54,3 +54,24 @@ def test_past_the_inflight_bound_a_request_gets_a_fast_429(tmp_path_factory) -> 
         assert out.choices[0].finish_reason == "length"
         # /health and /metrics are not generation requests: never refused.
         assert httpx.get(f"{mesh.url}/health").status_code == 200
+
+
+def test_a_gateway_late_on_its_input_does_not_declare_its_workers_dead(tmp_path_factory) -> None:  # noqa: ANN001
+    """The gateway's event loop stalls for twice the worker expiry (as when it serves more tokens than its CPU
+    carries): every beat is late at once. Judged by the wall clock, the streaming worker was "dead" and its
+    request migrated; judged by what the gateway hears (router.Router._silent), nothing moves."""
+    with one_decoder_mesh(tmp_path_factory, "late", worker_expiry_s=1.0) as mesh:
+        mesh.start_decoder("d1")
+        mesh.wait_until(lambda: len(mesh.gateway.ctx.router.alive()) == 2)
+        client = openai_client(mesh)
+        stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=300, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+
+        async def stall() -> None:
+            time.sleep(2.0)  # the whole loop: the gateway, and (same loop here) the workers' beats
+
+        mesh.call(stall())
+        tokens = sum(1 for c in stream if c.choices and c.choices[0].text is not None)
+        assert tokens >= 299
+        assert _metric(mesh, "kvmesh:request_migrations_total") == 0
+        assert len(mesh.gateway.ctx.router.alive()) == 2

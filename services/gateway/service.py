@@ -110,6 +110,7 @@ class GatewayService(Service):
                 router.on_beat(beat)
 
         async def on_prefill_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
+            router.heard()  # the gateway hears beats: the router judges decode workers' silence by it
             if believable(beat, msg, "prefill"):
                 ctx.metrics.prefill_workers.on_beat(beat)
 
