@@ -4,6 +4,7 @@ consumer, or dropped its messages) ends with an error event instead of hanging. 
 decode workers, the real openai client over HTTP."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from tests.gateway_harness import one_decoder_mesh, openai_client
+from tests.nats_fixtures import nats_server  # noqa: F401 - a fixture
 
 
 def _metric(mesh, name: str) -> float:  # noqa: ANN001
@@ -75,3 +77,65 @@ def test_a_gateway_late_on_its_input_does_not_declare_its_workers_dead(tmp_path_
         assert tokens >= 299
         assert _metric(mesh, "kvmesh:request_migrations_total") == 0
         assert len(mesh.gateway.ctx.router.alive()) == 2
+
+
+def test_a_stream_whose_messages_were_dropped_fails_at_once(nats_server: str) -> None:
+    """nats-py drops messages of a subscription whose queue is full and tells only the connection's error
+    callback. The dropped ones here include the end marker: without the check the receiver would wait its
+    whole idle timeout (30 s here, 120 s in the gateway) for a stream that can never end."""
+    from shared import bus
+    from shared.bus.limits import BusLimits
+    from shared.bus.stream import StreamReply
+    from shared.protocol.generate import CancelRequest
+
+    async def go() -> None:
+        sender, receiver = await bus.connect(nats_server), await bus.connect(nats_server)
+        try:
+            async def serve(msg) -> None:  # noqa: ANN001 - a responder streaming 50 items and the end marker
+                out = StreamReply(sender, msg.reply)
+                for i in range(50):
+                    await out.send(CancelRequest(request_id=f"r{i}", reason="item"))
+                await out.end()
+
+            await sender.subscribe("items", cb=serve)
+            await sender.flush()  # the server knows the responder before the request goes out
+            stream = await bus.request_stream(receiver, "items", CancelRequest(request_id="q", reason="go"),
+                                              timeout=30.0, expect=CancelRequest,
+                                              limits=BusLimits(reply_pending_msgs=8))
+            deadline = time.monotonic() + 10
+            while not stream.dropped:  # the receiver reads nothing meanwhile: its queue holds 8
+                assert time.monotonic() < deadline, "nothing was dropped"
+                await asyncio.sleep(0.01)
+            got = []
+            t0 = time.monotonic()
+            with pytest.raises(bus.MessagesDroppedError):
+                async for item in stream:
+                    got.append(item)
+            assert time.monotonic() - t0 < 1.0 and len(got) <= 8
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(go())
+
+
+def test_a_gateway_stream_that_lost_messages_ends_with_an_error_event_and_cancels(tmp_path_factory) -> None:  # noqa: ANN001
+    """The same in the gateway: its stream's inbox holds 4 messages; the event loop stalls while the worker's
+    engine keeps generating, so the worker's token messages arrive at once and the client library drops some.
+    The client's stream ends with a 503 error event instead of hanging, and the worker frees the request."""
+    with one_decoder_mesh(tmp_path_factory, "dropped", stream_pending_msgs=4, worker_expiry_s=30.0) as mesh:
+        client = openai_client(mesh)
+        stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=500, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+
+        async def stall() -> None:
+            time.sleep(1.0)  # the whole loop; the worker's engine thread keeps generating meanwhile
+
+        mesh.call(stall())
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError) as info:
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 20
+        assert "fell behind" in str(info.value)
+        mesh.wait_until(lambda: mesh.held("d0") == 0, timeout=10)

@@ -24,6 +24,9 @@ class GatewayConfig:
     max_body_bytes: int | None = None  # request body limit (413 above); default: 1 MiB + 64 bytes per context token
     tokenizer_timeout_s: float = 10.0
     stream_idle_timeout_s: float = 120.0  # longest silence from a decode worker (covers a long prefill)
+    # Token messages one stream's inbox holds unread before NATS' client drops them and the stream ends with a
+    # 503 error event (the gateway fell behind). None: nats-py's default.
+    stream_pending_msgs: int | None = None
     health_timeout_s: float = 1.0
     # A decode worker whose beats stop for this long is dead to the router, and its requests migrate.
     worker_expiry_s: float = 2.0

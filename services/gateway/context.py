@@ -15,6 +15,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from services.gateway.special_tokens import added_tokens
+from shared.bus.limits import BusLimits
 
 
 @dataclass
@@ -35,6 +36,11 @@ class GatewayContext:
 
     def __post_init__(self) -> None:
         self._idle.set()
+
+    @functools.cached_property
+    def stream_limits(self) -> BusLimits:
+        """The bus limits of a token stream from a decode worker."""
+        return BusLimits(reply_pending_msgs=self.config.stream_pending_msgs)
 
     @functools.cached_property
     def added_tokens(self) -> dict[int, str]:
