@@ -5,11 +5,18 @@ measured on a 2-core CPU, issue 25). Admitting more streams than it can carry do
 loop falls behind, workers' load beats are handled late, NATS cuts its connection off as a slow consumer, and
 every stream degrades at once. Past the bound a new request gets a fast 429 with Retry-After instead (as TGI
 answers past its --max-concurrent-requests), and the streams already admitted keep their pace.
+
+Checked twice: before the body is read (services/gateway/intake.py), so a refusal costs next to nothing even
+when clients retry in a tight loop, and again once the request is counted (ctx.begin()), which is exact.
 """
 from __future__ import annotations
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import RETRY_AFTER_S, APIError
+
+# The routes that generate (each one is counted in ctx.in_flight while it runs).
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/invocations", "/v1/responses",
+                              "/v1/messages", "/v1/score", "/health_generate"})
 
 
 def admit(ctx: GatewayContext) -> None:
@@ -17,7 +24,17 @@ def admit(ctx: GatewayContext) -> None:
     request), so the bound is the number of requests served at once."""
     limit = ctx.config.max_inflight_requests
     if limit and ctx.in_flight > limit:
-        ctx.metrics.rejected.labels(ctx.metrics.model, "max_inflight_requests").inc()
-        raise APIError(429, f"the gateway is serving its limit of {limit} requests at once "
-                            "(--max-inflight-requests); retry shortly", code="too_many_requests",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise _refused(ctx, limit)
+
+
+def admit_early(ctx: GatewayContext, path: str) -> None:
+    """The same before the request is parsed or counted (the Intake middleware)."""
+    limit = ctx.config.max_inflight_requests
+    if limit and ctx.in_flight >= limit and path in GENERATION_PATHS:
+        raise _refused(ctx, limit)
+
+
+def _refused(ctx: GatewayContext, limit: int) -> APIError:
+    ctx.metrics.rejected.labels(ctx.metrics.model, "max_inflight_requests").inc()
+    return APIError(429, f"the gateway is serving its limit of {limit} requests at once (--max-inflight-requests); "
+                         "retry shortly", code="too_many_requests", headers={"Retry-After": str(RETRY_AFTER_S)})
