@@ -139,3 +139,24 @@ def test_a_gateway_stream_that_lost_messages_ends_with_an_error_event_and_cancel
         assert time.monotonic() - t0 < 20
         assert "fell behind" in str(info.value)
         mesh.wait_until(lambda: mesh.held("d0") == 0, timeout=10)
+
+
+def test_a_gateway_behind_its_input_refuses_new_requests_until_it_caught_up(tmp_path_factory) -> None:  # noqa: ANN001
+    """The gateway's input lag (a probe it sends itself over NATS, services/gateway/input_lag.py) above
+    --max-input-lag: new requests get the fast 429 whatever the count in flight; once caught up, served."""
+    with one_decoder_mesh(tmp_path_factory, "lag", max_input_lag_s=0.5, worker_expiry_s=30.0) as mesh:
+        client = openai_client(mesh)
+        mesh.wait_until(lambda: mesh.gateway.ctx.input_lag_s() > 0 or _metric(mesh, "kvmesh:gateway_input_lag") > 0)
+
+        async def stall() -> None:
+            time.sleep(1.5)  # the gateway's loop behind: the probe that is out comes back 1.5 s late
+
+        stalled = mesh.call_soon(stall())
+        time.sleep(0.3)
+        with pytest.raises(openai.RateLimitError) as info:  # arrives during the stall, judged right after it
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        stalled.result(10)
+        assert "behind its input" in info.value.body["message"]
+        assert _metric(mesh, 'kvmesh:gateway_requests_rejected_total{model_name="tiny",reason="input_lag"}') >= 1
+        mesh.wait_until(lambda: mesh.gateway.ctx.input_lag_s() < 0.5)
+        assert client.completions.create(model="tiny", prompt="Hello", max_tokens=2).choices[0].finish_reason == "length"

@@ -6,7 +6,10 @@ loop falls behind, workers' load beats are handled late, NATS cuts its connectio
 every stream degrades at once. Past the bound a new request gets a fast 429 with Retry-After instead (as TGI
 answers past its --max-concurrent-requests), and the streams already admitted keep their pace.
 
-Checked twice: before the body is read (services/gateway/intake.py), so a refusal costs next to nothing even
+Past a second bound too: while the gateway's own NATS input lags (services/gateway/input_lag.py), which
+follows what this machine carries for this workload where a count of streams cannot.
+
+The count is checked twice: before the body is read (services/gateway/intake.py), so a refusal costs next to nothing even
 when clients retry in a tight loop, and again once the request is counted (ctx.begin()), which is exact.
 """
 from __future__ import annotations
@@ -24,17 +27,25 @@ def admit(ctx: GatewayContext) -> None:
     request), so the bound is the number of requests served at once."""
     limit = ctx.config.max_inflight_requests
     if limit and ctx.in_flight > limit:
-        raise _refused(ctx, limit)
+        raise _refused(ctx, "max_inflight_requests", f"the gateway is serving its limit of {limit} requests at once "
+                                                     "(--max-inflight-requests)")
 
 
 def admit_early(ctx: GatewayContext, path: str) -> None:
-    """The same before the request is parsed or counted (the Intake middleware)."""
+    """Before the request is parsed or counted (the Intake middleware): the same bound, and the gateway's input
+    lag (services/gateway/input_lag.py). The lag is checked here only: a request that passed it is served."""
+    if path not in GENERATION_PATHS:
+        return
     limit = ctx.config.max_inflight_requests
-    if limit and ctx.in_flight >= limit and path in GENERATION_PATHS:
-        raise _refused(ctx, limit)
+    if limit and ctx.in_flight >= limit:
+        raise _refused(ctx, "max_inflight_requests", f"the gateway is serving its limit of {limit} requests at once "
+                                                     "(--max-inflight-requests)")
+    bound = ctx.config.max_input_lag_s
+    if bound and (lag := ctx.input_lag_s()) > bound:
+        raise _refused(ctx, "input_lag", f"the gateway is {lag:.2f}s behind its input, more than its bound of "
+                                         f"{bound:g}s (--max-input-lag)")
 
 
-def _refused(ctx: GatewayContext, limit: int) -> APIError:
-    ctx.metrics.rejected.labels(ctx.metrics.model, "max_inflight_requests").inc()
-    return APIError(429, f"the gateway is serving its limit of {limit} requests at once (--max-inflight-requests); "
-                         "retry shortly", code="too_many_requests", headers={"Retry-After": str(RETRY_AFTER_S)})
+def _refused(ctx: GatewayContext, reason: str, why: str) -> APIError:
+    ctx.metrics.rejected.labels(ctx.metrics.model, reason).inc()
+    return APIError(429, f"{why}; retry shortly", code="too_many_requests", headers={"Retry-After": str(RETRY_AFTER_S)})

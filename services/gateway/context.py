@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,8 @@ class GatewayContext:
     tracer: trace.Tracer
     created: int  # unix time the model was loaded, for /v1/models
     draining: bool = False
+    # The gateway's own NATS input lag in seconds (services/gateway/input_lag.py; admission reads it).
+    input_lag_s: Callable[[], float] = lambda: 0.0
     in_flight: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)

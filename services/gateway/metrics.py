@@ -183,6 +183,8 @@ class GatewayMetrics:
                                 m + ["reason"], registry=r)
         self.max_inflight = Gauge(f"{PREFIX}gateway_max_inflight_requests", "The gateway's bound on generation "
                                   "requests served at once (0: none)", m, registry=r)
+        self.input_lag = Gauge(f"{PREFIX}gateway_input_lag_seconds", "Round trip of a probe the gateway sends "
+                               "itself over NATS: how far behind its input it is", m, registry=r)
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between streamed token chunks", m,
