@@ -30,6 +30,7 @@ from pathlib import Path
 
 from loadtest.sim_mesh import SimMesh, cpu_seconds, memory_mib
 
+RAMP_S = 5.0  # every stream of a level has started within this
 HIST = re.compile(r'^kvmesh:(request_queue_time_seconds|request_prefill_time_seconds|request_decode_time_seconds|'
                   r'request_generation_tokens|time_to_first_token_seconds|e2e_request_latency_seconds)_(sum|count)\{[^}]*\} (\S+)')
 
@@ -156,10 +157,14 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
                     # Back off as a client would: as long as the gateway's Retry-After says, else half a second.
                     await asyncio.sleep(r.retry_after or 0.5)
 
-        tasks = []
-        for _ in range(level.streams):
-            tasks.append(asyncio.create_task(stream_loop()))
-            await asyncio.sleep(min(0.01, 5.0 / level.streams))
+        # Ramp over RAMP_S of wall time, as many at a time as the clock says: one stream per short sleep took
+        # minutes at 2,000 streams once the client's own loop was busy with the first ones (each sleep lasts a turn).
+        tasks: list[asyncio.Task] = []
+        t_ramp = time.monotonic()
+        while len(tasks) < level.streams:
+            due = min(level.streams, int(level.streams * (time.monotonic() - t_ramp) / RAMP_S) + 1)
+            tasks += [asyncio.create_task(stream_loop()) for _ in range(due - len(tasks))]
+            await asyncio.sleep(0.01)
         await asyncio.sleep(3.0)
         metrics0 = _histograms((await client.get(f"{mesh.base}/metrics")).text)
         varz0, cpu0, t_open = mesh.varz(), _cpu_by_service(mesh, os.getpid()), time.monotonic()

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 PERIOD_S = 0.1  # between a probe's return and the next one
-LOST_S = 5.0  # a probe out this long was lost (the connection dropped): the next one goes out
+RECHECK_S = 0.25  # while a probe is out: how often to check whether the connection dropped meanwhile
 
 
 class InputLag:
@@ -43,8 +43,10 @@ class InputLag:
 
     def seconds(self) -> float:
         """The gateway's current input lag (0 until a first probe came back)."""
-        if not self._answered:
-            return 0.0
+        if not self._answered or not self._nc.is_connected:
+            # Disconnected: no probe can come back, and requests wait for the reconnect (or fail over) on their
+            # own; the lag is the last one measured.
+            return self._last if self._answered else 0.0
         # The probe out, or the one due next (between probes a stalled event loop delays sending it).
         since = self._sent if self._sent is not None else self._due
         return max(self._last, time.monotonic() - since)
@@ -53,12 +55,17 @@ class InputLag:
         assert self._sub is not None
         while True:
             self._back.clear()
+            reconnects = self._nc.stats["reconnects"]
             # Timed from when it was due: a loop that stalled before sending it was late by that much too.
             self._sent = min(time.monotonic(), self._due) if self._answered else time.monotonic()
             with contextlib.suppress(Exception):  # reconnecting: the probe waits in the client's buffer
                 await self._nc.publish(self._sub.subject, b"")
-            with contextlib.suppress(asyncio.TimeoutError):  # a probe lost in a disconnect: send another
-                await asyncio.wait_for(self._back.wait(), LOST_S)
+            while not self._back.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._back.wait(), RECHECK_S)
+                if self._nc.stats["reconnects"] != reconnects:  # the probe may have been lost with the connection
+                    self._due = time.monotonic()  # the time disconnected is no input lag: measure afresh
+                    break
             await asyncio.sleep(self._period_s)
 
     async def _on_probe(self, _: Msg) -> None:
