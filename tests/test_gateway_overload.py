@@ -11,8 +11,14 @@ import httpx
 import openai
 import pytest
 
+from tests.checkpoints import build_checkpoint
 from tests.gateway_harness import one_decoder_mesh, openai_client
 from tests.nats_fixtures import nats_server  # noqa: F401 - a fixture
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):  # noqa: ANN001, ANN201 - one checkpoint for the module's meshes
+    return build_checkpoint("llama", tmp_path_factory.mktemp("overload") / "llama").path
 
 
 def _metric(mesh, name: str) -> float:  # noqa: ANN001
@@ -22,8 +28,8 @@ def _metric(mesh, name: str) -> float:  # noqa: ANN001
     return 0.0
 
 
-def test_past_the_inflight_bound_a_request_gets_a_fast_429(tmp_path_factory) -> None:  # noqa: ANN001
-    with one_decoder_mesh(tmp_path_factory, "admission", max_inflight_requests=2) as mesh:
+def test_past_the_inflight_bound_a_request_gets_a_fast_429(tmp_path_factory, model_dir) -> None:  # noqa: ANN001
+    with one_decoder_mesh(tmp_path_factory, "admission", model_dir=model_dir, max_inflight_requests=2) as mesh:
         client = openai_client(mesh)
         d0 = mesh.decoders["d0"]
         args = dict(model="tiny", prompt="Hello", max_tokens=200, temperature=0, stream=True,
@@ -58,11 +64,11 @@ def test_past_the_inflight_bound_a_request_gets_a_fast_429(tmp_path_factory) -> 
         assert httpx.get(f"{mesh.url}/health").status_code == 200
 
 
-def test_a_gateway_late_on_its_input_does_not_declare_its_workers_dead(tmp_path_factory) -> None:  # noqa: ANN001
+def test_a_gateway_late_on_its_input_does_not_declare_its_workers_dead(tmp_path_factory, model_dir) -> None:  # noqa: ANN001
     """The gateway's event loop stalls for twice the worker expiry (as when it serves more tokens than its CPU
     carries): every beat is late at once. Judged by the wall clock, the streaming worker was "dead" and its
     request migrated; judged by what the gateway hears (router.Router._silent), nothing moves."""
-    with one_decoder_mesh(tmp_path_factory, "late", worker_expiry_s=1.0) as mesh:
+    with one_decoder_mesh(tmp_path_factory, "late", model_dir=model_dir, worker_expiry_s=1.0) as mesh:
         mesh.start_decoder("d1")
         mesh.wait_until(lambda: len(mesh.gateway.ctx.router.alive()) == 2)
         client = openai_client(mesh)
@@ -111,7 +117,7 @@ def test_a_stream_whose_messages_were_dropped_fails_at_once(nats_server: str) ->
             with pytest.raises(bus.MessagesDroppedError):
                 async for item in stream:
                     got.append(item)
-            assert time.monotonic() - t0 < 1.0 and len(got) <= 8
+            assert time.monotonic() - t0 < 5.0 and len(got) <= 8  # not the 30 s idle timeout
         finally:
             await sender.close()
             await receiver.close()
@@ -119,11 +125,11 @@ def test_a_stream_whose_messages_were_dropped_fails_at_once(nats_server: str) ->
     asyncio.run(go())
 
 
-def test_a_gateway_stream_that_lost_messages_ends_with_an_error_event_and_cancels(tmp_path_factory) -> None:  # noqa: ANN001
+def test_a_gateway_stream_that_lost_messages_ends_with_an_error_event_and_cancels(tmp_path_factory, model_dir) -> None:  # noqa: ANN001
     """The same in the gateway: its stream's inbox holds 4 messages; the event loop stalls while the worker's
     engine keeps generating, so the worker's token messages arrive at once and the client library drops some.
     The client's stream ends with a 503 error event instead of hanging, and the worker frees the request."""
-    with one_decoder_mesh(tmp_path_factory, "dropped", stream_pending_msgs=4, worker_expiry_s=30.0) as mesh:
+    with one_decoder_mesh(tmp_path_factory, "dropped", model_dir=model_dir, stream_pending_msgs=4, worker_expiry_s=30.0) as mesh:
         client = openai_client(mesh)
         stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=500, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
@@ -141,10 +147,10 @@ def test_a_gateway_stream_that_lost_messages_ends_with_an_error_event_and_cancel
         mesh.wait_until(lambda: mesh.held("d0") == 0, timeout=10)
 
 
-def test_a_gateway_behind_its_input_refuses_new_requests_until_it_caught_up(tmp_path_factory) -> None:  # noqa: ANN001
+def test_a_gateway_behind_its_input_refuses_new_requests_until_it_caught_up(tmp_path_factory, model_dir) -> None:  # noqa: ANN001
     """The gateway's input lag (a probe it sends itself over NATS, services/gateway/input_lag.py) above
     --max-input-lag: new requests get the fast 429 whatever the count in flight; once caught up, served."""
-    with one_decoder_mesh(tmp_path_factory, "lag", max_input_lag_s=0.5, worker_expiry_s=30.0) as mesh:
+    with one_decoder_mesh(tmp_path_factory, "lag", model_dir=model_dir, max_input_lag_s=0.5, worker_expiry_s=30.0) as mesh:
         client = openai_client(mesh)
         mesh.wait_until(lambda: mesh.gateway.ctx.input_lag_s() > 0 or _metric(mesh, "kvmesh:gateway_input_lag") > 0)
 
