@@ -30,6 +30,7 @@ from pathlib import Path
 
 from loadtest.sim_mesh import SimMesh, cpu_seconds, memory_mib
 
+RAMP_S = 5.0  # every stream of a level has started within this
 HIST = re.compile(r'^kvmesh:(request_queue_time_seconds|request_prefill_time_seconds|request_decode_time_seconds|'
                   r'request_generation_tokens|time_to_first_token_seconds|e2e_request_latency_seconds)_(sum|count)\{[^}]*\} (\S+)')
 
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-requests", type=int, default=512)
     parser.add_argument("--prefix-concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-inflight-requests", type=int, default=None,
+                        help="the gateway's bound on requests at once (kvmesh up's flag; default: the gateway's)")
+    parser.add_argument("--skip-prefix", action="store_true", help="leave out the shared-prefix routing runs")
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Result:
     cached: int = 0
     prompt: int = 0
     error: str | None = None
+    retry_after: float | None = None  # the gateway refused at intake (429/503) and said when to come back
 
 
 @dataclass
@@ -79,6 +84,8 @@ async def _stream(client, base: str, prompt: list[int], osl: int) -> Result:  # 
         async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}"
+                if r.status_code in (429, 503) and (r.headers.get("retry-after") or "").isdigit():
+                    res.retry_after = float(r.headers["retry-after"])
                 return res
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -147,12 +154,17 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
                 if measuring.is_set() and not closing.is_set():
                     level.results.append(r)
                 if r.error:
-                    await asyncio.sleep(0.5)  # an overloaded gateway's 503: back off, as a client would
+                    # Back off as a client would: as long as the gateway's Retry-After says, else half a second.
+                    await asyncio.sleep(r.retry_after or 0.5)
 
-        tasks = []
-        for _ in range(level.streams):
-            tasks.append(asyncio.create_task(stream_loop()))
-            await asyncio.sleep(min(0.01, 5.0 / level.streams))
+        # Ramp over RAMP_S of wall time, as many at a time as the clock says: one stream per short sleep took
+        # minutes at 2,000 streams once the client's own loop was busy with the first ones (each sleep lasts a turn).
+        tasks: list[asyncio.Task] = []
+        t_ramp = time.monotonic()
+        while len(tasks) < level.streams:
+            due = min(level.streams, int(level.streams * (time.monotonic() - t_ramp) / RAMP_S) + 1)
+            tasks += [asyncio.create_task(stream_loop()) for _ in range(due - len(tasks))]
+            await asyncio.sleep(0.01)
         await asyncio.sleep(3.0)
         metrics0 = _histograms((await client.get(f"{mesh.base}/metrics")).text)
         varz0, cpu0, t_open = mesh.varz(), _cpu_by_service(mesh, os.getpid()), time.monotonic()
@@ -184,6 +196,9 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
     return {
         "streams": level.streams, "window_s": window, "finished": len(ok),
         "errors": len(level.results) - len(ok),
+        # Of the errors: refused at intake with Retry-After (the gateway's admission bound), nothing started.
+        "refused": sum(1 for r in level.results if r.error and r.retry_after is not None),
+        "failed_after_admission": sum(1 for r in level.results if r.error and r.retry_after is None),
         "error_examples": sorted({r.error for r in level.results if r.error})[:3],
         "requests_per_s": len(ok) / window, "output_tokens_per_s": tokens / window,
         "nats_msgs_per_s": {"in": (varz1.get("in_msgs", 0) - varz0.get("in_msgs", 0)) / window,
@@ -258,7 +273,7 @@ def _saturated(levels: list[dict]) -> list[dict]:
         out.append({"streams": lv["streams"], "busiest": name, "cores": cores[name],
                     "mesh_and_client_cores": sum(cores.values()), "machine_busy_cores": lv["machine_busy_cores"],
                     "per_token_added_fraction": lv["per_output_token_s"]["mesh_added_fraction"],
-                    "errors": lv["errors"]})
+                    "errors": lv["errors"], "refused": lv["refused"]})
     return out
 
 
@@ -269,14 +284,15 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvmesh-scale-bench-"))
     model = build_sim_model(work / "model")
     vocab = min(json.loads((model / "config.json").read_text())["vocab_size"], 2000)
-    common = ["--sim-speed", f"{args.speed:g}"]
+    gateway = [] if args.max_inflight_requests is None else ["--max-inflight-requests", str(args.max_inflight_requests)]
+    common = ["--sim-speed", f"{args.speed:g}", *gateway]
     out: dict = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
     levels: list[dict] = []
     specs = [_level_spec(x, args) for x in args.levels.split(",")]
     out["stopped_cleanly"] = True
     for speed in dict.fromkeys(sp for _, sp, _, _ in specs):  # one mesh per speed, in the order given
         t_up = time.monotonic()
-        with SimMesh(model, args.decode, args.prefill, args.per_process, ["--sim-speed", f"{speed:g}"],
+        with SimMesh(model, args.decode, args.prefill, args.per_process, ["--sim-speed", f"{speed:g}", *gateway],
                      work / f"mesh-{speed:g}.log") as mesh:
             if "idle" not in out:
                 out["startup_s"] = time.monotonic() - t_up
@@ -298,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     reqs = [prefixes[rng.randrange(args.prefix_groups)] + [rng.randrange(10, vocab - 10) for _ in range(64)]
             for _ in range(args.prefix_requests)]
     out["prefix_routing"] = {}
-    for routing in ("kv", "round-robin"):
+    for routing in () if args.skip_prefix else ("kv", "round-robin"):
         with SimMesh(model, args.decode, args.prefill, args.per_process, [*common, "--routing", routing],
                      work / f"mesh-{routing}.log") as mesh:
             out["prefix_routing"][routing] = asyncio.run(prefix_run(mesh, reqs, args.prefix_concurrency))

@@ -137,11 +137,16 @@ def test_router_expires_silent_workers_and_refuses_when_all_full() -> None:
         r.pick([1, 2, 3])
     r.on_beat(beat("a"))
     assert r.pick([1, 2, 3]).worker_id == "a"
-    clock.t += 3.5
-    assert r.alive() == []
+    for _ in range(2):
+        clock.t += 1.75
+        r.on_beat(beat("b"))  # others are heard: a's silence is its own
+    assert [w.worker_id for w in r.alive()] == ["b"]
+    clock.t += 9.5
+    assert r.alive() == []  # both silent past three expiry periods, and nobody heard meanwhile either
     with pytest.raises(NoWorkerError):
         r.pick([1, 2, 3])
     r.on_beat(beat("a", waiting=2))
+    r.on_beat(beat("b", waiting=2))
     with pytest.raises(OverloadedError):
         r.pick([1, 2, 3])
 
@@ -178,9 +183,40 @@ def test_workers_do_not_expire_for_silence_the_gateway_could_not_hear() -> None:
     clock = Clock()
     r = Router(RouterConfig(expiry_s=1.0), clock)
     r.on_beat(beat("a"))
-    clock.t += 1.5
+    clock.t += 3.5  # a lone worker silent past the deaf limit (Router._silent)
     assert not r.is_alive("a")
     r.heard_from_all()
     assert r.is_alive("a") and [w.worker_id for w in r.alive()] == ["a"]
-    clock.t += 1.5
+    clock.t += 3.5
     assert not r.is_alive("a")
+
+
+def test_a_late_gateway_is_not_every_worker_dead() -> None:
+    """Issue 25: a gateway behind on its input hears every beat late at once. A worker dies when others are
+    heard meanwhile; when nobody is heard, only after `deaf_expiries` periods (a lone dead worker too)."""
+    clock = Clock()
+    r = Router(RouterConfig(expiry_s=1.0, deaf_expiries=3.0), clock)
+    r.on_beat(beat("a"))
+    r.on_beat(beat("b"))
+    clock.t += 2.5  # the gateway heard nothing for 2.5 expiry periods: it is late, not both workers dead
+    assert sorted(w.worker_id for w in r.alive()) == ["a", "b"] and r.is_alive("a")
+    r.on_beat(beat("b"))  # it catches up: b's beat is handled first; a's may be right behind it
+    for _ in range(2):
+        clock.t += 0.45
+        r.on_beat(beat("b"))
+        assert r.is_alive("a")
+    clock.t += 0.2  # over an expiry period since the gateway hears again, and b's beats are handled, a's not
+    r.on_beat(beat("b"))
+    assert not r.is_alive("a") and [w.worker_id for w in r.alive()] == ["b"]
+    # Nobody heard: b (alone now) is dead only past three expiry periods of silence.
+    clock.t += 2.9
+    assert r.is_alive("b")
+    clock.t += 0.2
+    assert not r.is_alive("b") and r.alive() == []
+    # A new worker beating on time stays alive throughout; the silent ones get one expiry period from when the
+    # gateway hears again (their beats could be right behind c's), then are dead.
+    for _ in range(5):
+        clock.t += 0.5
+        r.on_beat(beat("c"))
+        assert r.is_alive("c")
+    assert [w.worker_id for w in r.alive()] == ["c"]

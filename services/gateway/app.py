@@ -8,6 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response
 
+from services.gateway.admission import admit_early
 from services.gateway.intake import Intake, default_body_limit
 from services.gateway.context import GatewayContext
 from services.gateway.endpoint import serve_generation
@@ -42,8 +43,9 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
 
-    # Before anything is parsed: the API key, then the body size (413 above the limit).
-    app.add_middleware(Intake, api_key=ctx.config.api_key, on_error=ctx.metrics.error,
+    # Before anything is parsed: the API key, admission (429 past the bound on requests at once), then the body
+    # size (413 above the limit).
+    app.add_middleware(Intake, api_key=ctx.config.api_key, on_error=ctx.metrics.error, admit=partial(admit_early, ctx),
                        max_body_bytes=lambda: ctx.config.max_body_bytes or default_body_limit(ctx.max_model_len()))
 
     @app.post("/v1/completions")

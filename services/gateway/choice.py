@@ -118,7 +118,7 @@ class Choice:
             # Routed to one worker: only its chunks count (shared/bus/sender.py).
             sender = None if subject == subjects.DECODE_GENERATE else subjects.worker_from_subject(subject)
             stream = await bus.request_stream(self.ctx.nc, subject, self._req, timeout=self.ctx.config.stream_idle_timeout_s,
-                                              expect=TokenChunk, sender=sender)
+                                              expect=TokenChunk, sender=sender, limits=self.ctx.stream_limits)
         self.sent = True
         self._stream = stream
         try:
@@ -135,6 +135,8 @@ class Choice:
             raise APIError(504, "no answer from the decode worker in time", code="timeout") from None
         except bus.StreamGapError:  # the first chunks went missing (the connection moved between servers)
             raise StreamInterrupted() from None
+        except bus.MessagesDroppedError:
+            raise _fell_behind() from None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         assert self._stream is not None and self._first is not None, "open() first"
@@ -175,6 +177,10 @@ class Choice:
                     raise StreamInterrupted()
                 if self._worker_moved():
                     raise StreamInterrupted()
+                if self._stream is not None and self._stream.dropped:
+                    # The gateway fell behind and NATS' client dropped some of this stream, perhaps its end:
+                    # nothing may come any more. The caller ends the stream with an error and cancels the worker.
+                    raise bus.MessagesDroppedError(f"the gateway fell behind the token stream of {self.request_id}")
         finally:
             if not pending.done():
                 pending.cancel()
@@ -200,6 +206,8 @@ class Choice:
             raise APIError(504, f"decode sent nothing for {self.ctx.config.stream_idle_timeout_s:g}s", code="timeout") from None
         except bus.StreamGapError:  # chunks went missing (a connection moved between servers): resume
             raise StreamInterrupted() from None
+        except bus.MessagesDroppedError:
+            raise _fell_behind() from None
         except bus.BusError as e:
             raise APIError(500, f"lost the token stream: {e}", code="stream_error") from None
 
@@ -340,6 +348,13 @@ class Choice:
         # Unknown ids are ignored by the workers, so a cancel racing the last token is harmless.
         with trace.use_span(self.span, end_on_exit=False):
             await bus.publish(self.ctx.nc, subjects.DECODE_CANCEL, CancelRequest(request_id=request_id, reason=reason))
+
+
+def _fell_behind() -> APIError:
+    """The gateway itself could not keep up (a slow consumer): not moved elsewhere, which would only add load;
+    the request ends with this error and its worker is told to cancel (the stream's error path aborts it)."""
+    return unavailable("the gateway fell behind this token stream and lost part of it (overloaded); retry",
+                       code="stream_lost")
 
 
 def _contains(tokens: list[int], part: list[int]) -> bool:

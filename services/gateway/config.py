@@ -12,6 +12,12 @@ class GatewayConfig:
     served_model_name: str
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (tests)
+    # Generation requests served at once; past it a new one gets a fast 429 (services/gateway/admission.py).
+    # 0: no bound. 1,024 streams at ~1 token/10 ms each already ask ~0.5 of a core of the gateway.
+    max_inflight_requests: int = 1024
+    # ... and while its own NATS input lags more than this (services/gateway/input_lag.py), whatever the count:
+    # the bound that follows the machine. 0: off.
+    max_input_lag_s: float = 0.5
     max_waiting: int = 128  # per decode worker, from its load beats; at the bound it takes no new work
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     # Absent max_tokens: this many, capped by what is left of the context; 0 means "the rest of the
@@ -21,6 +27,9 @@ class GatewayConfig:
     max_body_bytes: int | None = None  # request body limit (413 above); default: 1 MiB + 64 bytes per context token
     tokenizer_timeout_s: float = 10.0
     stream_idle_timeout_s: float = 120.0  # longest silence from a decode worker (covers a long prefill)
+    # Token messages one stream's inbox holds unread before NATS' client drops them and the stream ends with a
+    # 503 error event (the gateway fell behind). None: nats-py's default.
+    stream_pending_msgs: int | None = None
     health_timeout_s: float = 1.0
     # A decode worker whose beats stop for this long is dead to the router, and its requests migrate.
     worker_expiry_s: float = 2.0
@@ -38,6 +47,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         assert self.routing in ROUTING, f"routing must be one of {', '.join(ROUTING)}"
         assert self.max_waiting > 0, "max_waiting must be positive"
+        assert self.max_inflight_requests >= 0, "max_inflight_requests must be 0 (no bound) or positive"
+        assert self.max_input_lag_s >= 0, "max_input_lag_s must be 0 (off) or positive"
         assert self.default_max_tokens >= 0
         assert self.migration_limit >= 0
         assert self.max_model_len is None or self.max_model_len > 0

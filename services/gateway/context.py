@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from services.gateway.special_tokens import added_tokens
+from shared.bus.limits import BusLimits
 
 
 @dataclass
@@ -29,12 +30,19 @@ class GatewayContext:
     tracer: trace.Tracer
     created: int  # unix time the model was loaded, for /v1/models
     draining: bool = False
+    # The gateway's own NATS input lag in seconds (services/gateway/input_lag.py; admission reads it).
+    input_lag_s: Callable[[], float] = lambda: 0.0
     in_flight: int = 0
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._idle.set()
+
+    @functools.cached_property
+    def stream_limits(self) -> BusLimits:
+        """The bus limits of a token stream from a decode worker."""
+        return BusLimits(reply_pending_msgs=self.config.stream_pending_msgs)
 
     @functools.cached_property
     def added_tokens(self) -> dict[int, str]:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.gateway.admission import admit
 from services.gateway.context import GatewayContext
 from services.gateway.errors import unavailable
 from services.gateway.beam_search import BeamGeneration
@@ -58,6 +59,7 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
     try:
         if ctx.draining:
             raise unavailable("the gateway is shutting down", code="shutting_down")
+        admit(ctx)
 
         async def start() -> Generation | BeamGeneration:
             with trace.use_span(span, end_on_exit=False):  # tokenizer and decode spans become children

@@ -17,10 +17,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 RETRY_AFTER_S = 1
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          413: "invalid_request_error"}
+          413: "invalid_request_error", 429: "rate_limit_error"}
 # Every error carries a code: a specific one where the raiser gives it, else one from the status.
 _DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-                  413: "request_too_large", 499: "client_closed", 500: "internal", 503: "overloaded",
+                  413: "request_too_large", 429: "too_many_requests", 499: "client_closed", 500: "internal", 503: "overloaded",
                   504: "timeout"}
 
 

@@ -1,4 +1,5 @@
-"""What every HTTP request passes before any of it is parsed: the API key, then a bound on the body.
+"""What every HTTP request passes before any of it is parsed: the API key, admission (a fast 429 past the
+gateway's bound on requests at once: services/gateway/admission.py), then a bound on the body.
 
 An ASGI middleware, so a wrong key is a 401 without reading the body, and a body larger than the limit
 is a 413 as soon as its size is known (Content-Length) or its bytes pass the limit (chunked uploads),
@@ -29,8 +30,10 @@ def default_body_limit(max_model_len: int) -> int:
 
 class Intake:
     def __init__(self, app: Callable, api_key: str | None, max_body_bytes: Callable[[], int],
-                 on_error: Callable[[int], None] = lambda status: None) -> None:
+                 on_error: Callable[[int], None] = lambda status: None,
+                 admit: Callable[[str], None] = lambda path: None) -> None:
         self.app = app
+        self.admit = admit  # raises an APIError (429) when the gateway takes no more requests on this path
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes  # a callable: the limit follows max_model_len once workers report it
         self.on_error = on_error  # counts the error in the gateway's metrics
@@ -44,6 +47,7 @@ class Intake:
                 key = _header(scope, b"x-api-key")
                 check_api_key(self.api_key, _header(scope, b"authorization") or (f"Bearer {key}" if key else None))
             if scope["method"] in ("POST", "PUT", "PATCH"):
+                self.admit(scope["path"])
                 receive = await self._bounded(scope, receive)
         except APIError as e:
             self.on_error(e.status)

@@ -178,6 +178,13 @@ class GatewayMetrics:
                               "over the requests this gateway served", m, registry=r)
         self.in_flight = Gauge(f"{PREFIX}gateway_requests_in_flight", "HTTP generation requests being served",
                                m, registry=r)
+        self.rejected = Counter(f"{PREFIX}gateway_requests_rejected", "Requests refused at intake before any work, "
+                                "by reason (max_inflight_requests: the gateway's bound on requests at once)",
+                                m + ["reason"], registry=r)
+        self.max_inflight = Gauge(f"{PREFIX}gateway_max_inflight_requests", "The gateway's bound on generation "
+                                  "requests served at once (0: none)", m, registry=r)
+        self.input_lag = Gauge(f"{PREFIX}gateway_input_lag_seconds", "Round trip of a probe the gateway sends "
+                               "itself over NATS: how far behind its input it is", m, registry=r)
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token", m,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between streamed token chunks", m,

@@ -1,7 +1,8 @@
 """KV-aware routing: send a prompt to the decode worker that already caches most of it.
 
 Workers publish BlockStored/BlockRemoved (what they cache) and a LoadBeat about once a second
-(how busy they are, and how they hash blocks). A worker is alive while its beats keep coming.
+(how busy they are, and how they hash blocks). A worker is alive while its beats keep coming, judged by
+the beats the gateway manages to handle, not by the wall clock alone (Router._silent).
 Tier-aware: a worker loads a prompt's blocks from its device pool, then its host tier, then the
 kvstore (which every worker reaches alike), and computes the rest. Score = 1 - the prompt's cost on
 that worker as a fraction of computing it all (a block costs 0 on the device, `host_cost` from the
@@ -74,6 +75,9 @@ class RouterConfig:
     # of 16-token blocks is 4M tokens of host tier, about 40 MB of router memory per worker at the cap.
     max_worker_hashes: int = 1 << 18
     forget_after_expiries: int = 10  # a worker silent this many expiry periods is dropped with its blocks
+    # While the gateway hears no beat from anyone, a worker is dead only after this many expiry periods
+    # (see Router._silent: a gateway that hears nobody is more likely late itself than every worker dead).
+    deaf_expiries: float = 3.0
     policy: str = "kv"  # "round-robin": the next open worker in turn, caches ignored (a baseline)
 
     def __post_init__(self) -> None:
@@ -87,6 +91,10 @@ class Router:
         self._workers: dict[str, WorkerState] = {}
         self._kvstore_blocks: OrderedDict[bytes, None] = OrderedDict()
         self._turn = 0  # round robin's position
+        # The gateway's own hearing (Router._silent): when it last handled any load beat (decode or prefill),
+        # and when it started hearing again after a stretch of an expiry period or more with no beat at all.
+        self._last_heard = float("-inf")
+        self._resumed = float("-inf")
 
     # --- events -----------------------------------------------------------------------------------
 
@@ -134,9 +142,17 @@ class Router:
             held.popitem(last=False)
 
     def on_beat(self, beat: LoadBeat) -> None:
+        self.heard()
         self._expire()
         w = self._worker(beat.worker_id)
         w.beat, w.seen, w.pending = beat, self._clock(), 0
+
+    def heard(self) -> None:
+        """The gateway handled a load beat (any worker's, prefill ones too: the service calls this for them)."""
+        now = self._clock()
+        if now - self._last_heard > self.config.expiry_s:
+            self._resumed = now
+        self._last_heard = now
 
     def heard_from_all(self) -> None:
         """Count every known worker as just heard from (the gateway itself could not hear: gateway/service.py)."""
@@ -151,9 +167,35 @@ class Router:
 
     # --- queries ----------------------------------------------------------------------------------
 
+    def _silent(self, w: WorkerState, now: float) -> bool:
+        """Whether the worker is dead to the router: silent past the expiry by the gateway's own hearing.
+
+        A beat reaches the router only after the gateway's event loop gets to it, behind every token message
+        that came first on the same connection. A gateway that falls behind (issue 25: 2,000 streams on 2
+        cores) hears every beat late at once; judged by the wall clock, every worker then looks dead
+        together, their requests migrate (more work) and the mesh collapses. So silence is judged against the
+        beats the gateway does handle:
+        - a worker is silent from its last beat or from when the gateway started hearing again after hearing
+          nobody for an expiry period, whichever is later (a backlog handled after a stall gives each worker
+          an expiry period for its own beat in it);
+        - while others' beats arrive (one handled within an expiry period), past the expiry it is dead: its
+          silence is its own;
+        - while the gateway hears nobody at all, it cannot tell its own lateness from every worker dying
+          (a lone worker that died looks the same): dead only after `deaf_expiries` expiry periods.
+        """
+        if w.beat is None:
+            return True
+        c = self.config
+        if now - max(w.seen, self._resumed) <= c.expiry_s:
+            return False
+        if now - self._last_heard <= c.expiry_s:
+            return True
+        return now - w.seen > c.expiry_s * c.deaf_expiries
+
     def _expire(self) -> None:
         """Drop workers long silent, with their block sets (called on every beat and query, so a gateway
-        that receives only other workers' beats still forgets the silent ones)."""
+        that receives only other workers' beats still forgets the silent ones). By the wall clock: ten expiry
+        periods is longer than the gateway's own lateness ever runs while it still serves (Router._silent)."""
         now = self._clock()
         limit = self.config.expiry_s * self.config.forget_after_expiries
         for wid in [wid for wid, w in self._workers.items() if now - w.seen > limit]:
@@ -165,11 +207,11 @@ class Router:
     def alive(self) -> list[WorkerState]:
         self._expire()
         now = self._clock()
-        return [w for w in self._workers.values() if w.beat is not None and now - w.seen <= self.config.expiry_s]
+        return [w for w in self._workers.values() if not self._silent(w, now)]
 
     def is_alive(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
-        return w is not None and w.beat is not None and self._clock() - w.seen <= self.config.expiry_s
+        return w is not None and not self._silent(w, self._clock())
 
     def bus_reconnects(self, worker_id: str) -> int | None:
         """How often the worker's bus connection reconnected, as its last beat says (None: unknown)."""

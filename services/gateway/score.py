@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
+from services.gateway.admission import admit
 from services.gateway.context import GatewayContext
 from services.gateway.errors import bad_request
 from services.gateway.generation import Generation
@@ -79,6 +80,7 @@ async def serve_score(ctx: GatewayContext, body: ScoreRequest) -> JSONResponse:
     gen = Generation(ctx, prepared, span, time.monotonic())
     logprobs: dict[int, float] = {}
     try:
+        admit(ctx)
         await gen.open()
         async for d in gen.deltas():
             if d.prompt_logprobs:

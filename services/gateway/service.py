@@ -22,6 +22,7 @@ from services.gateway.config import ROUTING, GatewayConfig
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
+from services.gateway.input_lag import InputLag
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router, RouterConfig
 from shared import bus, subjects
@@ -58,6 +59,7 @@ class GatewayService(Service):
         self._deaf_watch: asyncio.Future | None = None
         self._subs: list[Subscription] = []
         self._micro: MicroService | None = None
+        self._input_lag: InputLag | None = None
 
     @property
     def port(self) -> int:
@@ -80,6 +82,11 @@ class GatewayService(Service):
             router=router, metrics=GatewayMetrics(router, cfg.served_model_name),
             tracer=trace.get_tracer("kvmesh.gateway"), created=int(time.time()),
         )
+        ctx.metrics.max_inflight.labels(ctx.metrics.model).set(cfg.max_inflight_requests)
+        self._input_lag = InputLag(nc)
+        await self._input_lag.start()
+        ctx.input_lag_s = self._input_lag.seconds
+        ctx.metrics.input_lag.labels(ctx.metrics.model).set_function(self._input_lag.seconds)
 
         async def on_event(ev: BlockStored | BlockRemoved, msg: bus.RequestContext) -> None:
             # A worker speaks only for itself: the id in the event must be the subject's (the bus lets each
@@ -109,6 +116,7 @@ class GatewayService(Service):
                 router.on_beat(beat)
 
         async def on_prefill_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
+            router.heard()  # the gateway hears beats: the router judges decode workers' silence by it
             if believable(beat, msg, "prefill"):
                 ctx.metrics.prefill_workers.on_beat(beat)
 
@@ -154,6 +162,8 @@ class GatewayService(Service):
             await asyncio.wait_for(self.ctx.wait_background(), 2)  # cancels of aborted requests still going out
         if self._deaf_watch is not None:
             self._deaf_watch.cancel()
+        if self._input_lag is not None:
+            await self._input_lag.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -171,6 +181,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-inflight-requests", type=int, default=GatewayConfig.max_inflight_requests,
+                        help="generation requests the gateway serves at once; past it a new one gets 429 with "
+                             "Retry-After at once (0: no bound)")
+    parser.add_argument("--max-input-lag", type=float, default=GatewayConfig.max_input_lag_s, metavar="SECONDS",
+                        help="while the gateway's own NATS input lags more than this, new requests get 429 with "
+                             "Retry-After (0: off)")
     parser.add_argument("--max-waiting", type=int, default=128,
                         help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")
@@ -200,7 +216,8 @@ def build(args: argparse.Namespace) -> GatewayService:
     return GatewayService(GatewayConfig(
         model_dir=args.model,
         served_model_name=args.served_model_name or Path(args.model).resolve().name,
-        host=args.host, port=args.port, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
+        host=args.host, port=args.port, max_waiting=args.max_waiting, max_inflight_requests=args.max_inflight_requests,
+        max_input_lag_s=args.max_input_lag, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,

@@ -7,7 +7,8 @@
 from shared.bus.chunks import Envelope, Reassembler
 from shared.bus.client import publish, request, request_idempotent, request_stream, send_request
 from shared.bus.connect import connect
-from shared.bus.errors import BusError, BusTimeout, ChunkError, NoRespondersError, RemoteError, StreamGapError
+from shared.bus.errors import (BusError, BusTimeout, ChunkError, MessagesDroppedError, NoRespondersError, RemoteError,
+                               StreamGapError)
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.micro import Endpoint, MicroService, add_micro_service
 from shared.bus.sender import set_sender
@@ -16,7 +17,7 @@ from shared.bus.stream import ReplyStream, StreamReply, stream_reply
 
 __all__ = [
     "BusError", "BusLimits", "BusTimeout", "ChunkError", "DEFAULT_LIMITS", "Dispatcher", "Endpoint",
-    "Envelope", "MicroService", "NoRespondersError", "Reassembler", "RemoteError", "ReplyStream",
+    "Envelope", "MessagesDroppedError", "MicroService", "NoRespondersError", "Reassembler", "RemoteError", "ReplyStream",
     "RequestContext", "Served", "StreamGapError", "StreamReply", "add_micro_service", "connect",
     "publish", "request", "request_idempotent", "request_stream", "send_request", "serve", "set_sender", "stream_reply",
     "subscribe",

@@ -96,7 +96,8 @@ async def request_stream(
     """
     span = _tracer.start_span(f"request {subject}", kind=trace.SpanKind.CLIENT, attributes={"messaging.destination": subject})
     try:
-        sub = await nc.subscribe(nc.new_inbox())
+        pending = {} if limits.reply_pending_msgs is None else {"pending_msgs_limit": limits.reply_pending_msgs}
+        sub = await nc.subscribe(nc.new_inbox(), **pending)
         try:
             data = wire.encode(msg)
             await send_upload(nc, subject, data, H.with_trace(None, trace.set_span_in_context(span)), sub.subject, timeout)

@@ -9,6 +9,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from shared.bus import slow_consumer
 from shared.bus.roles import ROLES, inbox_prefix
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,14 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
     tls = _tls_context(env.get("NATS_TLS_CA"), env.get("NATS_TLS_CERT"), env.get("NATS_TLS_KEY"))
     if tls is not None:
         kwargs["tls"] = tls
-    kwargs.setdefault("error_cb", _log_error)
     kwargs.update(opts)
+    report = opts.get("error_cb") or _log_error
+
+    async def on_error(e: Exception) -> None:
+        slow_consumer.note(e)  # a stream that lost messages this way fails at once (shared/bus/stream.py)
+        await report(e)
+
+    kwargs["error_cb"] = on_error
     return await nats.connect(**kwargs)
 
 

@@ -29,6 +29,11 @@ class StreamGapError(BusError):
     """A streamed reply skipped a sequence number, i.e. messages were lost (slow consumer)."""
 
 
+class MessagesDroppedError(BusError):
+    """This receiver fell behind: the client library dropped messages of the stream from its full queue
+    (shared/bus/slow_consumer.py). Unlike a gap seen in the sequence, the receiver itself is overloaded."""
+
+
 class RemoteError(BusError):
     """The responder answered with an ErrorReply; `code` is one of shared.bus.error_reply's codes."""
 

@@ -10,10 +10,14 @@ class BusLimits:
     max_pending_bytes: int = 1 << 30  # all partially reassembled messages of one receiver together
     reassembly_timeout: float = 30.0  # seconds from a message's first chunk to its last
     max_inflight: int = 1024  # concurrent handler tasks per served subject; beyond it: "overloaded"
+    # Messages a streamed reply's inbox holds unread before the client library drops them (then the stream
+    # fails: MessagesDroppedError). None: nats-py's default (512 Ki messages).
+    reply_pending_msgs: int | None = None
 
     def __post_init__(self) -> None:
         assert 0 < self.max_message_bytes <= self.max_pending_bytes
         assert self.reassembly_timeout > 0 and self.max_inflight > 0
+        assert self.reply_pending_msgs is None or self.reply_pending_msgs > 0
 
 
 DEFAULT_LIMITS = BusLimits()

@@ -94,6 +94,8 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
         "kvstore": [_queued(subject, s.QUEUE_KVSTORE) for subject in _kvstore()],
     }[role]
     subscribe.append(SERVICE_DISCOVERY)  # every service (the gateway too) answers nats.micro's PING/INFO/STATS
+    if role == "gateway":  # its input-lag probe goes to its own inbox (services/gateway/input_lag.py)
+        publish = [*publish, own_inbox]
     if role != "gateway":  # a container's health check asks its own service's INFO (shared/launcher/healthcheck.py)
         publish = [*publish, f"$SRV.INFO.kvmesh-{role}"]
     return {"publish": {"allow": publish}, "subscribe": {"allow": [*subscribe, own_inbox]},

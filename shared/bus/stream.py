@@ -23,7 +23,8 @@ from opentelemetry import trace
 from shared import wire
 from shared.bus import headers as H
 from shared.bus.chunks import Envelope, Reassembler, send_direct, unsubscribe_quietly
-from shared.bus.errors import BusError, BusTimeout, NoRespondersError, RemoteError, StreamGapError
+from shared.bus import slow_consumer
+from shared.bus.errors import BusError, BusTimeout, MessagesDroppedError, NoRespondersError, RemoteError, StreamGapError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.error_reply import ErrorReply
 
@@ -75,7 +76,8 @@ class ReplyStream(Generic[M]):
 
     Closes its subscription when the stream ends or fails; use `async with` (or `aclose()`)
     to release it when leaving early. Raises NoRespondersError, BusTimeout (nothing arrived
-    for `idle_timeout` seconds), RemoteError, StreamGapError, ChunkError or wire.WireError.
+    for `idle_timeout` seconds), RemoteError, StreamGapError, MessagesDroppedError (this receiver fell behind
+    and the client library dropped messages), ChunkError or wire.WireError.
     """
 
     def __init__(
@@ -104,6 +106,11 @@ class ReplyStream(Generic[M]):
     @property
     def inbox(self) -> str:
         return self._sub.subject
+
+    @property
+    def dropped(self) -> bool:
+        """The client library dropped messages of this stream: its reader fell behind (slow consumer)."""
+        return slow_consumer.dropped(self._sub)
 
     def __aiter__(self) -> AsyncIterator[M]:
         return self
@@ -158,6 +165,11 @@ class ReplyStream(Generic[M]):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise BusTimeout(self._target, self._idle_timeout)
+            if self.dropped:
+                # Checked per message. Dropped messages may include the end marker, so a caller that must not
+                # wait its whole idle timeout checks `dropped` while it waits (services/gateway/choice.py).
+                raise MessagesDroppedError(f"stream from {self._target!r}: this receiver fell behind and messages "
+                                           f"were dropped (slow consumer) after item {self._seq}")
             try:
                 msg = await self._sub.next_msg(timeout=remaining)
             except nats.errors.TimeoutError:

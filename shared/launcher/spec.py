@@ -62,6 +62,7 @@ class MeshOptions:
     # torch imports. 1: a process per worker, as for real workers.
     sim_workers_per_process: int = 1
     routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
+    max_inflight_requests: int | None = None  # the gateway's bound on requests at once (None: its default)
     max_num_seqs: int | None = None  # engine workers' batch limit (None: the workers' default)
     # Tensor-parallel degree of each engine role's workers (each worker is that many processes: shared/engine/tp/).
     decode_tp: int = 1
@@ -241,6 +242,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args.append("--structured-outputs-in-reasoning")
         if opts.routing:
             args += ["--routing", opts.routing]
+        if opts.max_inflight_requests is not None:
+            args += ["--max-inflight-requests", str(opts.max_inflight_requests)]
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
     if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name:

@@ -120,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine workers' batch limit (default: theirs, 128); the load planner reads it too")
     parser.add_argument("--routing", choices=["kv", "round-robin"], default=None,
                         help="the gateway's routing: kv (default, KV-aware) or round-robin (a baseline)")
+    parser.add_argument("--max-inflight-requests", type=int, default=None, metavar="N",
+                        help="the gateway serves at most N generation requests at once; past it 429 with Retry-After "
+                             "(default: the gateway's, 1024; 0: no bound)")
     parser.add_argument("--planner", choices=["load", "sla"], default=None,
                         help="scale prefill and decode workers while serving: load (queue and KV-usage thresholds) "
                              "or sla (predicted TTFT/ITL against --ttft-slo-ms/--itl-slo-ms); --prefill/--decode "
@@ -169,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
             engine=args.engine, speculative_config=_speculative_config(args.speculative_config),
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
             sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
+            max_inflight_requests=args.max_inflight_requests,
             max_num_seqs=args.max_num_seqs,
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,

@@ -1,0 +1,51 @@
+"""Admission: the gateway takes at most `max_inflight_requests` generation requests at once.
+
+Every streamed token costs the gateway CPU (routing, detokenizing, stop strings, SSE: ~0.4-0.6 ms per token
+measured on a 2-core CPU, issue 25). Admitting more streams than it can carry does not serve more: its event
+loop falls behind, workers' load beats are handled late, NATS cuts its connection off as a slow consumer, and
+every stream degrades at once. Past the bound a new request gets a fast 429 with Retry-After instead (as TGI
+answers past its --max-concurrent-requests), and the streams already admitted keep their pace.
+
+Past a second bound too: while the gateway's own NATS input lags (services/gateway/input_lag.py), which
+follows what this machine carries for this workload where a count of streams cannot.
+
+The count is checked twice: before the body is read (services/gateway/intake.py), so a refusal costs next to nothing even
+when clients retry in a tight loop, and again once the request is counted (ctx.begin()), which is exact.
+"""
+from __future__ import annotations
+
+from services.gateway.context import GatewayContext
+from services.gateway.errors import RETRY_AFTER_S, APIError
+
+# The routes that generate (each one is counted in ctx.in_flight while it runs).
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/invocations", "/v1/responses",
+                              "/v1/messages", "/v1/score", "/health_generate"})
+
+
+def admit(ctx: GatewayContext) -> None:
+    """Raises a 429 when the gateway already serves its bound. Call after ctx.begin() (which counts this
+    request), so the bound is the number of requests served at once."""
+    limit = ctx.config.max_inflight_requests
+    if limit and ctx.in_flight > limit:
+        raise _refused(ctx, "max_inflight_requests", f"the gateway is serving its limit of {limit} requests at once "
+                                                     "(--max-inflight-requests)")
+
+
+def admit_early(ctx: GatewayContext, path: str) -> None:
+    """Before the request is parsed or counted (the Intake middleware): the same bound, and the gateway's input
+    lag (services/gateway/input_lag.py). The lag is checked here only: a request that passed it is served."""
+    if path not in GENERATION_PATHS:
+        return
+    limit = ctx.config.max_inflight_requests
+    if limit and ctx.in_flight >= limit:
+        raise _refused(ctx, "max_inflight_requests", f"the gateway is serving its limit of {limit} requests at once "
+                                                     "(--max-inflight-requests)")
+    bound = ctx.config.max_input_lag_s
+    if bound and (lag := ctx.input_lag_s()) > bound:
+        raise _refused(ctx, "input_lag", f"the gateway is {lag:.2f}s behind its input, more than its bound of "
+                                         f"{bound:g}s (--max-input-lag)")
+
+
+def _refused(ctx: GatewayContext, reason: str, why: str) -> APIError:
+    ctx.metrics.rejected.labels(ctx.metrics.model, reason).inc()
+    return APIError(429, f"{why}; retry shortly", code="too_many_requests", headers={"Retry-After": str(RETRY_AFTER_S)})
