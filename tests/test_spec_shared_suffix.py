@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from shared import bus, subjects
+from shared.launcher.spec import MeshOptions, mesh_services
 from shared.protocol.suffix import SharedOutput, SuffixOutputs
 from shared.sampling_params import SamplingParams
 from shared.spec_config import SpeculativeConfig
@@ -71,8 +74,6 @@ def test_workers_learn_each_others_outputs_per_salt(nats_server, checkpoints) ->
 
 
 def test_sharing_without_suffix_speculation_is_a_config_error(checkpoints) -> None:
-    import pytest
-
     from services.decode.service import DecodeService, DecodeSettings
     from shared.engine.errors import ConfigError
     from tests.mesh_helpers import engine_config
@@ -107,3 +108,13 @@ def test_a_learned_answer_raises_acceptance_on_the_other_worker(nats_server, che
 
         asyncio.run(main())
     assert accepted[True] > accepted[False], accepted
+
+
+def test_kvmesh_up_passes_sharing_to_decode_workers_and_refuses_it_without_suffix() -> None:
+    opts = MeshOptions(model="m", speculative_config=SUFFIX.to_json(), share_suffix_outputs=True)
+    services = {s.service: s.args for s in mesh_services(opts)}
+    assert "--share-suffix-outputs" in services["decode"] and "--share-suffix-outputs" not in services["prefill"]
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=4).to_json()
+    for spec in (None, ngram):
+        with pytest.raises(AssertionError, match="needs suffix speculation"):
+            MeshOptions(model="m", speculative_config=spec, share_suffix_outputs=True)

@@ -6,6 +6,7 @@ environment (tests/test_launcher.py compares them).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,8 @@ class MeshOptions:
     # Decode workers' --speculative-config (normalised JSON; None: no speculation). Prefill workers sample one
     # token a request: nothing to speculate.
     speculative_config: str | None = None
+    # Decode workers publish finished outputs to each other's suffix tables (needs suffix speculation).
+    share_suffix_outputs: bool = False
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -91,6 +94,9 @@ class MeshOptions:
             assert not (self.devices and self.replicas(role) and tp > len(self.devices)), (
                 f"--{role}-tp {tp} needs {tp} GPUs, one per rank, but --devices gives {len(self.devices)} "
                 f"({','.join(self.devices)}): add GPUs to --devices or lower --{role}-tp")
+        assert not self.share_suffix_outputs or (
+            self.speculative_config and json.loads(self.speculative_config).get("method") == "suffix"), \
+            "--share-suffix-outputs needs suffix speculation (--speculative-config '{\"method\": \"suffix\"}')"
         assert not (self.engine == "sim" and max(self.decode_tp, self.prefill_tp) > 1), \
             "--engine sim runs no model: --decode-tp/--prefill-tp do not apply"
 
@@ -258,6 +264,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--remote-prefill-threshold", str(threshold)]
         if opts.speculative_config:
             args += ["--speculative-config", opts.speculative_config]
+        if opts.share_suffix_outputs:
+            args += ["--share-suffix-outputs"]
     if service in ENGINE_SERVICES:
         if opts.kv_cache_dtype:
             args += ["--kv-cache-dtype", opts.kv_cache_dtype]
