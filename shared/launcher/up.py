@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default --tensor-parallel-size); KV moves between different degrees whole, by heads")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='decode workers decode speculatively: vLLM\'s JSON, e.g. {"method": "ngram", '
-                             '"num_speculative_tokens": 4} or {"method": "suffix"}')
+                             '"num_speculative_tokens": 4}, {"method": "suffix"} or {"method": "draft_model", "model": DIR}')
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--nats-tls", action="store_true",
@@ -150,6 +150,8 @@ def _speculative_config(text: str | None) -> str | None:
     """Checked here (a bad config is one error at start, not a crash loop of every decode worker); the workers
     get it back as normalised JSON."""
     spec = SpeculativeConfig.parse(text)
+    if spec is not None and spec.model is not None and Path(spec.model).exists():
+        spec = replace(spec, model=str(Path(spec.model).resolve()))  # the workers may start elsewhere
     return None if spec is None else spec.to_json()
 
 

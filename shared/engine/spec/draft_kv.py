@@ -35,6 +35,10 @@ class DraftKV:
         positions past its context (the drafts this step writes KV for); None when the pool cannot hold them
         (the request drafts nothing this step, and keeps what it has)."""
         shadow = self.shadows.get(seq.request_id)
+        have = 0 if shadow is None else len(shadow.block_table)
+        need = -(-(seq.num_tokens + extra) // self.block_size) - have
+        if need > len(self.free):
+            return None
         if shadow is None:
             shadow = Sequence(seq.request_id, seq.token_ids, seq.params)
             self.shadows[seq.request_id] = shadow
@@ -46,9 +50,6 @@ class DraftKV:
         mine, theirs = shadow.token_ids, seq.token_ids
         while valid < limit and mine[valid] == theirs[valid]:
             valid += 1
-        need = -(-(seq.num_tokens + extra) // self.block_size) - len(shadow.block_table)
-        if need > len(self.free):
-            return None
         for _ in range(need):
             shadow.block_table.append(self.free.pop())
         shadow.token_ids = list(theirs)
