@@ -103,7 +103,8 @@ def test_greedy_equals_no_speculation_and_transformers(arch, checkpoints, drafts
     ckpt = checkpoints[arch]
     prompts = repetitive_prompts([3, 17, 60], seed=11)
     plain = make_engine(ckpt, max_num_batched_tokens=48).generate(prompts, greedy(MAX_NEW), use_tqdm=False)
-    for draft in (drafts[arch], ckpt.path):
+    # The target as its own draft on two architectures (the other tests use it too): the default suite stays short.
+    for draft in (drafts[arch], ckpt.path) if arch in ("llama", "qwen3") else (drafts[arch],):
         engine = make_engine(ckpt, max_num_batched_tokens=48, speculative_config=draft_config(draft))
         outputs, events = stepped(engine, prompts, greedy(MAX_NEW))
         assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in plain], draft
@@ -184,17 +185,17 @@ def test_sampled_and_greedy_requests_in_one_batch(checkpoints, drafts):
     params += [greedy(16), SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
                                            logit_bias={7: 2.0}, logprobs=1)]
     want = make_engine(ckpt).generate(prompts[2:], params[2:], use_tqdm=False)
-    for draft in (drafts["qwen2"], ckpt.path):
-        runs = []
-        for _ in range(2):
-            engine = make_engine(ckpt, speculative_config=draft_config(draft))
-            outs = engine.generate(prompts, params, use_tqdm=False)
-            runs.append([o.output_token_ids for o in outs])
-            assert [o.output_token_ids for o in outs[2:]] == [o.output_token_ids for o in want]
-            assert all(len(o.logprobs) == len(o.output_token_ids) for o in outs)
-            assert_all_free(engine)
-            assert_draft_pool_free(engine)
-        assert runs[0] == runs[1], "a seeded request's tokens must repeat (same config, same seed)"
+    runs = []
+    for _ in range(2):
+        engine = make_engine(ckpt, speculative_config=draft_config(drafts["qwen2"]))
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        runs.append([o.output_token_ids for o in outs])
+        assert [o.output_token_ids for o in outs[2:]] == [o.output_token_ids for o in want]
+        assert all(len(o.logprobs) == len(o.output_token_ids) for o in outs)
+        assert engine.speculator.stats.num_drafts > 0
+        assert_all_free(engine)
+        assert_draft_pool_free(engine)
+    assert runs[0] == runs[1], "a seeded request's tokens must repeat (same config, same seed)"
 
 
 # --- sampling stays exact with the draft's real distribution -----------------------------------------------
@@ -210,13 +211,13 @@ def tiny_vocab_pair(tmp_path: Path):  # noqa: ANN201
 
 
 def test_sampled_tokens_follow_the_target_with_a_draft_models_q(tmp_path):
-    """Target and draft of an 8-token vocabulary, different weights: 1500 requests decode 3 tokens with temperature
+    """Target and draft of an 8-token vocabulary, different weights: 1200 requests decode 3 tokens with temperature
     and top-k; the 2nd comes out of a verify step (a draft drawn from q, accepted with min(1, p/q) or resampled from
     max(p - q, 0)). Its counts, given the most frequent first token, follow the target's processed distribution
     computed from transformers' logits."""
     target, draft = tiny_vocab_pair(tmp_path)
     params = SamplingParams(max_tokens=3, temperature=0.9, top_k=6, ignore_eos=True)
-    n = 1500
+    n = 1200
     engine = make_engine(target, num_kv_blocks=n + 16, max_num_seqs=n, max_num_batched_tokens=8 * n, seed=1,
                          speculative_config=draft_config(draft.path, k=2, disable_by_batch_size=0))
     prompt = [1, 4, 2, 5]
