@@ -68,6 +68,16 @@ def test_bad_draft_model_config_is_a_clear_error(text, message):
     assert message in str(e.value)
 
 
+def test_kvmesh_up_hands_decode_workers_an_absolute_draft_path(tmp_path, monkeypatch):
+    from shared.launcher.up import _speculative_config
+
+    (tmp_path / "draft").mkdir()
+    monkeypatch.chdir(tmp_path)
+    text = _speculative_config('{"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}')
+    spec = SpeculativeConfig.parse(text)
+    assert spec.model == str(tmp_path / "draft") and spec.num_speculative_tokens == 3
+
+
 def test_draft_with_another_vocabulary_is_refused_at_start(checkpoints, tmp_path):
     other = build_checkpoint("llama", tmp_path / "v256", vocab_size=256)
     with pytest.raises(ConfigError, match="vocabulary has 256 entries, the target's 512"):
