@@ -270,13 +270,14 @@ def test_sampled_drafts_are_verified_against_the_drafts_q(tmp_path):
 
 @pytest.mark.slow
 def test_real_model_greedy_equals_no_speculation(smollm2_dir, tmp_path):
-    """SmolLM2 drafted by its own first 6 layers (loadtest/draft_checkpoint.py): same tokens, target logprobs."""
+    """SmolLM2 drafted by its own first 24 of 30 layers (loadtest/draft_checkpoint.py; fewer layers draft nothing the
+    target accepts): same tokens, the target's logprobs, some drafts accepted."""
     from loadtest.draft_checkpoint import truncated_checkpoint
     from shared.config import EngineConfig
     from shared.engine.llm_engine import LLMEngine
     from shared.models.tokenizer import encode_chat, load_tokenizer
 
-    draft = truncated_checkpoint(smollm2_dir, tmp_path / "smollm2-6l", 6)
+    draft = truncated_checkpoint(smollm2_dir, tmp_path / "smollm2-24l", 24)
     tok = load_tokenizer(smollm2_dir)
     text = "The committee met on Tuesday to review the budget and agreed that the library budget would rise."
     prompts = [encode_chat(tok, [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}])]
