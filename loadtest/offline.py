@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV budget for kvmesh and transformers CB (default: 1 GiB on CPU; on CUDA kvmesh's memory "
                         "budget, and transformers CB gets the bytes kvmesh's pool ended up with)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='kvmesh decodes speculatively: vLLM\'s JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}')
+                   help='kvmesh decodes speculatively: vLLM\'s JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4} '
+                        'or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}')
     p.add_argument("--skip-hf", action="store_true", help="run kvmesh only")
     p.add_argument("--skip-kvmesh", action="store_true", help="run the transformers baselines only")
     p.add_argument("--baselines", default=",".join(BASELINES), help=f"comma list out of {','.join(BASELINES)}")

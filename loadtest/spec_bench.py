@@ -7,7 +7,10 @@ method has the same work to do. Reported per cell: output tokens/s (output token
 inter-token latency (a request's decode seconds / its tokens after the first, averaged over requests), mean
 acceptance length (tokens a verify gives a request: 1 + accepted / drafts), and each method's ratio to off.
 
-The same bench runs on a GPU (--device cuda, --model a Qwen3 checkpoint); draft-model speculation is not built.
+draft_model drafts with --draft-model (a checkpoint with the target's tokenizer); by default, for SmolLM2, its own
+first --draft-layers layers cut into a checkpoint of their own (loadtest/draft_checkpoint.py): no smaller model
+shares SmolLM2's tokenizer here. The same bench runs on a GPU: --device cuda --model a Qwen3 checkpoint
+--draft-model a smaller Qwen3 of the same tokenizer (e.g. Qwen3-8B drafted by Qwen3-0.6B).
 """
 from __future__ import annotations
 
@@ -39,14 +42,19 @@ DOC = ("The town council met on Tuesday evening to review the budget for next ye
        "Monday of March, in the library's reading room.")
 METHODS = {"off": None, "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
                                  '"prompt_lookup_max": 4}',
-           "suffix": '{"method": "suffix", "num_speculative_tokens": 6}'}
+           "suffix": '{"method": "suffix", "num_speculative_tokens": 6}',
+           "draft_model": '{"method": "draft_model", "num_speculative_tokens": 4, "model": "(--draft-model)"}'}
+DEFAULT_METHODS = ("off", "ngram", "suffix")  # draft_model on request: it needs a draft checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list out of {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list out of {','.join(METHODS)}")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="draft_model's checkpoint (default: the target's first --draft-layers layers)")
+    p.add_argument("--draft-layers", type=int, default=6, help="layers of the default cut draft (default 6)")
     p.add_argument("--concurrency", default="1,4,16", help="comma list of requests kept in flight")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per cell (default: max(2, concurrency))")
@@ -127,8 +135,11 @@ def run(args: argparse.Namespace) -> int:
     # Every method's engine at once, and the methods run back to back within each cell: load from other work on
     # the machine drifts over minutes, and interleaving keeps each ratio's two runs close in time.
     engines = {}
+    texts = dict(METHODS)
+    if "draft_model" in methods:
+        texts["draft_model"] = json.dumps({**json.loads(METHODS["draft_model"]), "model": _draft_dir(args, model)})
     for method in methods:
-        spec = SpeculativeConfig.parse(METHODS[method])
+        spec = SpeculativeConfig.parse(texts[method])
         if spec is not None and args.disable_by_batch_size is not None:
             spec = SpeculativeConfig(**{**json.loads(spec.to_json()), "disable_by_batch_size": args.disable_by_batch_size})
         engines[method] = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype,
@@ -143,13 +154,25 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{method:7s} {workload:8s} c={c:<3d} {cell['output_tok_s']:8.1f} tok/s  ITL "
                       f"{cell['mean_itl_ms']:7.1f} ms  acceptance length {cell['mean_acceptance_length']}",
                       file=sys.stderr, flush=True)
-                _write(args, model, methods, machine, results)  # a cell at a time: a cut-short run keeps what it measured
-    _write(args, model, methods, machine, results)
+                _write(args, model, methods, machine, results, texts)  # a cell at a time: a cut-short run keeps what it measured
+    _write(args, model, methods, machine, results, texts)
     print(json.dumps(results, indent=1))
     return 0
 
 
-def _write(args: argparse.Namespace, model: str, methods: list[str], machine: dict, results: dict) -> None:
+def _draft_dir(args: argparse.Namespace, model: str) -> str:
+    if args.draft_model:
+        from shared.models.model_source import resolve_model
+
+        return str(Path(resolve_model(args.draft_model)).resolve())
+    from loadtest.draft_checkpoint import truncated_checkpoint
+
+    dst = Path(model).parent / f"{Path(model).name}-first{args.draft_layers}layers"
+    return str(truncated_checkpoint(model, dst, args.draft_layers))
+
+
+def _write(args: argparse.Namespace, model: str, methods: list[str], machine: dict, results: dict,
+           texts: dict[str, str | None]) -> None:
     for cells in results.values():
         for by_method in cells.values():
             base = by_method.get("off")
@@ -158,7 +181,7 @@ def _write(args: argparse.Namespace, model: str, methods: list[str], machine: di
                     cell["tok_s_vs_off"] = round(cell["output_tok_s"] / base["output_tok_s"], 3)
                     cell["itl_vs_off"] = round(cell["mean_itl_ms"] / base["mean_itl_ms"], 3)
     report = {"bench": "spec", "model": Path(model).name, "device": args.device, "dtype": args.dtype,
-              "max_tokens": args.max_tokens, "methods": {m: METHODS[m] for m in methods}, "machine": machine,
+              "max_tokens": args.max_tokens, "methods": {m: texts[m] for m in methods}, "machine": machine,
               "workloads": {w: [t[:60] for t in WORKLOADS[w]] for w in WORKLOADS}, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

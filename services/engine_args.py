@@ -51,6 +51,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=os.environ.get("KVMESH_SPECULATIVE_CONFIG"), metavar="JSON",
                         help='speculative decoding as vLLM\'s JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "suffix"} '
+                             'or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} '
                              '(env KVMESH_SPECULATIVE_CONFIG)')
     parser.add_argument("--cpu-compile", default=os.environ.get("KVMESH_CPU_COMPILE", "off"),
                         choices=["auto", "on", "off"],

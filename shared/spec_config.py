@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from shared.engine.errors import ConfigError
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,13 @@ class SpeculativeConfig:
     # No speculation in a step whose running decode batch is larger than this (0: never switch off): at a large
     # batch the verify forward's extra rows cost more than the accepted tokens save (vLLM's key of the name).
     disable_by_batch_size: int = 8
+    # draft_model: the small checkpoint (directory or .gguf) with the target's tokenizer that drafts; loaded with
+    # the project's own loader on the target's device and dtype (shared/engine/spec/draft_model.py).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            hint = " (draft-model speculation is not built yet)" if self.method in ("draft_model", "eagle") else ""
+            hint = " (EAGLE heads are not built yet)" if self.method == "eagle" else ""
             raise ConfigError(f"--speculative-config: unknown method {self.method!r}{hint}; "
                               f"choose one of {', '.join(METHODS)}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
@@ -40,6 +43,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"--speculative-config: {name} must be an integer >= 1, got {value!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model.strip()):
+            raise ConfigError('--speculative-config: method "draft_model" needs "model": the draft checkpoint')
+        if self.method != "draft_model" and self.model is not None:
+            raise ConfigError(f'--speculative-config: "model" is only for method "draft_model", not {self.method!r}')
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"--speculative-config: prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
                               f"prompt_lookup_max ({self.prompt_lookup_max})")

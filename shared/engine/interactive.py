@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4} '
-                             'or {"method": "suffix"}')
+                             'or {"method": "suffix"} or {"method": "draft_model", "model": DIR}')
     parser.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model across this many ranks (processes; gloo on CPU, NCCL on CUDA)")

@@ -29,6 +29,7 @@ from shared.engine.prompt_logprobs import record_prompt_logprobs
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from shared.engine.sequence import Sequence
+from shared.engine.spec.draft_model import DraftModel
 from shared.engine.spec.grammar_drafts import draft_bitmask
 from shared.engine.spec.speculator import Speculator
 from shared.engine.step_metrics import CumulativeHistogram
@@ -70,7 +71,11 @@ class LLMEngine:
         self.kv_dtype = kv_dtype(self.dtype, c.kv_cache_dtype)
         self.runner = runner_for(self.model, c.block_size, c.device, self.tp)
         self.sampler = Sampler(mc.eos_token_ids, c.seed, c.device)
+        spec = c.speculative_config  # a draft model loads before the pool is sized: its weights and KV take a share
+        draft = DraftModel(c, mc, self.dtype, self.max_model_len) if spec and spec.method == "draft_model" else None
         self.num_blocks = plan_num_blocks(c, self.runner, self.sampler, self.kv_dtype, self.max_model_len, start)
+        if draft is not None:
+            self.num_blocks = draft.share_pool(self.num_blocks, c.num_kv_blocks is None, mc)
         self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if c.device.startswith("cuda") and not c.enforce_eager:
@@ -87,7 +92,7 @@ class LLMEngine:
                                    c.long_prefill_token_threshold, outputs)
         self.iteration_tokens = CumulativeHistogram()
         # Speculative decoding (shared/engine/spec/): drafts before scheduling, a verify inside the step.
-        self.speculator = Speculator(c.speculative_config, self.max_model_len) if c.speculative_config else None
+        self.speculator = Speculator(spec, self.max_model_len, draft, self.sampler) if spec else None
         self._grammar: GrammarBackend | None = None
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
                  c.block_size, self.dtype, self.kv_dtype)
@@ -185,6 +190,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return None if seq is None else OutputProcessor.output(seq, [])
 
     def has_unfinished_requests(self) -> bool:
@@ -251,4 +258,6 @@ class LLMEngine:
         live = self.scheduler.sequences()
         self.block_manager.check_integrity(live)
         assert set(self.scheduler.requests) == {s.request_id for s in live}
+        if self.speculator is not None:
+            self.speculator.check_integrity(set(self.scheduler.requests))
 

@@ -67,6 +67,9 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.spec_index: Any = None
         self.spec_budget: Any = None
+        # A draft model's distributions q the drafts were drawn from ([len(spec_token_ids), vocab], on the device),
+        # for the rejection sampler; None: point-mass drafts (a lookup proposer, or a greedy request).
+        self.spec_draft_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default --tensor-parallel-size); KV moves between different degrees whole, by heads")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='decode workers decode speculatively: vLLM\'s JSON, e.g. {"method": "ngram", '
-                             '"num_speculative_tokens": 4} or {"method": "suffix"}')
+                             '"num_speculative_tokens": 4}, {"method": "suffix"} or {"method": "draft_model", "model": DIR}')
     parser.add_argument("--share-suffix-outputs", action="store_true",
                         help="suffix speculation: decode workers learn each other's finished outputs (measured: "
                              "1-5%% fewer decode steps; loadtest/results/spec_shared_suffix_cpu.json)")
@@ -156,6 +156,8 @@ def _speculative_config(text: str | None) -> str | None:
     """Checked here (a bad config is one error at start, not a crash loop of every decode worker); the workers
     get it back as normalised JSON."""
     spec = SpeculativeConfig.parse(text)
+    if spec is not None and spec.model is not None and Path(spec.model).exists():
+        spec = replace(spec, model=str(Path(spec.model).resolve()))  # the workers may start elsewhere
     return None if spec is None else spec.to_json()
 
 

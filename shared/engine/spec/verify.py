@@ -18,6 +18,7 @@ from shared.engine.rejection_sampler import rejection_sample
 from shared.engine.sampler import Sampler, sampling_probs
 from shared.engine.sequence import Sequence
 from shared.engine.spec.draft_position import DraftPosition, positions
+from shared.engine.spec.draft_probs import draft_probs_of
 
 Verified = tuple[list[int], list[TokenLogprobs | None]]  # emitted tokens (accepted drafts + one), their logprobs
 
@@ -80,7 +81,8 @@ def _rejection(sampler: Sampler, logits: torch.Tensor, group, results, where, bi
     sampler.process_logits(lg, views)  # type: ignore[arg-type]
     probs = sampling_probs(lg, params)
     emitted = rejection_sample(probs, [seq.spec_token_ids[:k] for seq, k, _ in group],
-                               [sampler.generator_for(seq) for seq, _, _ in group])
+                               [sampler.generator_for(seq) for seq, _, _ in group],
+                               draft_probs=draft_probs_of(group, probs))  # a draft model's q; None: point masses
     if raw is None:
         for toks, i in zip(emitted, where):
             results[i] = (toks, [None] * len(toks))
