@@ -102,7 +102,9 @@ def test_greedy_structured_equals_no_speculation(arch, checkpoints):
     requests = [(f"r{i}", p, SamplingParams(max_tokens=64, temperature=0.0, logprobs=1, structured=s))
                 for i, (p, s) in enumerate(zip(prompts, schemas))]
     plain = _run_checking_matchers(make_engine(ckpt), requests)
-    for name, config in METHODS.items():
+    # The target drafting for itself: long model drafts that the grammar cuts and verification masks.
+    own_draft = SpeculativeConfig(method="draft_model", model=str(ckpt.path), num_speculative_tokens=4)
+    for name, config in {**METHODS, "draft_model": own_draft}.items():
         engine = make_engine(ckpt, speculative_config=config)
         outs = _run_checking_matchers(engine, requests)
         for rid, _, params in requests:
@@ -135,6 +137,25 @@ def test_sampled_structured_requests_stay_valid_under_rejection_sampling(checkpo
     for out in outs.values():
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(tok.decode(out.output_token_ids, skip_special_tokens=True)), SCHEMA)
+    assert engine.speculator.stats.num_draft_tokens > 0
+    assert_all_free(engine)
+
+
+def test_sampled_structured_requests_do_not_draft_from_a_model(checkpoints):
+    """A model's draft cut at the grammar is a draw conditioned on being legal, which min(1, p/q) does not
+    correct for: sampled structured requests decode without model drafts, greedy ones beside them still draft."""
+    from shared.models.tokenizer import load_tokenizer
+
+    ckpt = checkpoints["qwen3"]
+    tok = load_tokenizer(ckpt.path)
+    prompt = tok.encode("JSON please")
+    own_draft = SpeculativeConfig(method="draft_model", model=str(ckpt.path), num_speculative_tokens=4)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=3, structured=_schema(SCHEMA))
+    engine = make_engine(ckpt, speculative_config=own_draft)
+    _run_checking_matchers(engine, [("s", prompt, sampled)])
+    assert engine.speculator.stats.num_draft_tokens == 0
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, structured=_schema(SCHEMA))
+    _run_checking_matchers(engine, [("s2", prompt, sampled), ("g", prompt, greedy)])
     assert engine.speculator.stats.num_draft_tokens > 0
     assert_all_free(engine)
 
