@@ -44,8 +44,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "worker pushes each chunk's KV while the next computes (default: 0, prefill "
                              "workers %d)" % PREFILL_CHUNK_TOKENS)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only quantized linear layers on CPU (int8 per row, int4 in groups of 32)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                        help="weight-only quantized linear layers on CPU: gguf (a GGUF's Q4_0/Q4_1/Q8_0 weights as "
+                             "stored), int8 (per row), int4 (groups of 32), none; auto (default): gguf for a GGUF "
+                             "model served in bf16 on CPU, else none")
     parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                         help="bf16 on CPU: plain F.linear instead of oneDNN pre-packed weights (same results, slower)")
     parser.add_argument("--speculative-config", default=os.environ.get("KVMESH_SPECULATIVE_CONFIG"), metavar="JSON",

@@ -197,7 +197,11 @@ def load_model(
                             if t.split == "vocab":  # the last rank's padding rows past the vocabulary
                                 dst.zero_()
                             dst[t.row_offset : t.row_offset + part.shape[0]].copy_(part)
-    if quantization:
+    if quantization == "gguf":
+        from shared.models.gguf_quant import apply_gguf_blocks
+
+        apply_gguf_blocks(model, model_dir, cfg.tie_word_embeddings)
+    elif quantization:
         from shared.models.quant_linear import quantize_model
 
         n = quantize_model(model, quantization)
