@@ -55,7 +55,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "suffix"} '
                              '(env KVMESH_SPECULATIVE_CONFIG)')
     parser.add_argument("--cpu-compile", default=os.environ.get("KVMESH_CPU_COMPILE", "off"),
-                        choices=["auto", "on", "off"],
+                        choices=["auto", "on", "whole", "off"],
                         help="decode steps on CPU through torch.compile (inductor C++), batch sizes bucketed and "
                              "compiled at start (~20 s a graph, two graphs): auto = when serving bfloat16 on CPU; "
                              "default off (not faster than eager as measured so far; env KVMESH_CPU_COMPILE)")

@@ -103,7 +103,7 @@ class EngineConfig:
                 raise ConfigError(f"--quantization {self.quantization} is weight-only quantization for CPU serving "
                                   f"(torch's CPU int8/int4 kernels); {self.device} serves the model's own dtype: "
                                   "leave --quantization out")
-        if self.cpu_compile not in ("auto", "on", "off"):
-            raise ConfigError(f"--cpu-compile {self.cpu_compile!r}: choose one of auto, on, off")
+        if self.cpu_compile not in ("auto", "on", "whole", "off"):
+            raise ConfigError(f"--cpu-compile {self.cpu_compile!r}: choose one of auto, on, whole, off")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")
