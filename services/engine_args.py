@@ -44,7 +44,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "worker pushes each chunk's KV while the next computes (default: 0, prefill "
                              "workers %d)" % PREFILL_CHUNK_TOKENS)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+    parser.add_argument("--quantization", default="auto",
+                        choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4"],
                         help="weight-only quantized linear layers on CPU: gguf (a GGUF's Q4_0/Q4_1/Q8_0 weights as "
                              "stored), int8 (per row), int4 (groups of 32), none; auto (default): gguf for a GGUF "
                              "model served in bf16 on CPU, else none")

@@ -48,7 +48,8 @@ class EngineConfig:
     gpu_capability: tuple[int, int] | None = None
     # Weight-only quantization of the linear layers at load: None (or "none"), int8, int4
     # (shared/models/quant_linear.py), gguf (a converted GGUF's Q4/Q8_0 weights as stored:
-    # shared/models/gguf_quant.py), or auto (the CLI's default): gguf when that applies, else None. Resolved here.
+    # shared/models/gguf_quant.py; gguf-hybrid: plus a bf16 twin for large steps), or auto (the CLI's default):
+    # gguf when that applies, else None. Resolved here.
     quantization: str | None = None
     # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
     # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).
@@ -88,7 +89,7 @@ class EngineConfig:
                     f"--kv-cache-dtype fp8 needs a GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}."
                     f"{FP8_MIN_CAPABILITY[1]} (Ada, Hopper or newer); {self.device} is sm_{cap[0]}{cap[1]}: use "
                     f"--kv-cache-dtype auto")
-        if self.quantization in ("auto", "none", "gguf"):
+        if self.quantization in ("auto", "none", "gguf", "gguf-hybrid"):
             from shared.models.gguf_quant import resolve_gguf_quantization
 
             self.quantization = resolve_gguf_quantization(self.quantization, self.model, self.device, self.dtype,
@@ -96,9 +97,9 @@ class EngineConfig:
         if self.quantization is not None:
             from shared.models.quant_linear import QUANTIZATIONS
 
-            if self.quantization not in QUANTIZATIONS + ("gguf",):
+            if self.quantization not in QUANTIZATIONS + ("gguf", "gguf-hybrid"):
                 raise ConfigError(f"--quantization {self.quantization!r}: choose one of auto, none, gguf, "
-                                  f"{', '.join(QUANTIZATIONS)}")
+                                  f"gguf-hybrid, {', '.join(QUANTIZATIONS)}")
             if self.device != "cpu":
                 raise ConfigError(f"--quantization {self.quantization} is weight-only quantization for CPU serving "
                                   f"(torch's CPU int8/int4 kernels); {self.device} serves the model's own dtype: "

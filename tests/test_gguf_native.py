@@ -18,6 +18,7 @@ from shared.engine.errors import ConfigError
 from shared.engine.kv_cache import engine_root
 from shared.engine.llm_engine import LLMEngine
 from shared.models.gguf_blocks import BLOCKS_FILE, dequantize_q4
+from shared.models.gguf_quant import HYBRID_MAX_ROWS, RowSplitLinear
 from shared.models.loader import load_model
 from shared.models.model_source import resolve_model
 from shared.models.quant_linear import Int4Linear, Int8Linear
@@ -87,6 +88,17 @@ def test_layers_by_type_and_int4_error_bound(tiny) -> None:
     assert types == [("Int4Linear", "Int8Linear", "Linear", "Int4Linear")] * 2
     assert isinstance(native.lm_head, nn.Linear)  # F16 embeddings: the tied head stays bf16
     assert native.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_hybrid_uses_int4_for_small_steps_and_bf16_above(tiny) -> None:
+    hybrid, _ = load_model(tiny, dtype="bfloat16", quantization="gguf-hybrid", pack_weights=True)
+    plain, _ = load_model(tiny, dtype="bfloat16", quantization="gguf", pack_weights=True)
+    dense, _ = load_model(tiny, dtype="bfloat16", quantization=None, pack_weights=True)
+    layer = hybrid.layers[0].mlp.down_proj
+    assert isinstance(layer, RowSplitLinear) and isinstance(layer.quantized, Int4Linear)
+    for rows, ref in ((HYBRID_MAX_ROWS, plain), (HYBRID_MAX_ROWS + 1, dense)):
+        x = torch.randn(rows, layer.quantized.in_features).bfloat16()
+        assert torch.equal(layer(x), ref.layers[0].mlp.down_proj(x))
 
 
 def test_auto_picks_native_only_where_it_applies(tiny, tmp_path, monkeypatch) -> None:

@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-outputs-in-reasoning", action="store_true",
                         help="the gateway applies structured outputs and forced tool calls to <think> text too "
                              "(default: they start after it)")
-    parser.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "int8", "int4"],
+    parser.add_argument("--quantization", default=None,
+                        choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4"],
                         help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
                              "(groups of 32): 2-4x fewer bytes a decode step than bf16; gguf: a GGUF's Q4_0/Q4_1/"
                              "Q8_0 weights as stored; none: dequantized (default, auto: gguf for a GGUF model "

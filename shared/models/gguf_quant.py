@@ -29,6 +29,33 @@ from shared.models.quant_linear import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
+# gguf: the quantized layers only. gguf-hybrid: each also keeps the dequantized weight, packed bf16, for steps of
+# more than HYBRID_MAX_ROWS rows, where torch's int4/int8 CPU kernels (which unpack the weight again for every
+# few rows) are slower than oneDNN's bf16 matmul (loadtest/results/cpu_gguf_native.json): 1.25x bf16's memory.
+GGUF_MODES = ("gguf", "gguf-hybrid")
+HYBRID_MAX_ROWS = 4
+
+
+class RowSplitLinear(nn.Module):
+    """A quantized layer for steps of at most max_rows rows, its dense twin for larger ones."""
+
+    def __init__(self, quantized: nn.Module, dense: nn.Module, max_rows: int) -> None:
+        super().__init__()
+        self.quantized, self.dense, self.max_rows = quantized, dense, max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return self.quantized(x) if rows <= self.max_rows else self.dense(x)
+
+
+def _with_dense(new: nn.Module, old: nn.Linear, max_rows: int | None) -> nn.Module:
+    if max_rows is None:
+        return new
+    from shared.models.packed_linear import PackedLinear, packing_available
+
+    dense = PackedLinear(old.weight, old.bias) if packing_available() and old.weight.dtype == torch.bfloat16 else old
+    return RowSplitLinear(new, dense, max_rows)
+
 # The linear layers of a decoder layer, with the checkpoint tensors fused into each, in row order (the order
 # shared/models/loader.py's weight_plan stacks them).
 _PARTS = {
@@ -52,21 +79,23 @@ def resolve_gguf_quantization(requested: str, model: str, device: str, dtype: st
 
     if requested == "none":
         return None
+    mode = requested if requested in GGUF_MODES else "gguf"
     blocks = load_format != "dummy" and has_gguf_blocks(model)
     served = default_cpu_dtype()[0] if dtype == "auto" and device == "cpu" else dtype
     why = ("not a converted GGUF with Q4_0/Q4_1/Q8_0 weights" if not blocks
            else f"not a CPU device ({device})" if device != "cpu"
            else f"serving {served}, and the native kernels compute in bfloat16" if served != "bfloat16"
            else "tensor parallelism" if tensor_parallel_size > 1 else None)
-    if requested == "gguf" and why is not None:
-        raise ConfigError(f"--quantization gguf serves a GGUF's quantized weights natively on one CPU worker in "
+    if requested in GGUF_MODES and why is not None:
+        raise ConfigError(f"--quantization {requested} serves a GGUF's quantized weights natively on one CPU worker in "
                           f"bfloat16; here: {why}")
     if why is not None:
         if blocks:
             log.info("GGUF weights dequantized (--quantization auto: %s)", why)
         return None
-    log.info("GGUF weights served as stored (--quantization %s; --quantization none dequantizes them)", requested)
-    return "gguf"
+    log.info("GGUF weights served as stored (--quantization %s -> %s; --quantization none dequantizes them)",
+             requested, mode)
+    return mode
 
 
 def gguf_types(model_dir: str | Path) -> dict[str, str]:
@@ -91,8 +120,10 @@ def _native(layer: nn.Module, names: list[str], types: dict[str, str], f) -> nn.
 
 
 @torch.no_grad()
-def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddings: bool) -> Counter:
-    """Replace the model's linear layers whose GGUF type has a native kernel, in place; returns weights (elements)
+def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddings: bool,
+                      dense_above: int | None = None) -> Counter:
+    """Replace the model's linear layers whose GGUF type has a native kernel, in place (dense_above: keep a bf16
+    twin for steps of more rows, RowSplitLinear); returns weights (elements)
     served natively per GGUF type (a fused layer of mixed Q4 parts counts as "Q4_0+Q4_1")."""
     types = gguf_types(model_dir)
     served: Counter = Counter()
@@ -105,15 +136,16 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
                 old = getattr(parent, name)
                 new = _native(old, names, types, f)
                 if new is not None:
-                    setattr(parent, name, new)
+                    setattr(parent, name, _with_dense(new, old, dense_above))
                 (kept if new is None else served)["+".join(sorted({types[n] for n in names}))] += old.weight.numel()
         head = "model.embed_tokens.weight" if tie_word_embeddings else "lm_head.weight"
         new = _native(model.lm_head, [head], types, f)
         if new is not None:
             served[types[head]] += model.lm_head.weight.numel()
-            model.lm_head = new
+            model.lm_head = _with_dense(new, model.lm_head, dense_above)
     log.info("GGUF weights served natively on CPU (no bf16 copy): %s; Q4 blocks through int4 (group 32, bf16 "
-             "scales), Q8_0 requantized per row to int8; kept dequantized: %s",
+             "scales), Q8_0 requantized per row to int8%s; kept dequantized: %s",
              ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(served.items())) or "none",
+             "" if dense_above is None else f"; a packed bf16 twin serves steps of more than {dense_above} rows",
              ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(kept.items())) or "nothing")
     return served
