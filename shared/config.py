@@ -49,7 +49,7 @@ class EngineConfig:
     # Weight-only quantization of the linear layers at load: None (or "none"), int8, int4
     # (shared/models/quant_linear.py), gguf (a converted GGUF's Q4/Q8_0 weights as stored:
     # shared/models/gguf_quant.py; gguf-hybrid: plus a bf16 twin for large steps), or auto (the CLI's default):
-    # gguf when that applies, else None. Resolved here.
+    # gguf-hybrid when that applies, else None. Resolved here.
     quantization: str | None = None
     # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
     # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).

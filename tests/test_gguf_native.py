@@ -103,12 +103,12 @@ def test_hybrid_uses_int4_for_small_steps_and_bf16_above(tiny) -> None:
 
 def test_auto_picks_native_only_where_it_applies(tiny, tmp_path, monkeypatch) -> None:
     cfg = lambda **kw: EngineConfig(model=tiny, device="cpu", num_kv_blocks=16, **kw)  # noqa: E731
-    assert cfg(dtype="bfloat16", quantization="auto").quantization == "gguf"
+    assert cfg(dtype="bfloat16", quantization="auto").quantization == "gguf-hybrid"
     assert cfg(dtype="bfloat16", quantization="none").quantization is None
     assert cfg(dtype="bfloat16").quantization is None  # the engine API's default: as configured, no auto
     assert cfg(dtype="float32", quantization="auto").quantization is None  # the native kernels compute in bf16
     monkeypatch.setenv("KVMESH_CPU_DTYPE", "bfloat16")
-    assert cfg(dtype="auto", quantization="auto").quantization == "gguf"
+    assert cfg(dtype="auto", quantization="auto").quantization == "gguf-hybrid"
     with pytest.raises(ConfigError, match="float32"):
         cfg(dtype="float32", quantization="gguf")
     with pytest.raises(ConfigError, match="not a converted GGUF"):

@@ -87,8 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4"],
                         help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
                              "(groups of 32): 2-4x fewer bytes a decode step than bf16; gguf: a GGUF's Q4_0/Q4_1/"
-                             "Q8_0 weights as stored; none: dequantized (default, auto: gguf for a GGUF model "
-                             "served in bf16 on CPU)")
+                             "Q8_0 weights as stored (gguf-hybrid: plus a bf16 copy for steps of more than 4 rows); "
+                             "none: dequantized (default, auto: gguf-hybrid for a GGUF model served in bf16 on CPU)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="every engine worker split across this many ranks (processes; gloo on CPU)")
     parser.add_argument("--decode-tp", type=int, default=None, help="decode workers' tensor-parallel size "

@@ -1,5 +1,6 @@
-"""Serve a GGUF's quantized weights on CPU without dequantizing them to bf16 (`--quantization gguf`, the default
-for a converted GGUF served in bf16 on a CPU; `--quantization none` serves the dequantized weights).
+"""Serve a GGUF's quantized weights on CPU without dequantizing them to bf16 (`--quantization gguf`; `gguf-hybrid`,
+the default for a converted GGUF served in bf16 on a CPU, also keeps a bf16 twin for steps of more than 4 rows;
+`--quantization none` serves the dequantized weights).
 
 - Q4_0 / Q4_1 linear layers become Int4Linear (shared/models/quant_linear.py, torch's
   `aten._weight_int4pack_mm_for_cpu`, group 32) from the file's own blocks (shared/models/gguf_blocks.py): the
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 # few rows) are slower than oneDNN's bf16 matmul (loadtest/results/cpu_gguf_native.json): 1.25x bf16's memory.
 GGUF_MODES = ("gguf", "gguf-hybrid")
 HYBRID_MAX_ROWS = 4
+# What --quantization auto serves a GGUF as: hybrid, because pure int4 measured 0.58-0.67x of bf16 at batch 32 and
+# every prefill chunk (tens of rows) would go through the slow path too; gguf when memory matters more.
+AUTO_MODE = "gguf-hybrid"
 
 
 class RowSplitLinear(nn.Module):
@@ -72,14 +76,15 @@ def has_gguf_blocks(model_dir: str | Path) -> bool:
 
 def resolve_gguf_quantization(requested: str, model: str, device: str, dtype: str, load_format: str,
                               tensor_parallel_size: int) -> str | None:
-    """auto / none / gguf -> gguf or None, logged. auto: gguf for a converted GGUF with Q4/Q8_0 weights served
-    in bf16 on a CPU (the int4/int8 kernels compute in bf16), by one rank, from its weights (not dummy ones)."""
+    """auto / none / gguf / gguf-hybrid -> a GGUF mode or None, logged. auto: AUTO_MODE for a converted GGUF with
+    Q4/Q8_0 weights served in bf16 on a CPU (the int4/int8 kernels compute in bf16), by one rank, from its weights
+    (not dummy ones)."""
     from shared.engine.errors import ConfigError
     from shared.models.cpu_dtype import default_cpu_dtype
 
     if requested == "none":
         return None
-    mode = requested if requested in GGUF_MODES else "gguf"
+    mode = requested if requested in GGUF_MODES else AUTO_MODE
     blocks = load_format != "dummy" and has_gguf_blocks(model)
     served = default_cpu_dtype()[0] if dtype == "auto" and device == "cpu" else dtype
     why = ("not a converted GGUF with Q4_0/Q4_1/Q8_0 weights" if not blocks
