@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 CpuCompileMode = Literal["auto", "on", "whole", "off"]
 # whole: the whole decode forward (embedding, every layer, final norm) as one graph per bucket instead of one
-# layer's graph called per layer: one guard check a step instead of one per layer (an experiment beside "on").
+# layer's graph called per layer: one guard check a step instead of one per layer. An experiment beside "on", not
+# picked by auto: on SmolLM2 it compiled for 930 s at start on the loaded 2-core CPU (118 s for "on") and was not
+# measurably faster at batch 1 (loadtest/results/cpu_compile_whole_gguf_1thread.json).
 CPU_COMPILE_MODES = ("auto", "on", "whole", "off")
 
 
