@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--arms", default="eager,compiled", help="eager, compiled (--cpu-compile on: one layer's graph "
+                    "per layer), whole (--cpu-compile whole: the whole forward in one graph)")
+    ap.add_argument("--quantization", default="none", help="none, or gguf (the Q4_1 GGUF's weights as stored)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -37,22 +40,26 @@ def main() -> None:
     model = str(smollm2_checkpoint())
     batches = [int(b) for b in args.batches.split(",")]
     engines, build_s = {}, {}
-    for name in ("eager", "compiled"):
+    modes = {"eager": "off", "compiled": "on", "whole": "whole"}
+    arms = args.arms.split(",")
+    for name in arms:
         t = time.perf_counter()
         engines[name] = LLMEngine(EngineConfig(model=model, dtype="bfloat16", device="cpu", max_num_seqs=max(batches),
-                                               cpu_compile="on" if name == "compiled" else "off"))
+                                               cpu_compile=modes[name], quantization=args.quantization))
         build_s[name] = round(time.perf_counter() - t, 1)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     toks = {n: [o.output_token_ids for o in e.generate(decode_prompts(8), greedy, use_tqdm=False)] for n, e in engines.items()}
     runs = interleaved(engines, batches, args.rounds, lambda name, b: decode_tok_s(engines[name], b, args.out_len))
-    ratio = median_ratio(runs, "compiled", "eager")
-    report = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "threads": torch.get_num_threads(),
+    ratio = {f"{a}_vs_eager": median_ratio(runs, a, "eager") for a in arms if a != "eager"}
+    report = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "quantization": args.quantization,
+              "threads": torch.get_num_threads(),
               "machine": f"{os.cpu_count()} cores, shared with other jobs (load average below)",
               "loadavg_1m_after": os.getloadavg()[0], "build_s": build_s,
-              "compile_s_per_bucket": engines["compiled"].cpu_compile_seconds,
-              "greedy_rows_identical": f"{sum(a == b for a, b in zip(toks['eager'], toks['compiled']))}/8",
+              "compile_s_per_bucket": {a: engines[a].cpu_compile_seconds for a in arms if a != "eager"},
+              "greedy_rows_identical_to_eager": {a: f"{sum(x == y for x, y in zip(toks['eager'], toks[a]))}/8"
+                                                 for a in arms if a != "eager"},
               "decode_tok_s_median": medians(runs),
-              "ratio_compiled_vs_eager_median_of_rounds": ratio, "runs": runs,
+              "ratio_median_of_rounds": ratio, "runs": runs,
               "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     print(json.dumps(report, indent=2))
     if args.json:

@@ -44,8 +44,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "worker pushes each chunk's KV while the next computes (default: 0, prefill "
                              "workers %d)" % PREFILL_CHUNK_TOKENS)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only quantized linear layers on CPU (int8 per row, int4 in groups of 32)")
+    parser.add_argument("--quantization", default="auto",
+                        choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4"],
+                        help="weight-only quantized linear layers on CPU: gguf (a GGUF's Q4_0/Q4_1/Q8_0 weights as "
+                             "stored), gguf-hybrid (the same for steps of <= 4 rows, a bf16 copy above), int8 (per "
+                             "row), int4 (groups of 32), none; auto (default): gguf-hybrid for a GGUF model served in "
+                             "bf16 on CPU, else none")
     parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                         help="bf16 on CPU: plain F.linear instead of oneDNN pre-packed weights (same results, slower)")
     parser.add_argument("--speculative-config", default=os.environ.get("KVMESH_SPECULATIVE_CONFIG"), metavar="JSON",
@@ -54,7 +58,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              'or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4} '
                              '(env KVMESH_SPECULATIVE_CONFIG)')
     parser.add_argument("--cpu-compile", default=os.environ.get("KVMESH_CPU_COMPILE", "off"),
-                        choices=["auto", "on", "off"],
+                        choices=["auto", "on", "whole", "off"],
                         help="decode steps on CPU through torch.compile (inductor C++), batch sizes bucketed and "
                              "compiled at start (~20 s a graph, two graphs): auto = when serving bfloat16 on CPU; "
                              "default off (not faster than eager as measured so far; env KVMESH_CPU_COMPILE)")

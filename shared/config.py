@@ -46,7 +46,10 @@ class EngineConfig:
     model_id: str | None = None  # name folded into block hashes; default: the directory name
     # (major, minor) compute capability of the CUDA device; default: asked of the device (tests pass one).
     gpu_capability: tuple[int, int] | None = None
-    # Weight-only quantization of the linear layers at load (shared/models/quant_linear.py): None, int8, int4.
+    # Weight-only quantization of the linear layers at load: None (or "none"), int8, int4
+    # (shared/models/quant_linear.py), gguf (a converted GGUF's Q4/Q8_0 weights as stored:
+    # shared/models/gguf_quant.py; gguf-hybrid: plus a bf16 twin for large steps), or auto (the CLI's default):
+    # gguf-hybrid when that applies, else None. Resolved here.
     quantization: str | None = None
     # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
     # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).
@@ -86,16 +89,22 @@ class EngineConfig:
                     f"--kv-cache-dtype fp8 needs a GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}."
                     f"{FP8_MIN_CAPABILITY[1]} (Ada, Hopper or newer); {self.device} is sm_{cap[0]}{cap[1]}: use "
                     f"--kv-cache-dtype auto")
+        if self.quantization in ("auto", "none", "gguf", "gguf-hybrid"):
+            from shared.models.gguf_quant import resolve_gguf_quantization
+
+            self.quantization = resolve_gguf_quantization(self.quantization, self.model, self.device, self.dtype,
+                                                          self.load_format, self.tensor_parallel_size)
         if self.quantization is not None:
             from shared.models.quant_linear import QUANTIZATIONS
 
-            if self.quantization not in QUANTIZATIONS:
-                raise ConfigError(f"--quantization {self.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+            if self.quantization not in QUANTIZATIONS + ("gguf", "gguf-hybrid"):
+                raise ConfigError(f"--quantization {self.quantization!r}: choose one of auto, none, gguf, "
+                                  f"gguf-hybrid, {', '.join(QUANTIZATIONS)}")
             if self.device != "cpu":
                 raise ConfigError(f"--quantization {self.quantization} is weight-only quantization for CPU serving "
                                   f"(torch's CPU int8/int4 kernels); {self.device} serves the model's own dtype: "
                                   "leave --quantization out")
-        if self.cpu_compile not in ("auto", "on", "off"):
-            raise ConfigError(f"--cpu-compile {self.cpu_compile!r}: choose one of auto, on, off")
+        if self.cpu_compile not in ("auto", "on", "whole", "off"):
+            raise ConfigError(f"--cpu-compile {self.cpu_compile!r}: choose one of auto, on, whole, off")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of auto, {', '.join(DTYPES)}")

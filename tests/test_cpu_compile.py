@@ -3,6 +3,7 @@ at start and nothing compiled while serving, and when auto turns it on. Tiny sha
 compile to seconds."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo.utils
 
@@ -14,12 +15,14 @@ def _unique_graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def test_compiled_decode_matches_eager_and_never_recompiles(checkpoints):
+# one layer's graph per layer, or the whole forward in one (slow: ~110 s of compiling on the loaded 2-core CPU)
+@pytest.mark.parametrize("mode", ["on", pytest.param("whole", marks=pytest.mark.slow)])
+def test_compiled_decode_matches_eager_and_never_recompiles(checkpoints, mode):
     ckpt = checkpoints["qwen3"]  # q/k norm and tied embeddings: the most ops per layer
     # max_num_seqs 2: buckets [1, 2], the static batch-1 graph and the dynamic one every larger bucket uses.
     eager = make_engine(ckpt, dtype="bfloat16", cpu_compile="off", max_num_seqs=2)
     before = _unique_graphs()
-    compiled = make_engine(ckpt, dtype="bfloat16", cpu_compile="on", max_num_seqs=2)
+    compiled = make_engine(ckpt, dtype="bfloat16", cpu_compile=mode, max_num_seqs=2)
     graphs = compiled.runner.graphs
     assert graphs is not None and isinstance(graphs.forward, CompiledDecode)
     assert [b for b, _ in compiled.cpu_compile_seconds] == graphs.buckets == [1, 2]

@@ -112,7 +112,7 @@ def test_quantized_engine_equals_transformers_on_the_same_weights(tmp_path, arch
 
 
 def test_bad_quantization_settings_are_refused() -> None:
-    with pytest.raises(ConfigError, match="choose one of int8, int4"):
+    with pytest.raises(ConfigError, match="choose one of auto, none, gguf, gguf-hybrid, int8, int4"):
         EngineConfig(model="unused", device="cpu", quantization="int3")
     with pytest.raises(ConfigError, match="for CPU serving"):
         EngineConfig(model="unused", device="cuda", quantization="int4")

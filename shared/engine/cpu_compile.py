@@ -27,15 +27,20 @@ from shared.models.llama import DecoderLayer, LlamaFamilyForCausalLM
 
 log = logging.getLogger(__name__)
 
-CpuCompileMode = Literal["auto", "on", "off"]
-CPU_COMPILE_MODES = ("auto", "on", "off")
+CpuCompileMode = Literal["auto", "on", "whole", "off"]
+# whole: the whole decode forward (embedding, every layer, final norm) as one graph per bucket instead of one
+# layer's graph called per layer: one guard check a step instead of one per layer. An experiment beside "on", not
+# picked by auto: on SmolLM2 it compiled for 930 s at start on the loaded 2-core CPU (118 s for "on") and was not
+# measurably faster at batch 1 (loadtest/results/cpu_compile_whole_gguf_1thread.json).
+CPU_COMPILE_MODES = ("auto", "on", "whole", "off")
 
 
 def cpu_compile_enabled(mode: str, device: str, dtype: torch.dtype, enforce_eager: bool = False) -> tuple[bool, str]:
     """(compile the CPU decode step?, why). auto: on a CPU device serving bfloat16 (the default on CPUs with
     native bf16: shared/models/cpu_dtype.py) when inductor can build C++ (a compiler on PATH). float32 stays
     eager under auto, as it stays unpacked (shared/models/packed_linear.py): it is the mode whose tokens are
-    compared with transformers, and fused float32 loops round differently from eager's op-by-op ones. on:
+    compared with transformers, and fused float32 loops round differently from eager's op-by-op ones. on (or
+    whole, the same compiled as one graph a step):
     any CPU dtype (a missing compiler is an error at start); off, or --enforce-eager: eager."""
     if mode not in CPU_COMPILE_MODES:
         raise ValueError(f"unknown cpu_compile {mode!r}; choose one of {', '.join(CPU_COMPILE_MODES)}")
@@ -47,10 +52,15 @@ def cpu_compile_enabled(mode: str, device: str, dtype: torch.dtype, enforce_eage
         return False, f"--cpu-compile auto compiles bfloat16 only; serving {dtype}"
     compiler = next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
     if compiler is None:
-        if mode == "on":
-            raise RuntimeError("--cpu-compile on needs a C++ compiler (g++ or clang++) for inductor; none on PATH")
+        if mode in ("on", "whole"):
+            raise RuntimeError(f"--cpu-compile {mode} needs a C++ compiler (g++ or clang++) for inductor; none on PATH")
         return False, "no C++ compiler on PATH"
     return True, f"inductor C++ backend ({compiler})"
+
+
+def _whole_step(model: LlamaFamilyForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_caches) -> torch.Tensor:  # noqa: ANN001
+    return model(input_ids, positions, meta, kv_caches)
 
 
 def _layer_step(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
@@ -61,18 +71,22 @@ def _layer_step(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, po
 class CompiledDecode:
     """The model's forward for decode-only steps, with each layer through one compiled graph."""
 
-    def __init__(self, model: LlamaFamilyForCausalLM) -> None:
+    def __init__(self, model: LlamaFamilyForCausalLM, whole: bool = False) -> None:
         self.model = model
         # fullgraph: a graph break would silently fall back to eager for part of every layer.
         # emulate_precision_casts: fused bf16 ops round where eager rounds (each op's bf16 result), so compiled
         # and eager steps give the same tokens (tests/test_cpu_compile.py) at no measurable cost here.
-        self.layer = torch.compile(_layer_step, fullgraph=True, options={"emulate_precision_casts": True})
+        options = {"emulate_precision_casts": True}
+        self.whole = torch.compile(_whole_step, fullgraph=True, options=options) if whole else None
+        self.layer = None if whole else torch.compile(_layer_step, fullgraph=True, options=options)
         self.calls = 0  # forwards run (tests check decode steps come through here)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches) -> torch.Tensor:
         self.calls += 1
         m = self.model
+        if self.whole is not None:
+            return self.whole(m, input_ids, positions, meta, kv_caches)
         x = m.embed_tokens(input_ids)
         residual = torch.zeros_like(x)
         for layer, kv in zip(m.layers, kv_caches):
@@ -90,7 +104,8 @@ def compile_cpu_decode(runner, model: LlamaFamilyForCausalLM, c, dtype: torch.dt
         if c.device == "cpu":
             log.info("CPU decode eager: %s", why)
         return []
-    graphs = runner.use_decode_graphs(max_model_len, c.max_num_seqs, capture=False, forward=CompiledDecode(model))
+    graphs = runner.use_decode_graphs(max_model_len, c.max_num_seqs, capture=False,
+                                      forward=CompiledDecode(model, whole=c.cpu_compile == "whole"))
     seconds = graphs.warm_all()
     log.info("CPU decode compiled (%s) for batch buckets %s in %.1f s (per bucket: %s)", why, graphs.buckets,
              sum(s for _, s in seconds), ", ".join(f"{b}: {s:.1f}" for b, s in seconds))

@@ -83,9 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-outputs-in-reasoning", action="store_true",
                         help="the gateway applies structured outputs and forced tool calls to <think> text too "
                              "(default: they start after it)")
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    parser.add_argument("--quantization", default=None,
+                        choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4"],
                         help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
-                             "(groups of 32): 2-4x fewer bytes a decode step than bf16")
+                             "(groups of 32): 2-4x fewer bytes a decode step than bf16; gguf: a GGUF's Q4_0/Q4_1/"
+                             "Q8_0 weights as stored (gguf-hybrid: plus a bf16 copy for steps of more than 4 rows); "
+                             "none: dequantized (default, auto: gguf-hybrid for a GGUF model served in bf16 on CPU)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="every engine worker split across this many ranks (processes; gloo on CPU)")
     parser.add_argument("--decode-tp", type=int, default=None, help="decode workers' tensor-parallel size "
@@ -198,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
               f"{profile.name!r} (x{opts.sim_speed:g}), synthetic tokens, placeholder KV. For scale tests and "
               f"planner studies only: the outputs are not a model's.", flush=True)
         opts = replace(opts, devices=(), quantization=None)  # nothing to place on a GPU
-    if opts.quantization and opts.devices:
+    if opts.quantization not in (None, "auto", "none") and opts.devices:
         print(f"kvmesh up: --quantization {opts.quantization} is weight-only quantization for CPU workers; the "
               f"workers here go on GPUs {','.join(opts.devices)} (add --devices none to serve on the CPU)",
               file=sys.stderr)

@@ -5,7 +5,8 @@ the same files a Hugging Face checkpoint has, so the loader, the tokenizer servi
 need no GGUF code of their own. The file is read with the `gguf` package; weights are dequantized
 with its numpy dequantizer (loadtest/results/README.md, "Figures behind design choices", says why)
 and written as float32 safetensors: dequantized values are exact in float32, and the engine rounds them to the
-serving dtype at load. This module imports numpy and gguf, never torch; the tokenizer comes through
+serving dtype at load. Q4_0/Q4_1 blocks are also kept as stored (shared/models/gguf_blocks.py), for CPU workers
+that serve them without dequantizing. This module imports numpy and gguf, never torch; the tokenizer comes through
 transformers' GGUF tokenizer conversion (tokenizers only).
 """
 from __future__ import annotations
@@ -158,8 +159,32 @@ def dequantized_tensors(reader, path: Path, header: GgufHeader) -> dict[str, np.
     return out
 
 
+def q4_block_tensors(reader, header: GgufHeader) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The Q4_0/Q4_1 tensors' blocks under their HF names (shared/models/gguf_blocks.py: `<name>.codes`, `.d`,
+    `.m`), q/k rows un-permuted as the dequantized weights are, and every tensor's GGUF type by HF name."""
+    from shared.models.gguf_blocks import NATIVE_Q4, q4_blocks
+
+    heads, kv_heads = header.config["num_attention_heads"], header.config["num_key_value_heads"]
+    out: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        types[name] = t.tensor_type.name
+        if t.tensor_type.name not in NATIVE_Q4:
+            continue
+        parts = q4_blocks(np.asarray(t.data), t.tensor_type.name)
+        if header.arch in PERMUTED_ARCHS and name.endswith("q_proj.weight"):
+            parts = tuple(_reverse_permute(a, heads) for a in parts)
+        elif header.arch in PERMUTED_ARCHS and name.endswith("k_proj.weight"):
+            parts = tuple(_reverse_permute(a, kv_heads) for a in parts)
+        for suffix, a in zip(("codes", "d", "m"), parts):
+            out[f"{name}.{suffix}"] = np.ascontiguousarray(a)
+    return out, types
+
+
 def convert_gguf(path: Path, out_dir: Path) -> Path:
-    """Write config.json, generation_config.json, model.safetensors and the tokenizer files into out_dir."""
+    """Write config.json, generation_config.json, model.safetensors, the Q4 blocks (gguf_blocks.safetensors,
+    for serving them natively on CPU: shared/models/gguf_quant.py) and the tokenizer files into out_dir."""
     import gguf
     from safetensors.numpy import save_file
 
@@ -174,6 +199,12 @@ def convert_gguf(path: Path, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(path, out_dir)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    del tensors
+    from shared.models.gguf_blocks import BLOCKS_FILE, blocks_metadata
+
+    blocks, types = q4_block_tensors(reader, header)
+    if blocks or "Q8_0" in types.values():
+        save_file(blocks, str(out_dir / BLOCKS_FILE), metadata=blocks_metadata(types))
     (out_dir / "config.json").write_text(json.dumps(header.config, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps(header.generation, indent=2) + "\n")
     return out_dir

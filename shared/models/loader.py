@@ -195,7 +195,12 @@ def load_model(
                             if t.split == "vocab":  # the last rank's padding rows past the vocabulary
                                 dst.zero_()
                             dst[t.row_offset : t.row_offset + part.shape[0]].copy_(part)
-    if quantization:
+    if quantization in ("gguf", "gguf-hybrid"):
+        from shared.models.gguf_quant import HYBRID_MAX_ROWS, apply_gguf_blocks
+
+        apply_gguf_blocks(model, model_dir, cfg.tie_word_embeddings,
+                          HYBRID_MAX_ROWS if quantization == "gguf-hybrid" else None)
+    elif quantization:
         from shared.models.quant_linear import quantize_model
         from shared.models.tp.quant import quantize_tp_model
 

@@ -53,21 +53,37 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = INT4_GROUP) -> None:
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None, group: int = INT4_GROUP,
+                 blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """weight [out, in] is quantized by each group's min and max; or blocks = (q [out, in] in [0, 15], scale,
+        lo [out, in / group]) are taken as they are (w = q * scale + lo: GGUF's Q4 blocks, Int4Linear.from_blocks)."""
         super().__init__()
-        n, k = weight.shape
-        assert k % group == 0, f"in_features {k} is not a multiple of the int4 group {group}"
-        w = weight.detach().float().view(n, k // group, group)
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        scale = (hi - lo) / 15
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0, w = lo
-        q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        if blocks is None:
+            n, k = weight.shape
+            assert k % group == 0, f"in_features {k} is not a multiple of the int4 group {group}"
+            w = weight.detach().float().view(n, k // group, group)
+            lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+            scale = (hi - lo) / 15
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0, w = lo
+            q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        else:
+            q, scale, lo = blocks
+            n, k = q.shape
+            assert scale.shape == lo.shape == (n, k // group), f"{scale.shape} scales for a {n} x {k} weight"
+            q, scale, lo = q.to(torch.int32).contiguous(), scale.float(), lo.float()
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES))
         # [k / group, n, 2]: (scale, zero) with zero = lo + 8 * scale, in the activations' dtype.
         self.register_buffer("scales_zeros", torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1)
                              .contiguous().to(COMPUTE))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_features, self.in_features, self.group = n, k, group
+
+    @classmethod
+    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bias: torch.Tensor | None,
+                    group: int = INT4_GROUP) -> Int4Linear:
+        """Already-quantized weights, w = q * scale + lo per group; scale and lo are rounded to bf16 (the kernel's
+        dtype for bf16 activations)."""
+        return cls(None, bias, group, blocks=(q, scale, lo))
 
     def dequantized(self) -> torch.Tensor:
         """What the layer multiplies by, as float32 [out, in]: unpacked by running the kernel on the identity."""

@@ -1,0 +1,162 @@
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 weights served on CPU without a bf16 copy (shared/models/gguf_quant.py): the blocks
+kept by the conversion are exactly what gguf dequantizes, the int4 layers built from them multiply by the file's
+codes with bf16-rounded scales (bounded error), layers are chosen by type, and `--quantization auto` picks it
+only where it applies. Tiny files are written by gguf's GGUFWriter and read back by its GGUFReader."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shared.config import EngineConfig
+from shared.engine.errors import ConfigError
+from shared.engine.kv_cache import engine_root
+from shared.engine.llm_engine import LLMEngine
+from shared.models.gguf_blocks import BLOCKS_FILE, dequantize_q4
+from shared.models.gguf_quant import HYBRID_MAX_ROWS, RowSplitLinear
+from shared.models.loader import load_model
+from shared.models.model_source import resolve_model
+from shared.models.quant_linear import Int4Linear, Int8Linear
+from shared.sampling_params import SamplingParams
+from tests.gguf_files import TinySpec, write_tiny_gguf
+
+# q/k/v mix Q4_0 and Q4_1 (one int4 layer), o is Q8_0 (int8), gate/up mix Q4_1 and Q5_0 (kept), down is Q4_0.
+TYPES = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_1", "attn_output.weight": "Q8_0",
+         "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q5_0", "ffn_down.weight": "Q4_0"}
+BF16_ULP = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding moves a value by at most 2^-9 of it; 2^-8 is slack
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_gguf_file, tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("gguf-native")
+    path = write_tiny_gguf(tmp / "tiny.Q4_1.gguf", smollm2_gguf_file, TinySpec(arch="llama", types=TYPES))
+    return resolve_model(path, tmp / "cache")
+
+
+def test_kept_blocks_dequantize_exactly_as_gguf(tiny) -> None:
+    """Codes, d and m read back from the converted directory give gguf's float32 dequantization bit for bit (the
+    converted model.safetensors holds that, un-permuted; tests/test_gguf.py checks it against gguf itself)."""
+    with safe_open(str(Path(tiny) / BLOCKS_FILE), framework="np") as f, \
+            safe_open(str(Path(tiny) / "model.safetensors"), framework="np") as ref:
+        names = {k.rsplit(".", 1)[0] for k in f.keys()}
+        assert {f"model.layers.{i}.self_attn.{p}.weight" for i in (0, 1) for p in ("q_proj", "k_proj")} <= names
+        assert "model.layers.0.mlp.up_proj.weight" not in names  # Q5_0: not kept
+        for n in sorted(names):
+            got = dequantize_q4(f.get_tensor(f"{n}.codes"), f.get_tensor(f"{n}.d"), f.get_tensor(f"{n}.m"))
+            np.testing.assert_array_equal(got, ref.get_tensor(n))
+
+
+def test_real_reader_blocks_match_gguf_dequantize(tiny, smollm2_gguf_file) -> None:
+    """The block parser on the real SmolLM2 file's first Q4_1 tensor, against gguf's own dequantizer."""
+    from shared.models.gguf_blocks import q4_blocks
+
+    reader = gguf.GGUFReader(str(smollm2_gguf_file))
+    t = next(t for t in reader.tensors if t.tensor_type.name == "Q4_1")
+    got = dequantize_q4(*q4_blocks(np.asarray(t.data), "Q4_1"))
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(t.data, t.tensor_type).reshape(got.shape))
+
+
+def test_layers_by_type_and_int4_error_bound(tiny) -> None:
+    native, _ = load_model(tiny, dtype="bfloat16", quantization="gguf", pack_weights=False)
+    exact, _ = load_model(tiny, dtype="float32")
+    types = []
+    with safe_open(str(Path(tiny) / BLOCKS_FILE), framework="pt") as f:
+        for i, (nl, el) in enumerate(zip(native.layers, exact.layers)):
+            types.append(tuple(type(m).__name__ for m in (nl.self_attn.qkv_proj, nl.self_attn.o_proj,
+                                                          nl.mlp.gate_up_proj, nl.mlp.down_proj)))
+            for layer, ref, parts in ((nl.self_attn.qkv_proj, el.self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
+                                      (nl.mlp.down_proj, el.mlp.down_proj, ("down_proj",))):
+                prefix = "self_attn" if parts[0] != "down_proj" else "mlp"
+                d = torch.cat([f.get_tensor(f"model.layers.{i}.{prefix}.{p}.weight.d") for p in parts])
+                m = torch.cat([f.get_tensor(f"model.layers.{i}.{prefix}.{p}.weight.m") for p in parts])
+                # (q - 8) bf16(d) + bf16(m + 8 d): each weight moves by at most 8 |d| + |m + 8 d| bf16 ulps, and
+                # dequantized() (the kernel on the identity) returns it rounded to bf16: |w| more.
+                w = ref.weight.view(*d.shape, 32)
+                bound = (8 * d.abs() + (m + 8 * d).abs())[..., None] * BF16_ULP + w.abs() * BF16_ULP + 1e-7
+                err = (layer.dequantized().view(w.shape) - w).abs()
+                assert (err <= bound).all(), f"layer {i} {parts}: {(err / bound).max()}"
+                x = torch.randn(3, ref.in_features).bfloat16()
+                y_exact = x.float() @ ref.weight.t()
+                y_bf16 = (x @ ref.weight.bfloat16().t()).float()
+                # the native output is as close to the exact one as bf16-rounded weights give, within 2x
+                assert (layer(x).float() - y_exact).abs().max() <= 2 * (y_bf16 - y_exact).abs().max() + 1e-3
+    assert types == [("Int4Linear", "Int8Linear", "Linear", "Int4Linear")] * 2
+    assert isinstance(native.lm_head, nn.Linear)  # F16 embeddings: the tied head stays bf16
+    assert native.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_hybrid_uses_int4_for_small_steps_and_bf16_above(tiny) -> None:
+    hybrid, _ = load_model(tiny, dtype="bfloat16", quantization="gguf-hybrid", pack_weights=True)
+    plain, _ = load_model(tiny, dtype="bfloat16", quantization="gguf", pack_weights=True)
+    dense, _ = load_model(tiny, dtype="bfloat16", quantization=None, pack_weights=True)
+    layer = hybrid.layers[0].mlp.down_proj
+    assert isinstance(layer, RowSplitLinear) and isinstance(layer.quantized, Int4Linear)
+    for rows, ref in ((HYBRID_MAX_ROWS, plain), (HYBRID_MAX_ROWS + 1, dense)):
+        x = torch.randn(rows, layer.quantized.in_features).bfloat16()
+        assert torch.equal(layer(x), ref.layers[0].mlp.down_proj(x))
+
+
+def test_auto_picks_native_only_where_it_applies(tiny, tmp_path, monkeypatch) -> None:
+    cfg = lambda **kw: EngineConfig(model=tiny, device="cpu", num_kv_blocks=16, **kw)  # noqa: E731
+    assert cfg(dtype="bfloat16", quantization="auto").quantization == "gguf-hybrid"
+    assert cfg(dtype="bfloat16", quantization="none").quantization is None
+    assert cfg(dtype="bfloat16").quantization is None  # the engine API's default: as configured, no auto
+    assert cfg(dtype="float32", quantization="auto").quantization is None  # the native kernels compute in bf16
+    monkeypatch.setenv("KVMESH_CPU_DTYPE", "bfloat16")
+    assert cfg(dtype="auto", quantization="auto").quantization == "gguf-hybrid"
+    with pytest.raises(ConfigError, match="float32"):
+        cfg(dtype="float32", quantization="gguf")
+    with pytest.raises(ConfigError, match="not a converted GGUF"):
+        EngineConfig(model=str(tmp_path), device="cpu", dtype="bfloat16", quantization="gguf")
+    # native and dequantized weights compute different KV: their blocks never share a hash
+    assert engine_root(cfg(dtype="bfloat16", quantization="gguf"), torch.bfloat16) != \
+        engine_root(cfg(dtype="bfloat16", quantization="none"), torch.bfloat16)
+
+
+def test_engine_serves_native_close_to_dequantized(tiny) -> None:
+    prompt = [1, 504, 3101, 27, 915, 4412, 28, 8, 77]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    outs = {}
+    for quant in ("gguf", "none"):
+        e = LLMEngine(EngineConfig(model=tiny, device="cpu", dtype="bfloat16", quantization=quant, num_kv_blocks=64,
+                                   max_num_batched_tokens=256, max_num_seqs=4))
+        assert any(isinstance(m, Int4Linear) for m in e.model.modules()) == (quant == "gguf")
+        outs[quant] = e.generate([prompt], params, use_tqdm=False)[0]
+    first = outs["gguf"].logprobs[0]
+    ref = outs["none"].logprobs[0]
+    assert outs["gguf"].output_token_ids[0] == outs["none"].output_token_ids[0]
+    assert abs(first.logprob - ref.logprob) < 0.05
+
+
+@pytest.mark.slow
+def test_smollm2_native_q4_1_quality_against_dequantized(smollm2_dir) -> None:
+    """The real demo model, native Q4_1 (int4 layers, int8 head) vs its dequantized bf16 weights: perplexity of a
+    fixed text within 1%, and greedy chat answers that stay together for most of their first 16 tokens (bf16
+    rounding alone splits near-ties: loadtest/results/cpu_gguf_native.json has 18/32 rows identical over 32)."""
+    import math
+
+    from loadtest.cpu_gguf_native import TEXT, _first_difference
+    from loadtest.eos_offline import KINDS, TOPICS
+    from shared.models.tokenizer import encode_chat, load_tokenizer
+
+    tok = load_tokenizer(str(smollm2_dir))
+    text_ids = tok(TEXT.read_text())["input_ids"]
+    chats = [encode_chat(tok, [{"role": "user", "content": k.format(t)}]) for t in TOPICS for k in KINDS][:8]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ppl, toks = {}, {}
+    for quant in ("gguf", "none"):
+        e = LLMEngine(EngineConfig(model=str(smollm2_dir), device="cpu", dtype="bfloat16", quantization=quant,
+                                   num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=1024))
+        assert isinstance(e.model.lm_head, Int8Linear) == (quant == "gguf")
+        out = e.generate([text_ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        lps = [p.logprob for p in out.prompt_logprobs if p is not None]
+        ppl[quant] = math.exp(-sum(lps) / len(lps))
+        toks[quant] = [o.output_token_ids for o in e.generate(chats, params, use_tqdm=False)]
+    assert abs(ppl["gguf"] / ppl["none"] - 1) < 0.01, ppl
+    together = sum(_first_difference(a, b) for a, b in zip(toks["gguf"], toks["none"])) / len(chats)
+    assert together >= 8, f"{together} tokens before the first difference, mean of 8 rows"
