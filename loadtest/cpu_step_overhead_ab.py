@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loadtest.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
 from shared.config import EngineConfig
@@ -39,7 +40,7 @@ def _old_rotary(q, k, positions, cos_sin_cache) -> None:
 
 
 def _old_ref(qkv, heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, cos_sin_cache, k_cache, v_cache,
-             slot_mapping, k_scale=1.0, v_scale=1.0, rope=None) -> torch.Tensor:
+             slot_mapping, k_scale=1.0, v_scale=1.0, rope=None, kept=None) -> torch.Tensor:
     """The previous qk_rope_store twin (ignores the per-step rows and slots: store_kv_ref derives them per layer)."""
     q, k, v = qrs._views(qkv, heads, kv_heads, head_dim)
     if q_weight is not None:
@@ -47,6 +48,31 @@ def _old_ref(qkv, heads, kv_heads, head_dim, q_weight, k_weight, eps, positions,
     _old_rotary(q, k, positions, cos_sin_cache)
     qrs.store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched (a load-independent figure beside the timings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_decode_step(engine: LLMEngine, batch: int, steps: int = 8) -> float:
+    """aten ops per decode step: a run of steps + 1 tokens minus a run of 1 token (the prefill), over steps."""
+    counts = []
+    for n in (1, steps + 1):
+        engine.generate(decode_prompts(batch), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                        use_tqdm=False)  # the prompts are in the prefix cache for the counted run too
+        with _CountOps() as c:
+            engine.generate(decode_prompts(batch), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+                            use_tqdm=False)
+        counts.append(c.count)
+    return (counts[1] - counts[0]) / steps
 
 
 def main() -> None:
@@ -77,6 +103,10 @@ def main() -> None:
     for name in arms:
         qrs.qk_rope_store_ref = arms[name]
         tokens[name] = [o.output_token_ids for o in engine.generate(decode_prompts(8), greedy, use_tqdm=False)]
+    ops = {}
+    for name in arms:
+        qrs.qk_rope_store_ref = arms[name]
+        ops[name] = {b: ops_per_decode_step(engine, b) for b in batches}
     runs = interleaved(arms, batches, args.rounds, measure)
     qrs.qk_rope_store_ref = arms["new"]
     report = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "decode": "eager (packed linears)",
@@ -84,6 +114,7 @@ def main() -> None:
               "machine": f"{os.cpu_count()} cores, shared with other jobs (load average below)",
               "loadavg_1m_after": os.getloadavg()[0],
               "greedy_tokens_equal_8_rows": tokens["new"] == tokens["old"],
+              "aten_ops_per_decode_step": ops,
               "ratio_new_vs_old_median_of_rounds": median_ratio(runs, "new", "old"),
               "decode_tok_s_median": medians(runs),
               "runs": runs}
