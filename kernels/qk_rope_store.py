@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.rmsnorm import rms_norm_ref
-from kernels.rotary import rotary_ref
+from kernels.rotary import rope_rows, rotate_rows
 from kernels.store_kv import FP8_DTYPE, FP8_MAX, store_kv_ref
 from kernels.triton_support import recording, tl, triton
 
@@ -28,13 +28,21 @@ def _views(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int):
 
 
 def qk_rope_store_ref(qkv, heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, cos_sin_cache, k_cache,
-                      v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
-    """Torch twin (the CPU path and the oracle): the unfused kernels' twins in their order."""
+                      v_cache, slot_mapping, k_scale=1.0, v_scale=1.0, rope=None, kept=None) -> torch.Tensor:
+    """Torch twin (the CPU path and the oracle): the unfused kernels' twins in their order. rope / kept: the
+    step's kernels.rotary.rope_rows / kernels.store_kv.kept_slots, computed once per step by the caller (otherwise
+    here)."""
     q, k, v = _views(qkv, heads, kv_heads, head_dim)
+    if rope is None:
+        rope = rope_rows(cos_sin_cache, positions, qkv.dtype)
     if q_weight is not None:
         q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
-    rotary_ref(q, k, positions, cos_sin_cache)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        rotate_rows(q, rope)
+        rotate_rows(k, rope)
+    else:
+        # q and k sit side by side in each row: one rotation over both, half the ops of one each.
+        rotate_rows(qkv[:, : (heads + kv_heads) * head_dim].view(qkv.shape[0], heads + kv_heads, head_dim), rope)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, kept)
     return q
 
 
@@ -154,7 +162,10 @@ def check_qk_rope_store(qkv, heads, kv_heads, head_dim, q_weight, k_weight, posi
 
 
 def qk_rope_store(qkv, heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, cos_sin_cache, k_cache, v_cache,
-                  slot_mapping, k_scale=1.0, v_scale=1.0) -> torch.Tensor:
+                  slot_mapping, k_scale=1.0, v_scale=1.0, rope=None, kept=None) -> torch.Tensor:
+    """rope / kept: on CPU, the step's kernels.rotary.rope_rows(cos_sin_cache, positions, qkv.dtype) and
+    kernels.store_kv.kept_slots(slot_mapping), computed once for all layers (ignored on CUDA, where the kernel reads
+    the table and the slots)."""
     args = (qkv, heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, cos_sin_cache, k_cache, v_cache,
             slot_mapping, k_scale, v_scale)
     if qkv.is_cuda:
@@ -163,4 +174,4 @@ def qk_rope_store(qkv, heads, kv_heads, head_dim, q_weight, k_weight, eps, posit
         qk_rope_store_triton(*args)
     check_qk_rope_store(qkv, heads, kv_heads, head_dim, q_weight, k_weight, positions, cos_sin_cache, k_cache, v_cache,
                         slot_mapping)
-    return qk_rope_store_ref(*args)
+    return qk_rope_store_ref(*args, rope=rope, kept=kept)

@@ -10,17 +10,34 @@ import torch
 from kernels.triton_support import recording, tl, triton
 
 
+def rope_rows(cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of one step, [tokens, 1, head_dim] each in the activation dtype: (cos | cos, -sin | sin). The
+    same for every layer, so the CPU path gathers and casts them once per step (AttentionMetadata.cpu_cache)
+    instead of once per layer and tensor."""
+    cos_sin = cos_sin_cache[positions]
+    half = cos_sin.shape[-1] // 2
+    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    return torch.cat([cos, cos], -1).to(dtype)[:, None], torch.cat([-sin, sin], -1).to(dtype)[:, None]
+
+
+def rotate_rows(x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """x [tokens, heads, head_dim] rotated in place by rope_rows(...): x * (cos | cos) + (x2 | x1) * (-sin | sin),
+    four ops. Each product and the sum round to the activation dtype as the rotate-half formula's (x1 cos - x2 sin,
+    x2 cos + x1 sin) do, and negating is exact, so the result is bit-identical to it."""
+    cos, sin = rows
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # (x2 | x1), a copy
+    swapped.mul_(sin)
+    x.mul_(cos).add_(swapped)
+
+
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """Torch twin. q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim], positions [tokens],
     cos_sin_cache [max_positions, head_dim] float32 (cos in the first half, sin in the second)."""
-    cos_sin = cos_sin_cache[positions]
-    half = q.shape[-1] // 2
-    for x in (q, k):
-        cos, sin = cos_sin[:, None, :half].to(x.dtype), cos_sin[:, None, half:].to(x.dtype)
-        x1, x2 = x[..., :half], x[..., half:]
-        new1 = x1 * cos - x2 * sin
-        x2.copy_(x2 * cos + x1 * sin)
-        x1.copy_(new1)
+    rows = rope_rows(cos_sin_cache, positions, q.dtype)
+    rotate_rows(q, rows)
+    rotate_rows(k, rows)
 
 
 if triton is not None:

@@ -6,6 +6,8 @@ x / scale (saturated to the e4m3 range); readers multiply by the same per-tensor
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.triton_support import recording, tl, triton
@@ -18,25 +20,42 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+@dataclass(frozen=True)
+class KeptSlots:
+    """A step's slot_mapping without its -1 rows, as index_copy_ takes it: the same in every layer, so the CPU
+    path derives it once per step (AttentionMetadata.cpu_cache) instead of four ops and a sync per layer."""
+    slots: torch.Tensor  # [kept] int64
+    keep: torch.Tensor | None  # [tokens] bool, None when every row is kept
+
+
+def kept_slots(slot_mapping: torch.Tensor) -> KeptSlots:
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return KeptSlots(slot_mapping.long(), None)
+    return KeptSlots(slot_mapping[keep].long(), keep)
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                 kept: KeptSlots | None = None) -> None:
     """Torch twin (the CPU path and the oracle). Under torch.compile it runs as one opaque op (below): which
-    rows it keeps depends on the slots' values, which a compiled graph cannot branch on."""
+    rows it keeps depends on the slots' values, which a compiled graph cannot branch on. kept: kept_slots(
+    slot_mapping), computed once per step by the caller (otherwise here)."""
     if torch.compiler.is_compiling():
         torch.ops.kvmesh.store_kv_cpu(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
-    keep = slot_mapping >= 0
-    slots = slot_mapping
-    if not bool(keep.all()):
-        slots, k, v = slot_mapping[keep], k[keep], v[keep]
+    if kept is None:
+        kept = kept_slots(slot_mapping)
+    if kept.keep is not None:
+        k, v = k[kept.keep], v[kept.keep]
     kf = k_cache.view(-1, *k_cache.shape[2:])
     vf = v_cache.view(-1, *v_cache.shape[2:])
     if k_cache.dtype == FP8_DTYPE:
         # index_copy_ has no float8 kernel on CPU: copy the bytes.
         k, v = quantize_fp8(k, k_scale).view(torch.uint8), quantize_fp8(v, v_scale).view(torch.uint8)
         kf, vf = kf.view(torch.uint8), vf.view(torch.uint8)
-    kf.index_copy_(0, slots.long(), k.to(kf.dtype))
-    vf.index_copy_(0, slots.long(), v.to(vf.dtype))
+    kf.index_copy_(0, kept.slots, k.to(kf.dtype))
+    vf.index_copy_(0, kept.slots, v.to(vf.dtype))
 
 
 @torch.library.custom_op("kvmesh::store_kv_cpu", mutates_args=("k_cache", "v_cache"), device_types="cpu")

@@ -212,3 +212,47 @@ def test_fused_qk_rope_store_matches_the_unfused_twins(norm, fp8, heads, kv_head
             assert bool(((a - b).abs() <= b.abs() / 2 + 2**-6 + tol * 8).all())
         else:
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_rope_store_twin_with_per_step_rows_equals_the_unfused_formula(norm, dtype) -> None:
+    """The CPU path's rows and kept slots computed once per step (shared/models/llama.py) give, bit for bit, what
+    the rotate-half formula (x1 cos - x2 sin, x2 cos + x1 sin) and a per-layer slot filter give."""
+    from kernels.qk_rope_store import qk_rope_store_ref
+    from kernels.rotary import rope_rows
+    from kernels.store_kv import kept_slots
+
+    g = torch.Generator().manual_seed(7 + norm)
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 6
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 4).to(dtype)
+    qw = kw = None
+    if norm:
+        qw, kw = (torch.rand(head_dim, generator=g) + 0.5).to(dtype), (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    table = cos_sin_cache(ROPES["llama3"], head_dim, 4096)
+    positions = torch.tensor([0, 1, 17, 300, 4095, 9])
+    slots = torch.tensor([0, 5, -1, 16, 47, 31], dtype=torch.int32)
+    caches = [torch.zeros(3, 16, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    got = qk_rope_store_ref(qkv.clone(), heads, kv_heads, head_dim, qw, kw, 1e-6, positions, table, caches[0],
+                            caches[1], slots, rope=rope_rows(table, positions, dtype), kept=kept_slots(slots))
+    # The formula written out, as the twin computed it before the per-step rows.
+    x = qkv.clone()
+    q = x[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = x[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = x[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    if norm:
+        q, k = rms_norm_ref(q, qw, 1e-6), rms_norm_ref(k, kw, 1e-6)
+    cs = table[positions]
+    half = head_dim // 2
+    for t in (q, k):
+        cos, sin = cs[:, None, :half].to(dtype), cs[:, None, half:].to(dtype)
+        t1, t2 = t[..., :half], t[..., half:]
+        new1 = t1 * cos - t2 * sin
+        t2.copy_(t2 * cos + t1 * sin)
+        t1.copy_(new1)
+    keep = slots >= 0
+    caches[2].view(-1, kv_heads, head_dim)[slots[keep].long()] = k[keep]
+    caches[3].view(-1, kv_heads, head_dim)[slots[keep].long()] = v[keep]
+    assert torch.equal(got, q)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert bool(caches[0].abs().sum() > 0)

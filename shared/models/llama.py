@@ -18,6 +18,8 @@ from torch import nn
 from kernels import AttentionMetadata, paged_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.qk_rope_store import qk_rope_store
+from kernels.rotary import rope_rows
+from kernels.store_kv import kept_slots
 from kernels.silu_mul import silu_mul
 from shared.models.model_config import ModelConfig
 from shared.models.rope import cos_sin_cache
@@ -74,8 +76,22 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q/k norm, rotary and storing K/V in one kernel (kernels/qk_rope_store.py); q comes back contiguous.
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
+        rope = kept = None
+        if not x.is_cuda and not torch.compiler.is_compiling():
+            # The CPU twin's cos/sin rows and kept KV slots, derived by the first layer for all (a compiled step
+            # fuses the rows and runs the store as one op).
+            # Keyed by the table and dtype: a second model run over the same metadata must not read these rows.
+            key = (id(cos_sin_cache), x.dtype)
+            cached = meta.cpu_cache.get("rope")
+            if cached is None or cached[0] != key:
+                cached = meta.cpu_cache["rope"] = (key, rope_rows(cos_sin_cache, positions, x.dtype))
+            rope = cached[1]
+            kept = meta.cpu_cache.get("kept_slots")
+            if kept is None:
+                kept = meta.cpu_cache["kept_slots"] = kept_slots(meta.slot_mapping)
         q = qk_rope_store(qkv, self.num_heads, self.num_kv_heads, cfg.head_dim, qw, kw, cfg.rms_norm_eps, positions,
-                          cos_sin_cache, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
+                          cos_sin_cache, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale, rope,
+                          kept)
         out = paged_attention(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale)
         return self.o_proj(out.view(tokens, self.q_size))
 
