@@ -166,3 +166,25 @@ def test_a_gateway_behind_its_input_refuses_new_requests_until_it_caught_up(tmp_
         assert _metric(mesh, 'kvmesh:gateway_requests_rejected_total{model_name="tiny",reason="input_lag"}') >= 1
         mesh.wait_until(lambda: mesh.gateway.ctx.input_lag_s() < 0.5)
         assert client.completions.create(model="tiny", prompt="Hello", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_the_input_lag_probe_always_stops(nats_server: str) -> None:
+    """Stopped at any point of its loop (a probe out, between probes, right as one comes back), the probe ends:
+    before Python 3.12 asyncio.wait_for can swallow the cancellation, and the gateway's drain then hung (about 1
+    in 3 test meshes did before the stop flag)."""
+    from services.gateway.input_lag import InputLag
+    from shared import bus
+
+    async def go() -> None:
+        nc = await bus.connect(nats_server)
+        try:
+            for i in range(40):
+                lag = InputLag(nc, period_s=0.001)
+                await lag.start()
+                await asyncio.sleep(0.002 * (i % 7))
+                await asyncio.wait_for(lag.stop(), 5)
+            assert lag.seconds() >= 0
+        finally:
+            await nc.close()
+
+    asyncio.run(go())

@@ -36,6 +36,10 @@ class InputLag:
         self._due = 0.0  # when the next probe is due to go out (while none is out)
         self._answered = False
         self._back = asyncio.Event()
+        # stop() sets it as well as cancelling: before Python 3.12 asyncio.wait_for can swallow a cancellation that
+        # lands while its inner wait completes, and the loop then ran on and stop() waited for it forever (the
+        # gateway's drain hung in about 1 of 3 test meshes).
+        self._stopping = False
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._nc.new_inbox(), cb=self._on_probe)
@@ -53,14 +57,14 @@ class InputLag:
 
     async def _loop(self) -> None:
         assert self._sub is not None
-        while True:
+        while not self._stopping:
             self._back.clear()
             reconnects = self._nc.stats["reconnects"]
             # Timed from when it was due: a loop that stalled before sending it was late by that much too.
             self._sent = min(time.monotonic(), self._due) if self._answered else time.monotonic()
             with contextlib.suppress(Exception):  # reconnecting: the probe waits in the client's buffer
                 await self._nc.publish(self._sub.subject, b"")
-            while not self._back.is_set():
+            while not self._back.is_set() and not self._stopping:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._back.wait(), RECHECK_S)
                 if self._nc.stats["reconnects"] != reconnects:  # the probe may have been lost with the connection
@@ -77,6 +81,8 @@ class InputLag:
         self._back.set()
 
     async def stop(self) -> None:
+        self._stopping = True
+        self._back.set()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
