@@ -8,7 +8,6 @@ the per-round ratios.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -17,9 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loadtest.engine_ab import decode_tok_s, interleaved, median_ratio, medians
-from shared.config import EngineConfig
-from shared.engine.llm_engine import LLMEngine
+from loadtest.engine_ab import smollm2_ab_setup, decode_tok_s, interleaved, median_ratio, medians
 
 # The module (kernels/__init__.py exports a function of the same name).
 da = importlib.import_module("kernels.decode_attention")
@@ -33,19 +30,7 @@ def _sdpa(q, ks, vs, mask, scale):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--threads", type=int, default=0)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from shared.models.smollm2 import smollm2_checkpoint
-
-    batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(EngineConfig(model=str(smollm2_checkpoint()), dtype="bfloat16", device="cpu", cpu_compile="off",
-                                    max_num_seqs=max(batches)))
+    args, batches, engine = smollm2_ab_setup("1,8,32")
     arms = {"bmm": da._attend_one_query, "sdpa": _sdpa}
 
     def measure(name: str, batch: int) -> float:

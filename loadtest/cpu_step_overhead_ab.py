@@ -10,7 +10,6 @@ per-round ratios. Greedy outputs of both arms are compared too.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -19,8 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loadtest.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
-from shared.config import EngineConfig
+from loadtest.engine_ab import smollm2_ab_setup, decode_prompts, decode_tok_s, interleaved, median_ratio, medians
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
 
@@ -76,19 +74,7 @@ def ops_per_decode_step(engine: LLMEngine, batch: int, steps: int = 8) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--threads", type=int, default=0)
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from shared.models.smollm2 import smollm2_checkpoint
-
-    batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(EngineConfig(model=str(smollm2_checkpoint()), dtype="bfloat16", device="cpu", cpu_compile="off",
-                                    max_num_seqs=max(batches)))
+    args, batches, engine = smollm2_ab_setup("1,8")
     arms = {"new": qrs.qk_rope_store_ref, "old": _old_ref}
 
     def measure(name: str, batch: int) -> float:

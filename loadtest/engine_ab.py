@@ -1,18 +1,41 @@
-"""Interleaved in-process engine A/Bs on the CPU (loadtest/cpu_packing.py, cpu_attention_ab.py, cpu_compile_ab.py).
+"""Interleaved in-process engine A/Bs on the CPU (loadtest/cpu_packing.py, cpu_attention_ab.py, cpu_compile_ab.py, cpu_step_overhead_ab.py).
 
 Every arm runs the same decode workload in turn, round after round, so a machine whose speed drifts (other jobs
 on the cores) slows every arm alike; a ratio is taken per round, then the median.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Iterable
 
+import torch
+
+from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
 
 Runs = dict[str, dict[int, list[float]]]  # arm -> batch -> output tok/s per round
+
+
+def smollm2_ab_setup(default_batches: str) -> tuple[argparse.Namespace, list[int], LLMEngine]:
+    """The arguments every SmolLM2 bf16 A/B takes (--json, --rounds, --batches, --threads), the torch threads set,
+    and the eager engine they share (max_num_seqs = the largest batch)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--batches", default=default_batches)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from shared.models.smollm2 import smollm2_checkpoint
+
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = LLMEngine(EngineConfig(model=str(smollm2_checkpoint()), dtype="bfloat16", device="cpu", cpu_compile="off",
+                                    max_num_seqs=max(batches)))
+    return args, batches, engine
 
 
 def decode_prompts(batch: int) -> list[list[int]]:
