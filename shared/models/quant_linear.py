@@ -19,6 +19,7 @@ the tests' oracle.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -119,17 +120,24 @@ HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 _LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
-@torch.no_grad()
-def quantize_model(model: nn.Module, method: str) -> int:
-    """Replace the model's linear layers in place; returns how many weights (elements) are now quantized."""
+def quantize_layers(model: nn.Module, quantize: Callable[[nn.Module], nn.Module]) -> int:
+    """Every decoder layer's linears replaced in place by quantize(linear) (which returns the linear itself to keep
+    it); returns how many weights (elements) were replaced. The single-device and tensor-parallel walks share it."""
     count = 0
     for layer in model.layers:
         for parent_name, name in _LAYER_LINEARS:
             parent = getattr(layer, parent_name)
             old = getattr(parent, name)
-            new = quantize_linear(old, method)
+            new = quantize(old)
             setattr(parent, name, new)
             count += old.weight.numel() if new is not old else 0
+    return count
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Replace the model's linear layers in place; returns how many weights (elements) are now quantized."""
+    count = quantize_layers(model, lambda linear: quantize_linear(linear, method))
     new_head = quantize_linear(model.lm_head, HEAD_METHOD[method])
     if new_head is not model.lm_head:
         count += model.lm_head.weight.numel()

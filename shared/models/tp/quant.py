@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shared.models.quant_linear import COMPUTE, HEAD_METHOD, INT4_GROUP, Int4Linear, Int8Linear, quantize_linear
+from shared.models.quant_linear import COMPUTE, HEAD_METHOD, INT4_GROUP, Int4Linear, Int8Linear, quantize_layers, quantize_linear
 from shared.models.tp.group import TPGroup
 from shared.models.tp.lm_head import ParallelLMHead
 from shared.models.tp.row_linear import RowParallelLinear
@@ -77,9 +77,6 @@ class ParallelQuantLMHead(nn.Module):
         return logits[..., : self.vocab_size]
 
 
-_LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
-
-
 def _quantize(layer: nn.Module, method: str) -> nn.Module:
     if isinstance(layer, RowParallelLinear):
         if method == "int4" and layer.in_features % INT4_GROUP:
@@ -94,14 +91,7 @@ def _quantize(layer: nn.Module, method: str) -> nn.Module:
 def quantize_tp_model(model: nn.Module, method: str) -> int:
     """quantize_model for a tensor-parallel rank (every rank calls it: the int8 row scales are all-reduced);
     returns how many of this rank's weights are now quantized."""
-    count = 0
-    for layer in model.layers:
-        for parent_name, name in _LAYER_LINEARS:
-            parent = getattr(layer, parent_name)
-            old = getattr(parent, name)
-            new = _quantize(old, method)
-            setattr(parent, name, new)
-            count += old.weight.numel() if new is not old else 0
+    count = quantize_layers(model, lambda linear: _quantize(linear, method))
     if isinstance(model.lm_head, ParallelLMHead):
         count += model.lm_head.weight.numel()
         model.lm_head = ParallelQuantLMHead(model.lm_head, HEAD_METHOD[method])
