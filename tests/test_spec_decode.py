@@ -231,7 +231,12 @@ def test_sampled_and_greedy_requests_in_one_batch(checkpoints):
     """Seeded sampled requests repeat their tokens run after run (same config); greedy requests beside them, and
     one with logit_bias and a repetition penalty (processed through the drafts before each row), equal decoding
     without speculation."""
-    ckpt = checkpoints["qwen2"]
+    check_mixed_batch(checkpoints["qwen2"], NGRAM)
+
+
+def check_mixed_batch(ckpt, config: SpeculativeConfig, check_engine=lambda engine: None) -> None:  # noqa: ANN001
+    """Two seeded sampled, one greedy and one penalised greedy request in one batch, twice under config: the
+    greedy ones equal decoding without speculation, the seeded ones repeat; check_engine(engine) after each run."""
     prompts = repetitive_prompts([20, 45, 33, 27], seed=9)
     params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=s, logprobs=1) for s in (1, 2)]
     params += [greedy(16), SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
@@ -239,12 +244,13 @@ def test_sampled_and_greedy_requests_in_one_batch(checkpoints):
     want = make_engine(ckpt).generate(prompts[2:], params[2:], use_tqdm=False)
     runs = []
     for _ in range(2):
-        engine = make_engine(ckpt, speculative_config=NGRAM)
+        engine = make_engine(ckpt, speculative_config=config)
         outs = engine.generate(prompts, params, use_tqdm=False)
         runs.append([o.output_token_ids for o in outs])
         assert [o.output_token_ids for o in outs[2:]] == [o.output_token_ids for o in want]
         assert all(len(o.logprobs) == len(o.output_token_ids) for o in outs)
         assert_all_free(engine)
+        check_engine(engine)
     assert runs[0] == runs[1], "a seeded request's tokens must repeat (same config, same seed)"
 
 

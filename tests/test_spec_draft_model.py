@@ -17,7 +17,7 @@ from shared.sampling_params import SamplingParams
 from shared.spec_config import SpeculativeConfig
 from tests.checkpoints import ARCHS, build_checkpoint
 from tests.engine_helpers import assert_all_free, assert_matches_hf, greedy, make_engine, run_to_completion
-from tests.test_spec_decode import (MAX_NEW, all_cached_hashes_are_real, repetitive_prompts,
+from tests.test_spec_decode import (MAX_NEW, all_cached_hashes_are_real, check_mixed_batch, repetitive_prompts,
                                     run_to_completion_outputs)
 
 CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
@@ -189,23 +189,11 @@ def test_preemption_prefix_hits_and_aborts(checkpoints):
 def test_sampled_and_greedy_requests_in_one_batch(checkpoints, drafts):
     """Seeded sampled requests (drafts drawn from the draft's q) repeat run after run; greedy ones beside them,
     one with logit_bias and a repetition penalty, equal decoding without speculation."""
-    ckpt = checkpoints["qwen2"]
-    prompts = repetitive_prompts([20, 45, 33, 27], seed=9)
-    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=s, logprobs=1) for s in (1, 2)]
-    params += [greedy(16), SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3,
-                                           logit_bias={7: 2.0}, logprobs=1)]
-    want = make_engine(ckpt).generate(prompts[2:], params[2:], use_tqdm=False)
-    runs = []
-    for _ in range(2):
-        engine = make_engine(ckpt, speculative_config=draft_config(drafts["qwen2"]))
-        outs = engine.generate(prompts, params, use_tqdm=False)
-        runs.append([o.output_token_ids for o in outs])
-        assert [o.output_token_ids for o in outs[2:]] == [o.output_token_ids for o in want]
-        assert all(len(o.logprobs) == len(o.output_token_ids) for o in outs)
+    def drafted_and_freed(engine) -> None:  # noqa: ANN001
         assert engine.speculator.stats.num_drafts > 0
-        assert_all_free(engine)
         assert_draft_pool_free(engine)
-    assert runs[0] == runs[1], "a seeded request's tokens must repeat (same config, same seed)"
+
+    check_mixed_batch(checkpoints["qwen2"], draft_config(drafts["qwen2"]), drafted_and_freed)
 
 
 # --- sampling stays exact with the draft's real distribution -----------------------------------------------
