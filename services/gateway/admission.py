@@ -25,10 +25,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/gener
 def admit(ctx: GatewayContext) -> None:
     """Raises a 429 when the gateway already serves its bound. Call after ctx.begin() (which counts this
     request), so the bound is the number of requests served at once."""
-    limit = ctx.config.max_inflight_requests
-    if limit and ctx.in_flight > limit:
-        raise _refused(ctx, "max_inflight_requests", f"the gateway is serving its limit of {limit} requests at once "
-                                                     "(--max-inflight-requests)")
+    _count_bound(ctx, ctx.in_flight - 1)  # the others: this request is already counted
 
 
 def admit_early(ctx: GatewayContext, path: str) -> None:
@@ -36,14 +33,19 @@ def admit_early(ctx: GatewayContext, path: str) -> None:
     lag (services/gateway/input_lag.py). The lag is checked here only: a request that passed it is served."""
     if path not in GENERATION_PATHS:
         return
-    limit = ctx.config.max_inflight_requests
-    if limit and ctx.in_flight >= limit:
-        raise _refused(ctx, "max_inflight_requests", f"the gateway is serving its limit of {limit} requests at once "
-                                                     "(--max-inflight-requests)")
+    _count_bound(ctx, ctx.in_flight)  # not counted yet: every request in flight is another
     bound = ctx.config.max_input_lag_s
     if bound and (lag := ctx.input_lag_s()) > bound:
         raise _refused(ctx, "input_lag", f"the gateway is {lag:.2f}s behind its input, more than its bound of "
                                          f"{bound:g}s (--max-input-lag)")
+
+
+def _count_bound(ctx: GatewayContext, others: int) -> None:
+    """A 429 when `others` requests in flight already fill --max-inflight-requests (0: no bound)."""
+    limit = ctx.config.max_inflight_requests
+    if limit and others >= limit:
+        raise _refused(ctx, "max_inflight_requests", f"the gateway is serving its limit of {limit} requests at once "
+                                                     "(--max-inflight-requests)")
 
 
 def _refused(ctx: GatewayContext, reason: str, why: str) -> APIError:
