@@ -62,7 +62,10 @@ class Mesh:
         self._thread.start()
         # 2 s: the gateway's own default. 1 s flaked with four engines and the event loop in one process on 2
         # cores (a beat late by a second reads as a dead worker); tests of failover timing pass their own.
-        settings = {"health_timeout_s": 0.5, "worker_expiry_s": 2.0, **gateway}
+        # Input-lag admission off unless a test asks for it: here the gateway shares one event loop with every
+        # worker of the mesh, so its probe measures their work too (a 32-request test got a 429 at 0.58 s; a real
+        # gateway is its own process). tests/test_gateway_overload.py turns it on.
+        settings = {"health_timeout_s": 0.5, "worker_expiry_s": 2.0, "max_input_lag_s": 0.0, **gateway}
         self.gateway = GatewayService(GatewayConfig(model_dir=str(model_dir), served_model_name=served_model_name, port=0,
                                                     api_key=api_key, **settings))
         self.tokenizer: TokenizerService | None = None
