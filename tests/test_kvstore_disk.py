@@ -213,6 +213,15 @@ def test_an_unwritable_directory_is_a_clear_error_at_start(tmp_path) -> None:  #
         os.chmod(ro, 0o700)
 
 
+def test_a_directory_that_cannot_be_made_is_a_clear_error_at_start(tmp_path) -> None:  # noqa: ANN001
+    """The root-proof case of the test above (CI runs as root): a path under a regular file can never be a
+    directory, whatever the user's rights."""
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(RuntimeError, match="cannot write"):
+        DiskTier(blocker / "kv", 1 << 20)
+
+
 def test_blocks_used_twice_go_down_to_disk_and_come_back_up(tmp_path) -> None:  # noqa: ANN001
     one = _block(0).k.nbytes * 2  # one block of tensor bytes
     store = TieredStore(CPUTier(3 * one), DiskTier(tmp_path, 1 << 20), disk_min_uses=2)

@@ -48,9 +48,9 @@ class DiskTier(KVTier):
         assert io_threads > 0, "io_threads must be positive"
         self.dropped: list[bytes] = []  # hashes evicted since the owner last took them (for routers)
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
         probe = self.dir / ".write-probe"
         try:  # a read-only or missing disk is a clear error at start, not a silent miss forever
+            self.dir.mkdir(parents=True, exist_ok=True)
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
