@@ -65,6 +65,7 @@ class DecodeGraphs:
         self._no_prefill = (empty, empty[:0], torch.zeros(0, 0, dtype=torch.int32, device=device))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None  # the graphs' memory pool once captured: the verify graphs share it (verify_graphs.py)
         if capture:
             self._capture_all()
 
@@ -109,6 +110,7 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
+        self.pool = pool
         log.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
 
     def bucket(self, n: int) -> int | None:

@@ -32,6 +32,7 @@ from shared.engine.sequence import Sequence
 from shared.engine.spec.draft_model import DraftModel
 from shared.engine.spec.grammar_drafts import draft_bitmask
 from shared.engine.spec.speculator import Speculator
+from shared.engine.verify_buckets import verify_plan_for
 from shared.engine.step_metrics import CumulativeHistogram
 from shared.engine.step_rows import step_rows
 from shared.engine.tp.driver_runner import runner_for
@@ -80,6 +81,9 @@ class LLMEngine:
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if c.device.startswith("cuda") and not c.enforce_eager:
             self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
+            verify = verify_plan_for(c, self.max_model_len)
+            if verify is not None and self.tp is None:  # tensor parallel: verify steps stay eager (docs/architecture.md)
+                self.runner.use_verify_graphs(verify)
         # (bucket, seconds of its first step) of the CPU decode graphs compiled at start; [] when eager.
         self.cpu_compile_seconds = compile_cpu_decode(self.runner, self.model, c, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, c.block_size, engine_root(c, self.kv_dtype),
