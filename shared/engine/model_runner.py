@@ -128,12 +128,13 @@ class ModelRunner:
             self.kv_caches = real
 
     def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True,
-                          forward: Callable[..., torch.Tensor] | None = None) -> DecodeGraphs:
+                          forward: Callable[..., torch.Tensor] | None = None, pool=None) -> DecodeGraphs:  # noqa: ANN001
         """Decode steps go through static padded buffers from now on, captured as CUDA graphs when capture
         (capture=False runs the same path eagerly: what CPU tests and benches check). forward: what runs a
-        bucket instead of the model (the compiled CPU decode, shared/engine/cpu_compile.py)."""
+        bucket instead of the model (the compiled CPU decode, shared/engine/cpu_compile.py). pool: another
+        model's graph pool to capture into (a draft model's graphs share the target's)."""
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs,
-                                   self.device, capture=capture, block_tables=self.tables, forward=forward)
+                                   self.device, capture=capture, block_tables=self.tables, forward=forward, pool=pool)
         return self.graphs
 
     def use_verify_graphs(self, plan: VerifyGraphPlan, capture: bool = True) -> VerifyGraphs:

@@ -67,6 +67,13 @@ class VerifyGraphPlan:
         return outputs + inputs + PER_GRAPH_BYTES * self.count
 
 
+def decode_graph_bytes(max_num_seqs: int, hidden_size: int, dtype_bytes: int) -> int:
+    """What a draft model's decode graphs keep beyond its profiled forward: each bucket's output rows and
+    bookkeeping (the target's decode graphs are inside memory_budget.CUDA_GRAPH_RESERVE)."""
+    buckets = batch_buckets(max_num_seqs)
+    return sum(buckets) * hidden_size * dtype_bytes + PER_GRAPH_BYTES * len(buckets)
+
+
 def plan_verify_graphs(k: int, max_num_seqs: int, disable_by_batch_size: int, max_num_batched_tokens: int,
                        max_model_len: int, block_size: int) -> VerifyGraphPlan | None:
     """The verify shapes to capture; None when no verify step can fit one (e.g. a token budget below 2 a request)."""
