@@ -25,7 +25,7 @@ from shared.engine.kv_cache import KVCaches, allocate_kv_cache, gather_blocks, w
 from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
 from shared.engine.verify_buckets import VerifyGraphPlan
-from shared.engine.verify_graphs import VerifyGraphs
+from shared.engine.verify_graphs import VerifyGraphs, VerifyGraphStats, is_verify
 from shared.models.llama import LlamaFamilyForCausalLM
 from shared.sampling_params import SamplingParams
 
@@ -110,6 +110,7 @@ class ModelRunner:
         self.tables = BlockTables()  # every running sequence's block table, kept across steps
         self.graphs: DecodeGraphs | None = None  # built by use_decode_graphs once the KV pool exists
         self.verify_graphs: VerifyGraphs | None = None  # built by use_verify_graphs (speculative decoding)
+        self.verify_stats = VerifyGraphStats()  # verify steps replayed, padded eagerly, or eager
 
     # --- the KV pool and the graphs over it ----------------------------------------------------
 
@@ -143,7 +144,7 @@ class ModelRunner:
         the same padded path eagerly (CPU tests and benches)."""
         pool = self.graphs.pool if self.graphs is not None else None
         self.verify_graphs = VerifyGraphs(self.model, self.kv_caches, self.block_size, plan, self.device, capture,
-                                          self.tables, pool)
+                                          self.tables, self.verify_stats, pool)
         return self.verify_graphs
 
     def gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,8 +265,6 @@ class ModelRunner:
             shape = verify.bucket(plan)
             if shape is not None:
                 return self.model.compute_logits(verify.run(plan, sample_rows, shape))
-            if _is_verify(plan):
-                verify.stats.eager += 1
         return self.execute_rows(plan, sample_rows, [])[0]
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -277,13 +276,11 @@ class ModelRunner:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one (eager) step: logits (model dtype) of sample_rows and the hidden states of hidden_rows (whose
         logits the caller computes in slices: prompt logprobs), both on the device, plan row numbering."""
+        if is_verify(plan):
+            self.verify_stats.eager += 1
         ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
         hidden = self.model(ids, positions, meta, self.kv_caches)
         rows = rows.long()
         n = len(sample_rows)
         return self.model.compute_logits(hidden[rows[:n]]), hidden[rows[n:]]
 
-
-def _is_verify(plan: list[tuple[Sequence, int]]) -> bool:
-    """Whether a step verifies drafts (some sequence computes past its tokens)."""
-    return any(seq.num_computed_tokens + n > seq.num_tokens for seq, n in plan)

@@ -41,7 +41,12 @@ log = logging.getLogger(__name__)
 class VerifyGraphStats:
     replays: int = 0  # verify steps replayed from a captured graph
     padded_eager: int = 0  # verify steps through the padded path run eagerly (capture off: CPU, tests)
-    eager: int = 0  # verify steps no bucket fits (or mixed with prompt chunks): the runner's eager path
+    eager: int = 0  # verify steps on the runner's eager path (no verify graphs, no bucket fits, prompt chunks)
+
+
+def is_verify(plan: list[tuple[Sequence, int]]) -> bool:
+    """Whether a step verifies drafts (some sequence computes past its tokens)."""
+    return any(seq.num_computed_tokens + n > seq.num_tokens for seq, n in plan)
 
 
 def verify_shape(plan: list[tuple[Sequence, int]]) -> tuple[int, int] | None:
@@ -58,14 +63,14 @@ def verify_shape(plan: list[tuple[Sequence, int]]) -> tuple[int, int] | None:
 class VerifyGraphs:
     def __init__(self, model: LlamaFamilyForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, plan: VerifyGraphPlan, device: str, capture: bool, block_tables: BlockTables,
-                 pool=None) -> None:  # noqa: ANN001 - a CUDA graph pool handle (the decode graphs')
+                 stats: VerifyGraphStats, pool=None) -> None:  # noqa: ANN001 - pool: the decode graphs' (a handle)
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.plan = plan
         self.device = device
         self.block_tables = block_tables
-        self.stats = VerifyGraphStats()
+        self.stats = stats  # the runner's: it counts the eager verify steps in the same place
         m, bs = plan.max_tokens, plan.max_bs
         self.m = m
         # One int32 buffer, one copy a step: ids, positions, slots [m each], logits rows [m], context lens [bs].
