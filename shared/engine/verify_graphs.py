@@ -71,7 +71,8 @@ class VerifyGraphs:
         self.device = device
         self.block_tables = block_tables
         self.stats = stats  # the runner's: it counts the eager verify steps in the same place
-        m, bs = plan.max_tokens, plan.max_bs
+        # Segments start on 16-byte boundaries (m a multiple of 4 words): Triton specialises pointers on alignment.
+        m, bs = -(-plan.max_tokens // 4) * 4, plan.max_bs
         self.m = m
         # One int32 buffer, one copy a step: ids, positions, slots [m each], logits rows [m], context lens [bs].
         self.words = 4 * m + bs
