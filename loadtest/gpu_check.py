@@ -551,13 +551,50 @@ def step_spec(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_shape_checkpoint(str(Path(tmp) / "qwen3"), replace(shape, write_weights=True))
         draft = truncated_checkpoint(model, Path(tmp) / "qwen3-draft", 1 if args.smoke else 4)
+        # First, in a fresh process: the budgeted engine (the bench's engines share the process: fixed KV bytes).
+        budget = _spec_budget(model, str(draft), args.device) if cuda else {
+            "ok": True, "skipped": "no GPU memory budget on the CPU"}
         argv = ["spec", "--model", model, "--device", args.device, "--synthetic-prompts",
                 "--methods", "off,ngram,suffix,draft_model", "--draft-model", str(draft),
                 "--dtype", "bfloat16" if cuda else "float32"]
         argv += (["--concurrency", "1,2", "--requests", "2", "--max-tokens", "12", "--padded-verify"] if args.smoke
-                 else ["--concurrency", "1,4", "--max-tokens", "64"])
+                 else ["--concurrency", "1,4", "--max-tokens", "64", "--max-model-len", "4096"])
         run = _bench(argv, Path(args.out) / "spec-bench.json")
-    return {**run, **spec_verdict(run.get("result", {}), cuda)}
+    verdict = spec_verdict(run.get("result", {}), cuda)
+    return {**run, **verdict, "ok": verdict["ok"] and budget["ok"], "budgeted_draft_engine": budget}
+
+
+def _spec_budget(model: str, draft: str, device: str) -> dict:
+    """A draft_model engine under --gpu-memory-utilization 0.5 (its memory profile runs the draft's largest forward
+    too, the graph reserve counts the verify and draft graphs): 8 requests of 512 prompt tokens (the draft catches
+    up in chunks of max_num_batched_tokens) and 32 greedy tokens each stay within the budget."""
+    import gc
+
+    import torch
+
+    from shared.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.sampling_params import SamplingParams
+    from shared.spec_config import SpeculativeConfig
+
+    util = 0.5
+    spec = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=4)
+    engine = LLMEngine(EngineConfig(model=model, device=device, dtype="bfloat16", speculative_config=spec,
+                                    gpu_memory_utilization=util, max_num_seqs=64, max_model_len=8192))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, engine.model_config.vocab_size, (512,), generator=g).tolist() for _ in range(8)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    reserved = torch.cuda.max_memory_reserved(torch.device(device))
+    result = {"num_blocks": engine.num_blocks, "budget": int(total * util), "peak_reserved": reserved,
+              "tokens": sum(len(o.output_token_ids) for o in outs), "expected_tokens": 8 * 32,
+              "verify_steps": dict(engine.runner.verify_stats.__dict__),
+              "draft_decode_graphs": len(getattr(engine.speculator.proposer.draft.runner.graphs, "graphs", {}))}
+    result["ok"] = result["tokens"] == result["expected_tokens"] and reserved <= total * util
+    del engine, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
 
 
 def spec_verdict(report: dict, cuda: bool) -> dict:

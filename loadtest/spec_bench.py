@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--padded-verify", action="store_true",
                    help="off CUDA, verify steps through the padded bucket path that CUDA captures as graphs, run "
                         "eagerly (on CUDA the engine captures them unless --enforce-eager)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="each engine's KV pool in bytes (default: the CPU default; on CUDA 2 GiB each: the methods' "
+                        "engines share this process, whose allocator the GPU memory budget would count once per engine)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the checkpoint's")
     p.add_argument("--json", default="loadtest/results/spec_cpu.json", metavar="PATH")
 
 
@@ -174,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     # Every method's engine at once, and the methods run back to back within each cell: load from other work on
     # the machine drifts over minutes, and interleaving keeps each ratio's two runs close in time.
     engines = {}
+    graphs: dict[str, dict | None] = {}  # each method's verify graphs: how many, captured bytes vs the estimate
     texts = dict(METHODS)
     if "draft_model" in methods:
         texts["draft_model"] = json.dumps({**json.loads(METHODS["draft_model"]), "model": _draft_dir(args, model)})
@@ -181,10 +186,13 @@ def run(args: argparse.Namespace) -> int:
         spec = SpeculativeConfig.parse(texts[method])
         if spec is not None and args.disable_by_batch_size is not None:
             spec = SpeculativeConfig(**{**json.loads(spec.to_json()), "disable_by_batch_size": args.disable_by_batch_size})
+        kv_bytes = args.kv_cache_bytes or (2 << 30 if args.device.startswith("cuda") else None)
         engines[method] = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype,
-                                                 speculative_config=spec, max_num_seqs=max(levels)))
+                                                 speculative_config=spec, max_num_seqs=max(levels),
+                                                 kv_cache_bytes=kv_bytes, max_model_len=args.max_model_len))
         if args.padded_verify:
             _padded_verify(engines[method])
+        graphs[method] = _verify_graphs(engines[method])
         engines[method].generate([prompts["chat"][0]], _warm(args.max_tokens), use_tqdm=False)  # off the clock
     for workload, ps in prompts.items():
         for c in levels:
@@ -200,8 +208,8 @@ def run(args: argparse.Namespace) -> int:
                       f"{cell['mean_itl_ms']:7.1f} ms  acceptance length {cell['mean_acceptance_length']}  "
                       f"identical {cell['identical_to_off']}  verify steps {cell['verify_steps']}",
                       file=sys.stderr, flush=True)
-                _write(args, model, methods, machine, results, texts)  # a cell at a time: a cut-short run keeps what it measured
-    _write(args, model, methods, machine, results, texts)
+                _write(args, model, methods, machine, results, texts, graphs)  # a cell at a time: a cut-short run keeps what it measured
+    _write(args, model, methods, machine, results, texts, graphs)
     print(json.dumps(results, indent=1))
     return 0
 
@@ -216,6 +224,17 @@ def _padded_verify(engine) -> None:  # noqa: ANN001
         engine.runner.use_verify_graphs(plan, capture=False)
 
 
+def _verify_graphs(engine) -> dict | None:  # noqa: ANN001
+    """The engine's verify graphs: captured (0 on the padded eager path), buckets, and on CUDA the memory the
+    capture reserved beside the plan's estimate (shared/engine/verify_buckets.py)."""
+    vg = engine.runner.verify_graphs
+    if vg is None:
+        return None
+    dtype_bytes = next(engine.model.parameters()).element_size()
+    return {"captured": len(vg.graphs), "shapes": len(vg.plan.shapes), "capture_bytes": vg.capture_bytes,
+            "estimate_bytes": vg.plan.memory_bytes(engine.model_config.hidden_size, dtype_bytes)}
+
+
 def _draft_dir(args: argparse.Namespace, model: str) -> str:
     if args.draft_model:
         from shared.models.model_source import resolve_model
@@ -228,7 +247,7 @@ def _draft_dir(args: argparse.Namespace, model: str) -> str:
 
 
 def _write(args: argparse.Namespace, model: str, methods: list[str], machine: dict, results: dict,
-           texts: dict[str, str | None]) -> None:
+           texts: dict[str, str | None], graphs: dict[str, dict | None]) -> None:
     for cells in results.values():
         for by_method in cells.values():
             base = by_method.get("off")
@@ -237,7 +256,8 @@ def _write(args: argparse.Namespace, model: str, methods: list[str], machine: di
                     cell["tok_s_vs_off"] = round(cell["output_tok_s"] / base["output_tok_s"], 3)
                     cell["itl_vs_off"] = round(cell["mean_itl_ms"] / base["mean_itl_ms"], 3)
     report = {"bench": "spec", "model": Path(model).name, "device": args.device, "dtype": args.dtype,
-              "max_tokens": args.max_tokens, "methods": {m: texts[m] for m in methods}, "machine": machine,
+              "max_tokens": args.max_tokens, "methods": {m: texts[m] for m in methods}, "verify_graphs": graphs,
+              "machine": machine,
               "workloads": {w: [t[:60] for t in WORKLOADS[w]] for w in WORKLOADS}, "results": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")

@@ -91,6 +91,7 @@ class VerifyGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = pool
+        self.capture_bytes = 0  # device memory the capture reserved (its pool's growth): checks the plan's estimate
         if capture:
             self._capture_all()
 
@@ -121,6 +122,8 @@ class VerifyGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         self._padding_only()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
         pool = self.pool
         for shape in self.plan.shapes:  # largest first: the smaller graphs reuse its pool memory
             self._forward(*shape)  # warm-up: compiles this query length's Triton variants
@@ -132,8 +135,9 @@ class VerifyGraphs:
             self.graphs[shape] = graph
         torch.cuda.synchronize(self.device)
         self.pool = pool
-        log.info("captured %d CUDA graphs for verify steps (requests, draft length): %s", len(self.graphs),
-                 self.plan.shapes)
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - before
+        log.info("captured %d CUDA graphs for verify steps (requests, draft length): %s; %.1f MiB reserved",
+                 len(self.graphs), self.plan.shapes, self.capture_bytes / (1 << 20))
 
     def bucket(self, plan: list[tuple[Sequence, int]]) -> tuple[int, int] | None:
         """The (requests, draft length) bucket of a decode/verify step with at least one draft; None: not one."""
