@@ -109,7 +109,7 @@ def padded_engine(ckpt, **overrides):  # noqa: ANN001, ANN201
     return engine
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])  # mistral: a sliding window
 def test_padded_verify_gives_the_unpadded_tokens(checkpoints, arch):
     """Five requests of different lengths and max_tokens: the batch shrinks 5 -> 1 through buckets 8, 4, 2, 1, and
     each step mixes requests verifying 0 to 4 drafts."""
