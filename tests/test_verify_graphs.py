@@ -55,6 +55,34 @@ def test_memory_estimate_counts_outputs_inputs_and_each_graph():
     assert p.memory_bytes(hidden_size=1024, dtype_bytes=2) == want
 
 
+# --- the padded layout --------------------------------------------------------------------------------------
+
+
+def test_padded_layout_puts_real_rows_last_and_padding_nowhere(checkpoints):
+    """Bucket (4 requests, K=4) for a request verifying 3 drafts and one decoding: each owns 5 rows, real rows
+    last at their true positions and slots; padding rows (and the two padding-only requests) write slot -1 at
+    position 0; the logits rows are the real ones in plan order; context lengths are the real ones."""
+    from shared.engine.sequence import Sequence
+
+    engine = make_engine(checkpoints["llama"], speculative_config=NGRAM)
+    plan = plan_verify_graphs(4, 4, 0, 8192, engine.max_model_len, 16)
+    graphs = engine.runner.use_verify_graphs(plan, capture=False)
+    a = Sequence("a", list(range(100, 120)), greedy(8))  # 20 tokens, 19 computed, 3 drafts: positions 19..22
+    a.num_computed_tokens, a.spec_token_ids, a.block_table = 19, [7, 8, 9], [4, 9]  # positions 16-31: block 9
+    b = Sequence("b", list(range(200, 209)), greedy(8))  # 9 tokens, 8 computed: one decode row at position 8
+    b.num_computed_tokens, b.block_table = 8, [3]
+    words = graphs._rows([(a, 4), (b, 1)], [0, 1, 2, 3, 4], 4, 4)
+    m = graphs.m
+    ids, pos, slots, rows, ctx = (words[:m], words[m : 2 * m], words[2 * m : 3 * m], words[3 * m : 4 * m],
+                                  words[4 * m :])
+    assert ids[:10] == [0, 119, 7, 8, 9, 0, 0, 0, 0, 208]
+    assert pos[:10] == [0, 19, 20, 21, 22, 0, 0, 0, 0, 8]
+    assert slots[:10] == [-1, 9 * 16 + 3, 9 * 16 + 4, 9 * 16 + 5, 9 * 16 + 6, -1, -1, -1, -1, 3 * 16 + 8]
+    assert all(s == -1 for s in slots[10:]), "padding requests write nowhere"
+    assert rows[:5] == [1, 2, 3, 4, 9]
+    assert ctx == [23, 9, 1, 1]
+
+
 # --- the padded path, eagerly -------------------------------------------------------------------------------
 
 
