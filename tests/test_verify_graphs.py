@@ -209,3 +209,31 @@ def test_steps_no_bucket_fits_fall_back_to_eager(checkpoints):
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     stats = engine.runner.verify_graphs.stats
     assert stats.eager > 0 and stats.padded_eager > 0, stats
+
+
+def test_padded_verify_through_preemption_prefix_hits_and_an_abort(checkpoints):
+    """A pool too small for three growing requests (preemption, drafts included), the same prompts again (prefix
+    hits), then an abort midway: the padded path gives the unpadded tokens and frees everything."""
+    from tests.engine_helpers import run_to_completion
+
+    ckpt = checkpoints["mistral"]
+    prompts = repetitive([16, 9, 20], seed=7)
+    params = greedy(20, logprobs=None)
+    want = make_engine(ckpt, num_kv_blocks=9).generate(prompts, params, use_tqdm=False)
+    engine = padded_engine(ckpt, num_kv_blocks=9)
+    WriteWatch(engine)
+    for _ in range(2):
+        got = run_checked(engine, prompts, [params] * 3)
+        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert engine.scheduler.num_preemptions > 0 and any(o.num_cached_tokens for o in got)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", p, params)
+    for _ in range(4):
+        engine.step()
+        engine.check_integrity()
+    engine.abort("a1")
+    done = run_to_completion(engine)
+    assert [done["a0"].output_token_ids, done["a2"].output_token_ids] == [want[0].output_token_ids,
+                                                                          want[2].output_token_ids]
+    assert engine.runner.verify_stats.padded_eager > 0
+    assert_all_free(engine)
