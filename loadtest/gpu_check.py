@@ -22,6 +22,11 @@ summary (DIR/summary.json holds the same):
   tp           tensor parallelism (issue 22): `kvmesh bench offline --tensor-parallel-size N` at the Llama-3.1-8B
                shape over every visible GPU (N = 2, 4 or 8), and the Llama-3.1-70B shape at N = 8 when there are
                eight; skipped, saying why, with fewer than two GPUs (smoke: TP=2 on the CPU over gloo)
+  spec         speculative decoding (issue 21): `kvmesh bench spec` at the Qwen3-0.6B shape (random weights, bf16)
+               off vs ngram, suffix and draft_model (the target's first 4 layers; with random weights acceptance
+               means nothing, that row measures the draft's cost); every method's greedy outputs against off's, and
+               the verify steps by path: CUDA graph replays must be there (smoke: float32 on the CPU through the
+               padded bucket path run eagerly, outputs identical)
 
 On a machine with only torch, triton and transformers: install the mesh's wheels from
 ../shared/tools/gpu-wheels (see README, "GPU check"). `--device cpu --smoke` runs every step at tiny shapes
@@ -47,7 +52,7 @@ from pathlib import Path
 STEPS: list[tuple[str, int, int]] = [
     ("env", 60, 60), ("kernels", 120, 120), ("greedy", 120, 120), ("graphs", 90, 90), ("decode", 120, 120),
     ("offline", 240, 120), ("two-workers", 180, 120), ("kv-transfer", 90, 120), ("tiers", 90, 120),
-    ("tp", 300, 120),
+    ("tp", 300, 120), ("spec", 240, 150),
 ]
 TOTAL_BUDGET = 480
 
@@ -531,10 +536,95 @@ def step_tp(args) -> dict:
     return {"ok": all(r["ok"] for r in runs.values()), "degree": degree, "runs": runs}
 
 
+def step_spec(args) -> dict:
+    from dataclasses import replace
+
+    from loadtest.draft_checkpoint import truncated_checkpoint
+    from loadtest.shapes import SHAPES, build_shape_checkpoint
+
+    cuda = args.device.startswith("cuda")
+    shape = SHAPES["qwen3-0.6b"]
+    if args.smoke:
+        shape = replace(shape, config=dict(shape.config, num_hidden_layers=2, vocab_size=1024, hidden_size=256,
+                                           intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=64, bos_token_id=0, eos_token_id=1))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_shape_checkpoint(str(Path(tmp) / "qwen3"), replace(shape, write_weights=True))
+        draft = truncated_checkpoint(model, Path(tmp) / "qwen3-draft", 1 if args.smoke else 4)
+        # First, in a fresh process: the budgeted engine (the bench's engines share the process: fixed KV bytes).
+        budget = _spec_budget(model, str(draft), args.device) if cuda else {
+            "ok": True, "skipped": "no GPU memory budget on the CPU"}
+        argv = ["spec", "--model", model, "--device", args.device, "--synthetic-prompts",
+                "--methods", "off,ngram,suffix,draft_model", "--draft-model", str(draft),
+                "--dtype", "bfloat16" if cuda else "float32"]
+        argv += (["--concurrency", "1,2", "--requests", "2", "--max-tokens", "12", "--padded-verify"] if args.smoke
+                 else ["--concurrency", "1,4", "--max-tokens", "64", "--max-model-len", "4096"])
+        run = _bench(argv, Path(args.out) / "spec-bench.json")
+    verdict = spec_verdict(run.get("result", {}), cuda)
+    return {**run, **verdict, "ok": verdict["ok"] and budget["ok"], "budgeted_draft_engine": budget}
+
+
+def _spec_budget(model: str, draft: str, device: str) -> dict:
+    """A draft_model engine under --gpu-memory-utilization 0.5 (its memory profile runs the draft's largest forward
+    too, the graph reserve counts the verify and draft graphs): 8 requests of 512 prompt tokens (the draft catches
+    up in chunks of max_num_batched_tokens) and 32 greedy tokens each stay within the budget."""
+    import gc
+
+    import torch
+
+    from shared.config import EngineConfig
+    from shared.engine.llm_engine import LLMEngine
+    from shared.sampling_params import SamplingParams
+    from shared.spec_config import SpeculativeConfig
+
+    util = 0.5
+    spec = SpeculativeConfig(method="draft_model", model=draft, num_speculative_tokens=4)
+    engine = LLMEngine(EngineConfig(model=model, device=device, dtype="bfloat16", speculative_config=spec,
+                                    gpu_memory_utilization=util, max_num_seqs=64, max_model_len=8192))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, engine.model_config.vocab_size, (512,), generator=g).tolist() for _ in range(8)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    reserved = torch.cuda.max_memory_reserved(torch.device(device))
+    result = {"num_blocks": engine.num_blocks, "budget": int(total * util), "peak_reserved": reserved,
+              "tokens": sum(len(o.output_token_ids) for o in outs), "expected_tokens": 8 * 32,
+              "verify_steps": dict(engine.runner.verify_stats.__dict__),
+              "draft_decode_graphs": len(getattr(engine.speculator.proposer.draft.runner.graphs, "graphs", {}))}
+    result["ok"] = result["tokens"] == result["expected_tokens"] and reserved <= total * util
+    del engine, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def spec_verdict(report: dict, cuda: bool) -> dict:
+    """Greedy outputs against off's (all in float32; in bf16 a near-tie of random weights may resolve otherwise
+    between a verify and a decode step: 90%), and verify steps by path (replays required on CUDA)."""
+    same = total = 0
+    steps = {"replays": 0, "padded_eager": 0, "eager": 0}
+    for cells in report.get("results", {}).values():
+        for by_method in cells.values():
+            for method, cell in by_method.items():
+                if method == "off":
+                    continue
+                a, b = (int(x) for x in cell["identical_to_off"].split("/"))
+                same, total = same + a, total + b
+                for k in steps:
+                    steps[k] += cell["verify_steps"][k]
+    exact = same == total if report.get("dtype") == "float32" else same >= 0.9 * total
+    used = steps["replays"] > 0 if cuda else steps["padded_eager"] > 0
+    note = ("random weights: acceptance says nothing of trained models (a random model repeats itself, which "
+            "ngram, suffix and a draft cut from it predict); the draft_model row measures the cost of drafting")
+    summary = (f"greedy identical to off {same}/{total}; verify steps: {steps['replays']} graph replays, "
+               f"{steps['padded_eager']} padded eager, {steps['eager']} eager")
+    return {"ok": bool(report) and total > 0 and exact and used, "identical_to_off": f"{same}/{total}",
+            "verify_steps": steps, "verify_graphs_used": steps["replays"] > 0, "summary": summary, "note": note}
+
+
 STEP_FUNCTIONS: dict[str, Callable] = {
     "env": step_env, "kernels": step_kernels, "greedy": step_greedy, "graphs": step_graphs,
     "two-workers": step_two_workers, "decode": step_decode, "offline": step_offline,
-    "kv-transfer": step_kv_transfer, "tiers": step_tiers, "tp": step_tp,
+    "kv-transfer": step_kv_transfer, "tiers": step_tiers, "tp": step_tp, "spec": step_spec,
 }
 
 

@@ -72,3 +72,34 @@ def test_smollm2_travels_in_two_pieces_and_is_checked(tmp_path):
         gpu_stage.assemble(stage)
     gpu_stage.stash(tmp_path / ".gpu" / "2", stage)
     assert gpu_stage.assemble(stage).read_bytes() == src.read_bytes()
+
+
+def _spec_report(dtype: str, identical: str, steps: dict) -> dict:
+    cell = {"identical_to_off": identical, "verify_steps": steps}
+    off = {"identical_to_off": "2/2", "verify_steps": {"replays": 0, "padded_eager": 0, "eager": 0}}
+    return {"dtype": dtype, "results": {"grounded": {"1": {"off": off, "ngram": cell}}}}
+
+
+def test_spec_verdict_needs_identical_outputs_and_the_graph_path():
+    graphs = {"replays": 5, "padded_eager": 0, "eager": 1}
+    padded = {"replays": 0, "padded_eager": 5, "eager": 0}
+    assert gc.spec_verdict(_spec_report("bfloat16", "10/10", graphs), cuda=True)["ok"]
+    assert gc.spec_verdict(_spec_report("bfloat16", "9/10", graphs), cuda=True)["ok"]  # a bf16 near-tie
+    assert not gc.spec_verdict(_spec_report("float32", "9/10", padded), cuda=False)["ok"]
+    assert not gc.spec_verdict(_spec_report("bfloat16", "10/10", padded), cuda=True)["ok"], "no graph replayed"
+    v = gc.spec_verdict(_spec_report("float32", "2/2", padded), cuda=False)
+    assert v["ok"] and not v["verify_graphs_used"] and v["identical_to_off"] == "2/2"
+    assert not gc.spec_verdict({}, cuda=False)["ok"]
+
+
+@pytest.mark.slow
+def test_spec_step_in_smoke_mode(tmp_path):
+    """The spec step on the CPU: kvmesh bench spec on a small Qwen3-shaped random checkpoint, off vs ngram, suffix
+    and draft_model, verify steps through the padded bucket path, outputs identical to off."""
+    proc, summary = _run(tmp_path, "--only", "spec")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    assert spec["verify_steps"]["padded_eager"] > 0 and spec["verify_steps"]["replays"] == 0
+    a, b = spec["identical_to_off"].split("/")
+    assert a == b and int(b) > 0
+    assert set(spec["result"]["methods"]) == {"off", "ngram", "suffix", "draft_model"}

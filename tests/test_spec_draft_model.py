@@ -281,3 +281,83 @@ def test_real_model_greedy_equals_no_speculation(smollm2_dir, tmp_path):
     assert engine.speculator.stats.num_accepted_tokens > 0
     assert_all_free(engine)
     assert_draft_pool_free(engine)
+
+
+# --- the draft's forwards: bounded catch-up, the decode-graph path, the memory profile -------------------------
+
+
+def test_draft_catch_up_and_one_token_steps_through_the_decode_graph_path(checkpoints, drafts):
+    """Under a 16-token budget no draft forward computes more than 16 tokens (a new prompt is caught up in chunks),
+    and the draft's one-token steps run the padded decode-graph path (eagerly here): the same greedy tokens."""
+    ckpt = checkpoints["qwen3"]
+    prompts = repetitive_prompts([20, 35, 9], seed=4)
+    plain = make_engine(ckpt, max_num_batched_tokens=16).generate(prompts, greedy(16), use_tqdm=False)
+    engine = make_engine(ckpt, max_num_batched_tokens=16, speculative_config=draft_config(ckpt.path))
+    draft = engine.speculator.proposer.draft
+    draft.use_decode_graphs(capture=False)
+    sizes, graph_steps = [], []
+    runner = draft.runner
+    real_rows, real_run = runner.execute_rows, runner.graphs.run
+    runner.execute_rows = lambda plan, *a: sizes.append(sum(n for _, n in plan)) or real_rows(plan, *a)
+    runner.graphs.run = lambda plan: graph_steps.append(len(plan)) or real_run(plan)
+    outputs, _ = stepped(engine, prompts, greedy(16))
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in plain]
+    assert max(sizes) <= 16 and graph_steps, (max(sizes), len(graph_steps))
+    assert engine.speculator.stats.num_accepted_tokens > 0
+    assert_all_free(engine)
+    assert_draft_pool_free(engine)
+
+
+def test_profile_measures_the_draft_forward(monkeypatch, checkpoints, drafts):
+    """profile_draft: a max_num_batched_tokens forward with max_num_seqs float rows, on a temporary draft pool."""
+    from shared.engine.profile_run import profile_draft
+    from tests.test_memory_budget import FakeMemory
+
+    engine = make_engine(checkpoints["llama"], speculative_config=draft_config(drafts["llama"]))
+    draft = engine.speculator.proposer.draft
+    runner = draft.runner
+    caches = runner.kv_caches
+    assert profile_draft(runner, draft.kv_dtype, 48, 8, 40) == 0 and runner.kv_caches is caches  # off CUDA
+    mem = FakeMemory(start=1000)
+    act = 20 << 20
+    seen = []
+    real = runner.execute_rows
+
+    def execute_rows(plan, rows, hidden_rows):  # noqa: ANN001, ANN202
+        seen.append((sum(n for _, n in plan), len(rows)))
+        a = mem.track(torch.empty(act, dtype=torch.uint8))
+        out = real(plan, rows, hidden_rows)
+        logits = mem.track(out[0])  # made while the activations live
+        del a
+        return logits, out[1]
+
+    import shared.engine.model_runner as mr
+
+    real_alloc = mr.allocate_kv_cache
+
+    def alloc(*a, **kw):  # noqa: ANN002, ANN003, ANN202 - the temporary pool counts as allocated memory
+        caches = real_alloc(*a, **kw)
+        for layer in caches:
+            for t in layer:
+                mem.track(t)
+        return caches
+
+    monkeypatch.setattr(mr, "allocate_kv_cache", alloc)
+    monkeypatch.setattr(runner, "execute_rows", execute_rows)
+    peak = profile_draft(runner, draft.kv_dtype, 48, 8, 40, memory=mem)
+    assert seen == [(48, 8)]
+    assert peak == act + 8 * engine.model_config.vocab_size * 4
+    assert runner.kv_caches is caches
+
+
+def test_graph_reserve_counts_the_verify_and_draft_graphs(checkpoints, drafts):
+    from shared.engine.kv_pool_size import graph_reserve
+    from shared.engine.memory_budget import CUDA_GRAPH_RESERVE
+    from shared.engine.verify_buckets import decode_graph_bytes, verify_plan_for
+
+    engine = make_engine(checkpoints["llama"], speculative_config=draft_config(drafts["llama"]))
+    c, draft = engine.config, engine.speculator.proposer.draft
+    verify = verify_plan_for(c, engine.max_model_len).memory_bytes(engine.model_config.hidden_size, 4)
+    assert graph_reserve(c, engine.runner, engine.max_model_len, None) == CUDA_GRAPH_RESERVE + verify
+    assert graph_reserve(c, engine.runner, engine.max_model_len, draft) == (
+        CUDA_GRAPH_RESERVE + verify + decode_graph_bytes(c.max_num_seqs, draft.config.hidden_size, 4))

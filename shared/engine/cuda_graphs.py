@@ -40,7 +40,8 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: LlamaFamilyForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, max_model_len: int, max_num_seqs: int, device: str, capture: bool,
-                 block_tables: BlockTables | None = None, forward: Callable[..., torch.Tensor] | None = None) -> None:
+                 block_tables: BlockTables | None = None, forward: Callable[..., torch.Tensor] | None = None,
+                 pool=None) -> None:  # noqa: ANN001 - pool: a CUDA graph pool handle to share (another model's graphs)
         self.model = model
         # What a bucket's step runs: the model, or on CPU its compiled decode (shared/engine/cpu_compile.py).
         self.forward = forward if forward is not None else model
@@ -65,6 +66,7 @@ class DecodeGraphs:
         self._no_prefill = (empty, empty[:0], torch.zeros(0, 0, dtype=torch.int32, device=device))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = pool  # the graphs' memory pool once captured: the verify graphs share it (verify_graphs.py)
         if capture:
             self._capture_all()
 
@@ -99,7 +101,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         self._padding_only()
-        pool = None
+        pool = self.pool
         for bs in reversed(self.buckets):  # largest first, so the smaller graphs reuse its pool memory
             self._forward(bs)  # warm-up: compiles the Triton kernels, settles cuBLAS workspaces
             torch.cuda.synchronize(self.device)
@@ -109,6 +111,7 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
+        self.pool = pool
         log.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
 
     def bucket(self, n: int) -> int | None:

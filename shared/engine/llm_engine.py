@@ -32,6 +32,7 @@ from shared.engine.sequence import Sequence
 from shared.engine.spec.draft_model import DraftModel
 from shared.engine.spec.grammar_drafts import draft_bitmask
 from shared.engine.spec.speculator import Speculator
+from shared.engine.verify_buckets import verify_plan_for
 from shared.engine.step_metrics import CumulativeHistogram
 from shared.engine.step_rows import step_rows
 from shared.engine.tp.driver_runner import runner_for
@@ -73,13 +74,13 @@ class LLMEngine:
         self.sampler = Sampler(mc.eos_token_ids, c.seed, c.device)
         spec = c.speculative_config  # a draft model loads before the pool is sized: its weights and KV take a share
         draft = DraftModel(c, mc, self.dtype, self.max_model_len) if spec and spec.method == "draft_model" else None
-        self.num_blocks = plan_num_blocks(c, self.runner, self.sampler, self.kv_dtype, self.max_model_len, start)
+        self.num_blocks = plan_num_blocks(c, self.runner, self.sampler, self.kv_dtype, self.max_model_len, start, draft)
         if draft is not None:
             self.num_blocks = draft.share_pool(self.num_blocks, c.num_kv_blocks is None, mc)
         self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if c.device.startswith("cuda") and not c.enforce_eager:
-            self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
+            self._capture_graphs(c, draft)
         # (bucket, seconds of its first step) of the CPU decode graphs compiled at start; [] when eager.
         self.cpu_compile_seconds = compile_cpu_decode(self.runner, self.model, c, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, c.block_size, engine_root(c, self.kv_dtype),
@@ -96,6 +97,17 @@ class LLMEngine:
         self._grammar: GrammarBackend | None = None
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
                  c.block_size, self.dtype, self.kv_dtype)
+
+    def _capture_graphs(self, c: EngineConfig, draft: DraftModel | None) -> None:
+        """CUDA graphs, all in one memory pool: decode steps per batch bucket, then (speculative decoding) verify
+        steps per (requests, draft length) bucket and the draft model's one-token steps."""
+        graphs = self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
+        pool = graphs.pool
+        verify = verify_plan_for(c, self.max_model_len)
+        if verify is not None and self.tp is None:  # tensor parallel: verify steps stay eager (docs/architecture.md)
+            pool = self.runner.use_verify_graphs(verify).pool
+        if draft is not None:
+            draft.use_decode_graphs(pool=pool)
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from shared.engine.errors import MemoryBudgetError
 
 GIB = 1 << 30
 # CUDA graphs of the decode buckets share one memory pool whose size is about the largest bucket's
-# activations, already covered by the profile; this covers the graphs' own bookkeeping.
+# activations, already covered by the profile; this covers the graphs' own bookkeeping. Speculative decoding's
+# verify graphs and a draft model's decode graphs (same pool) add their estimate: kv_pool_size.graph_reserve.
 CUDA_GRAPH_RESERVE = 256 << 20
 
 

@@ -24,6 +24,8 @@ from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.kv_cache import KVCaches, allocate_kv_cache, gather_blocks, write_blocks
 from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
+from shared.engine.verify_buckets import VerifyGraphPlan
+from shared.engine.verify_graphs import VerifyGraphs, VerifyGraphStats, is_verify
 from shared.models.llama import LlamaFamilyForCausalLM
 from shared.sampling_params import SamplingParams
 
@@ -107,6 +109,8 @@ class ModelRunner:
         self.buffers = StepBuffers(device)
         self.tables = BlockTables()  # every running sequence's block table, kept across steps
         self.graphs: DecodeGraphs | None = None  # built by use_decode_graphs once the KV pool exists
+        self.verify_graphs: VerifyGraphs | None = None  # built by use_verify_graphs (speculative decoding)
+        self.verify_stats = VerifyGraphStats()  # verify steps replayed, padded eagerly, or eager
 
     # --- the KV pool and the graphs over it ----------------------------------------------------
 
@@ -125,13 +129,23 @@ class ModelRunner:
             self.kv_caches = real
 
     def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True,
-                          forward: Callable[..., torch.Tensor] | None = None) -> DecodeGraphs:
+                          forward: Callable[..., torch.Tensor] | None = None, pool=None) -> DecodeGraphs:  # noqa: ANN001
         """Decode steps go through static padded buffers from now on, captured as CUDA graphs when capture
         (capture=False runs the same path eagerly: what CPU tests and benches check). forward: what runs a
-        bucket instead of the model (the compiled CPU decode, shared/engine/cpu_compile.py)."""
+        bucket instead of the model (the compiled CPU decode, shared/engine/cpu_compile.py). pool: another
+        model's graph pool to capture into (a draft model's graphs share the target's)."""
         self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs,
-                                   self.device, capture=capture, block_tables=self.tables, forward=forward)
+                                   self.device, capture=capture, block_tables=self.tables, forward=forward, pool=pool)
         return self.graphs
+
+    def use_verify_graphs(self, plan: VerifyGraphPlan, capture: bool = True) -> VerifyGraphs:
+        """Verify steps (speculative decoding) that fit a bucket of `plan` go through static padded buffers from
+        now on, captured as CUDA graphs when capture (after the decode graphs, in their pool); capture=False runs
+        the same padded path eagerly (CPU tests and benches)."""
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.verify_graphs = VerifyGraphs(self.model, self.kv_caches, self.block_size, plan, self.device, capture,
+                                          self.tables, self.verify_stats, pool)
+        return self.verify_graphs
 
     def gather_blocks(self, block_ids: Seq[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return gather_blocks(self.kv_caches, block_ids)
@@ -246,6 +260,11 @@ class ModelRunner:
         """Run one step; return logits (model dtype), on the device, for the given rows (plan row numbering)."""
         if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
             return self.model.compute_logits(self.graphs.run(plan))
+        verify = self.verify_graphs
+        if verify is not None:
+            shape = verify.bucket(plan)
+            if shape is not None:
+                return self.model.compute_logits(verify.run(plan, sample_rows, shape))
         return self.execute_rows(plan, sample_rows, [])[0]
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -257,8 +276,11 @@ class ModelRunner:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one (eager) step: logits (model dtype) of sample_rows and the hidden states of hidden_rows (whose
         logits the caller computes in slices: prompt logprobs), both on the device, plan row numbering."""
+        if is_verify(plan):
+            self.verify_stats.eager += 1
         ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
         hidden = self.model(ids, positions, meta, self.kv_caches)
         rows = rows.long()
         n = len(sample_rows)
         return self.model.compute_logits(hidden[rows[:n]]), hidden[rows[n:]]
+

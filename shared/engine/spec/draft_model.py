@@ -4,11 +4,13 @@ The draft is loaded with the project's own loader and model code (shared/models/
 dtype and runs through its own ModelRunner over its own paged KV pool (draft_kv.py). One propose runs k draft
 forwards for the whole batch: the first feeds each request what the draft has not computed (the whole prompt
 the first time, then the one or two tokens the last verify added past the accepted drafts), each next one the
-token just drafted. Greedy requests draft the draft's argmax; sampled ones draw from the draft's distribution q
-(its logits through the request's temperature, top-k, top-p and min-p), and q goes to the rejection sampler
-on Sequence.spec_draft_probs, so the emitted tokens follow the target exactly (accept with min(1, p/q), resample
-from max(p - q, 0)). Penalties and logit bias are the target's business: a draft that ignores them only drafts
-worse, never wrongly.
+token just drafted (one-token steps: on CUDA replayed from the draft's own decode graphs, captured into the
+target's graph pool). A first forward larger than max_num_batched_tokens (contexts the draft has not seen yet)
+is preceded by catch-up forwards within that budget, as the memory profile assumes. Greedy requests draft the
+draft's argmax; sampled ones draw from the draft's distribution q (its logits through the request's temperature,
+top-k, top-p and min-p), and q goes to the rejection sampler on Sequence.spec_draft_probs, so the emitted tokens
+follow the target exactly (accept with min(1, p/q), resample from max(p - q, 0)). Penalties and logit bias are the
+target's business: a draft that ignores them only drafts worse, never wrongly.
 
 Checked at start (ConfigError): the draft's vocabulary is the target's (same size, and the same tokenizer
 vocabulary where both checkpoints ship one), and it loads on the target's device and dtype; no tensor parallelism.
@@ -62,6 +64,8 @@ class DraftModel:
         self.runner = ModelRunner(self.model, c.block_size, c.device)
         self.block_size = c.block_size
         self.max_num_seqs = c.max_num_seqs
+        self.max_num_batched_tokens = c.max_num_batched_tokens  # the most tokens one draft forward computes
+        self.max_model_len = max_model_len
         self.kv: DraftKV | None = None
 
     def share_pool(self, target_blocks: int, planned: bool, target: ModelConfig) -> int:
@@ -80,6 +84,12 @@ class DraftModel:
         log.info("draft model %s: %s, %d layers, %d KV blocks of its own", self.path, self.config.architecture,
                  self.config.num_layers, n)
         return target_blocks
+
+    def use_decode_graphs(self, capture: bool = True, pool=None) -> None:  # noqa: ANN001 - a CUDA graph pool
+        """The draft's one-token steps (every forward of a propose but the first) go through the decode-graph path
+        (shared/engine/cuda_graphs.py): captured on CUDA, into the target's graph pool when given (the two never
+        replay at once); capture=False runs the same padded path eagerly (tests)."""
+        self.runner.use_decode_graphs(self.max_model_len + self.k, self.max_num_seqs, capture=capture, pool=pool)
 
 
 def check_same_vocabulary(target_dir: str, target: ModelConfig, draft_dir: str, draft: ModelConfig) -> None:
@@ -119,11 +129,13 @@ class DraftModelProposer:
         live = [(i, s) for i, s in enumerate(shadows) if s is not None]
         drafts: list[list[int]] = [[] for _ in wants]
         probs: list[list[torch.Tensor]] = [[] for _ in wants]
+        self._catch_up([s for _, s in live])
         step = 0
         while live:
             plan = [(s, s.num_tokens - s.num_computed_tokens) for _, s in live]
             rows = list(accumulate(n for _, n in plan))
-            logits = self.draft.runner.execute_rows(plan, [r - 1 for r in rows], [])[0].float()
+            # One token each (every forward but maybe the first): the draft's decode graphs where it has them.
+            logits = self.draft.runner.execute(plan, [r - 1 for r in rows]).float()
             tokens = self._draw(logits, [wants[i][0] for i, _ in live], [probs[i] for i, _ in live])
             step += 1
             nxt = []
@@ -137,6 +149,24 @@ class DraftModelProposer:
         for (seq, _), q in zip(wants, probs):
             seq.spec_draft_probs = torch.stack(q) if q else None
         return drafts
+
+    def _catch_up(self, shadows: list[Sequence]) -> None:
+        """Draft KV of the contexts the draft has not seen (a new or readmitted request's whole prompt), in forwards
+        of at most max_num_batched_tokens tokens, until the first drafting forward fits that budget: the draft's
+        activations stay within what the memory profile measured (shared/engine/profile_run.profile_draft)."""
+        budget = self.draft.max_num_batched_tokens
+        while sum(s.num_tokens - s.num_computed_tokens for s in shadows) > max(budget, len(shadows)):
+            plan, room = [], budget
+            for s in shadows:
+                n = min(s.num_tokens - s.num_computed_tokens - 1, room)  # the last token drafts: left for later
+                if n > 0:
+                    plan.append((s, n))
+                    room -= n
+                if room == 0:
+                    break
+            self.draft.runner.execute_rows(plan, [], [])
+            for s, n in plan:
+                s.num_computed_tokens += n
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], probs: list[list[torch.Tensor]]) -> list[int]:
         greedy = [s.params.greedy for s in seqs]

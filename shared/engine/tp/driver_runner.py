@@ -18,6 +18,7 @@ from shared.engine.kv_placeholder import PLACEHOLDER_MESSAGE, is_placeholder
 from shared.engine.model_runner import ModelRunner
 from shared.engine.sequence import Sequence
 from shared.engine.tp.kv_heads import gather_heads, scatter_heads
+from shared.engine.verify_graphs import is_verify
 from shared.engine.tp.launch import TPWorkers
 from shared.engine.tp.rank_memory import FIELDS
 from shared.engine.tp.shard_link import ShardSendError, ShardTarget, local_kv
@@ -214,6 +215,8 @@ class TPDriverRunner(ModelRunner):
     @torch.inference_mode()
     def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        if is_verify(plan):
+            self.verify_stats.eager += 1  # tensor parallel: every verify step is eager
         ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
         layout = StepLayout.of(self.buffers.dev, [
             ids, positions, meta.slot_mapping, meta.prefill_query_start, meta.prefill_context_lens,
