@@ -363,6 +363,45 @@ def test_trace_context_propagates(nats_server: str) -> None:
     assert spans[f"request {ENCODE}"].parent.span_id == spans["http request"].context.span_id
 
 
+def test_fanout_spans_only_for_traced_messages(nats_server: str) -> None:
+    """A cancel sent inside a request's trace is handled in a consumer span of that trace; a load beat (no trace
+    context) makes no trace of its own; traced=False subscriptions (the gateway's beats) make none at all."""
+    exporter = attach_memory_exporter()
+    subject = "kvmesh.test.fanout-spans"
+    quiet = "kvmesh.test.fanout-quiet"
+
+    async def body() -> int:
+        nc = await bus.connect(nats_server)
+        got: list[str] = []
+
+        async def on_msg(ev: p.CancelRequest, ctx: bus.RequestContext) -> None:
+            got.append(ev.request_id)
+
+        subs = [await bus.subscribe(nc, subject, on_msg, p.CancelRequest),
+                await bus.subscribe(nc, quiet, on_msg, p.CancelRequest, traced=False)]
+        try:
+            await bus.publish(nc, subject, p.CancelRequest(request_id="untraced", reason="x"))
+            with trace.get_tracer("test").start_as_current_span("http request") as root:
+                await bus.publish(nc, subject, p.CancelRequest(request_id="traced", reason="x"))
+                await bus.publish(nc, quiet, p.CancelRequest(request_id="quiet", reason="x"))
+            await nc.flush()
+            for _ in range(100):
+                if len(got) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert sorted(got) == ["quiet", "traced", "untraced"]
+            return root.get_span_context().trace_id
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+            await nc.close()
+
+    trace_id = run(body())
+    receives = [s for s in exporter.get_finished_spans() if s.name.startswith("receive kvmesh.test.fanout")]
+    assert [s.name for s in receives] == [f"receive {subject}"]
+    assert receives[0].context.trace_id == trace_id and receives[0].parent is not None
+
+
 def test_micro_discovery_and_endpoints(nats_server_factory: Callable[..., str]) -> None:
     url = nats_server_factory(max_payload=64 * 1024)
 

@@ -120,11 +120,13 @@ class GatewayService(Service):
             if believable(beat, msg, "prefill"):
                 ctx.metrics.prefill_workers.on_beat(beat)
 
+        # Mesh state, not any request's work: no span per beat or block event (shared/bus/server.py, subscribe).
         self._subs = [
-            await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved)),
-            await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, (BlockStored, BlockRemoved, StatsReply)),
-            await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat),
-            await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat),
+            await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved), traced=False),
+            await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, (BlockStored, BlockRemoved, StatsReply),
+                                traced=False),
+            await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat, traced=False),
+            await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat, traced=False),
         ]
         self._deaf_watch = asyncio.ensure_future(_keep_workers_while_deaf(nc, router))
         self._micro = await bus.add_micro_service(nc, subjects.SERVICE_GATEWAY, VERSION, [],
