@@ -287,6 +287,55 @@ def test_stream_reply_from_another_task(nats_server: str) -> None:
     run(body())
 
 
+def test_stream_ready_and_watch(nats_server: str) -> None:
+    """`ready`: items that arrived together can be read without a wait (the gateway writes them in one go);
+    `watch`: the check runs while the stream waits, in the waiting task, and what it raises ends the stream."""
+    queue: asyncio.Queue[bus.StreamReply] = asyncio.Queue()
+
+    class Gone(Exception):
+        pass
+
+    async def generate(req: p.GenerateRequest, ctx: bus.RequestContext) -> None:
+        await queue.put(ctx.stream())
+
+    async def body() -> None:
+        nc = await bus.connect(nats_server)
+        served = await bus.serve(nc, subjects.DECODE_GENERATE, subjects.QUEUE_DECODE, generate, p.GenerateRequest)
+        try:
+            stream = await bus.request_stream(nc, subjects.DECODE_GENERATE, p.GenerateRequest(request_id="r", prompt_token_ids=[1]),
+                                              expect=p.TokenChunk)
+            checks: list[float] = []
+
+            def check() -> None:
+                checks.append(time.monotonic())
+                if len(checks) == 3:
+                    raise Gone()
+
+            stream.watch(check, 0.05)
+            out = await queue.get()
+            assert not stream.ready
+            for i in range(3):
+                await out.send(p.TokenChunk(request_id="r", seq=i, token_ids=[i]))
+            for _ in range(100):
+                if stream.ready:
+                    break
+                await asyncio.sleep(0.01)
+            seen = []
+            while stream.ready:  # all three arrived: each read takes what is there
+                seen.append((await stream.__anext__()).seq)
+            assert seen == [0, 1, 2] and not checks  # no wait, so no check
+            t0 = time.monotonic()
+            with pytest.raises(Gone):
+                await stream.__anext__()  # nothing comes: the check runs every 0.05 s until it raises
+            assert len(checks) == 3 and 0.1 <= time.monotonic() - t0 < 2
+            assert not stream.ready
+        finally:
+            await served.stop()
+            await nc.close()
+
+    run(body())
+
+
 def test_hostile_messages_do_not_stop_the_server(nats_server: str) -> None:
     async def body(nc: Client) -> None:
         inbox = nc.new_inbox()

@@ -2,7 +2,6 @@
 turned into text deltas (incremental detokenization, then stop strings)."""
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +35,13 @@ class StreamInterrupted(Exception):
     """The gateway's own NATS connection dropped and came back (its server died; it moved to another
     server of the cluster) while the stream was open: chunks sent meanwhile had no subscriber and are
     gone, including perhaps the last one. The choice resumes as a migration; the worker is fine."""
+
+
+class Idle:
+    """Marks a point where a choice's deltas pause: the next one needs a wait (Choice.deltas(idle_marks=True))."""
+
+
+IDLE = Idle()
 
 
 @dataclass
@@ -121,8 +127,9 @@ class Choice:
                                               expect=TokenChunk, sender=sender, limits=self.ctx.stream_limits)
         self.sent = True
         self._stream = stream
+        stream.watch(self._check_worker, WATCH_INTERVAL_S)
         try:
-            return await self._watched(stream.__anext__())
+            return await stream.__anext__()
         except StopAsyncIteration:
             raise APIError(500, "decode ended the stream without a token") from None
         except bus.NoRespondersError:
@@ -138,7 +145,9 @@ class Choice:
         except bus.MessagesDroppedError:
             raise _fell_behind() from None
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self, idle_marks: bool = False) -> AsyncIterator[Delta | Idle]:
+        """The choice's deltas in order. idle_marks: also IDLE each time the next read would wait (nothing of
+        this stream has arrived yet) or a migration starts, so a streaming caller sends what it holds then."""
         assert self._stream is not None and self._first is not None, "open() first"
         chunk: TokenChunk | None = self._first
         try:
@@ -146,6 +155,8 @@ class Choice:
                 if chunk.finish_reason == "error" and chunk.error == codes.MOVE_ELSEWHERE:
                     # The worker is draining (the planner removes it, or it stops): continue elsewhere.
                     self.sent = False
+                    if idle_marks:
+                        yield IDLE
                     chunk = await self._migrate()
                     continue
                 delta = self._on_chunk(chunk)
@@ -153,38 +164,33 @@ class Choice:
                     yield delta
                 if self.finished:
                     return
+                if idle_marks and not self._stream.ready:
+                    yield IDLE
                 try:
                     chunk = await self._next()
                 except WorkerLost:
+                    if idle_marks:
+                        yield IDLE
                     chunk = await self._migrate()
                 except StreamInterrupted:
+                    if idle_marks:
+                        yield IDLE
                     chunk = await self._migrate(worker_died=False)
             raise APIError(500, "decode ended the stream before the last token", code="stream_ended")
         finally:
             await self._stream.aclose()
 
-    async def _watched(self, work) -> TokenChunk:  # noqa: ANN001
-        """Awaits the stream's next chunk; WorkerLost as soon as the router stops hearing from the worker."""
-        pending = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=WATCH_INTERVAL_S)
-                if done:
-                    return pending.result()
-                if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
-                    raise WorkerLost(self.worker_id)
-                if self.ctx.nc.stats["reconnects"] != self._reconnects:
-                    raise StreamInterrupted()
-                if self._worker_moved():
-                    raise StreamInterrupted()
-                if self._stream is not None and self._stream.dropped:
-                    # The gateway fell behind and NATS' client dropped some of this stream, perhaps its end:
-                    # nothing may come any more. The caller ends the stream with an error and cancels the worker.
-                    raise bus.MessagesDroppedError(f"the gateway fell behind the token stream of {self.request_id}")
-        finally:
-            if not pending.done():
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
+    def _check_worker(self) -> None:
+        """Called by the stream while it waits for a chunk (every WATCH_INTERVAL_S, in the waiting task: no watcher
+        task per chunk): WorkerLost as soon as the router stops hearing from the worker."""
+        if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
+            raise WorkerLost(self.worker_id)
+        if self.ctx.nc.stats["reconnects"] != self._reconnects:
+            raise StreamInterrupted()
+        if self._worker_moved():
+            raise StreamInterrupted()
+        # (A stream whose messages NATS' client dropped because the gateway fell behind raises
+        # MessagesDroppedError itself, checked at every wait.)
 
     def _worker_moved(self) -> bool:
         """The routed worker's connection reconnected since the stream opened: on a locked-down bus its
@@ -197,7 +203,7 @@ class Choice:
     async def _next(self) -> TokenChunk | None:
         assert self._stream is not None
         try:
-            return await self._watched(self._stream.__anext__())
+            return await self._stream.__anext__()
         except StopAsyncIteration:
             return None
         except bus.RemoteError as e:
@@ -301,7 +307,7 @@ class Choice:
                 delta.text = self._stop.push(self._detok.push(ids[:n_text]), armed=before + len(ids) > min_tokens)
             self.num_tokens += len(ids)
             self._generated.extend(ids)
-            m.generation_tokens.labels(m.model).inc(len(ids))
+            m.model_generation_tokens.inc(len(ids))
             delta.token_ids = ids
             delta.logprobs = lps
         if chunk.finished:

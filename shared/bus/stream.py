@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 import nats.errors
@@ -102,6 +102,20 @@ class ReplyStream(Generic[M]):
         self._seq = 0
         self._done = False  # no more items will be returned
         self._closed = False  # subscription and span released
+        self._watch: Callable[[], None] | None = None
+        self._watch_interval = 0.0
+
+    def watch(self, check: Callable[[], None], interval: float) -> None:
+        """Calls `check` every `interval` seconds while this stream waits for a message, from the waiting task;
+        what it raises ends the stream. (The gateway checks that the worker still beats: services/gateway/
+        choice.py. A watcher task beside every wait cost a task and a timer per streamed token.)"""
+        self._watch, self._watch_interval = check, interval
+
+    @property
+    def ready(self) -> bool:
+        """A message of this stream has arrived and waits to be read: the next item may need no wait (it does
+        when that message is one chunk of several). The gateway sends what is ready in one write."""
+        return not self._done and self._sub.pending_msgs > 0
 
     @property
     def inbox(self) -> str:
@@ -170,9 +184,12 @@ class ReplyStream(Generic[M]):
                 # wait its whole idle timeout checks `dropped` while it waits (services/gateway/choice.py).
                 raise MessagesDroppedError(f"stream from {self._target!r}: this receiver fell behind and messages "
                                            f"were dropped (slow consumer) after item {self._seq}")
+            wait = remaining if self._watch is None else min(remaining, self._watch_interval)
             try:
-                msg = await self._sub.next_msg(timeout=remaining)
+                msg = await self._sub.next_msg(timeout=wait)
             except nats.errors.TimeoutError:
+                if self._watch is not None:
+                    self._watch()
                 continue
             hdrs = msg.headers or {}
             if hdrs.get(H.STATUS) == "503":  # the server's own answer
