@@ -217,3 +217,60 @@ def test_bench_serve_retries_refused_requests_after_a_spread_retry_after(tmp_pat
         assert all(r.retry_wait_s >= 0.25 for r in retried)  # the gateway's floor, honoured
         assert _metric(mesh, 'kvmesh:gateway_requests_rejected_total{model_name="tiny",reason="max_inflight_requests"}') \
             == sum(r.retries for r in run.results)
+
+
+def test_the_input_lag_limit_follows_the_machines_floor() -> None:
+    """The floor is the smallest round trip of the window: one quick probe keeps it low (a stall or a backlog
+    refuses at the bound), a machine whose every probe is slow for the whole window raises it."""
+    from services.gateway.input_lag import LagFloor
+
+    floor = LagFloor(window_s=30.0)
+    assert floor.seconds(0.0) == 0.0
+    for t in range(30):  # a busy machine: every trip 0.3-0.4 s ...
+        floor.note(0.3 + 0.1 * (t % 2), float(t))
+    assert floor.seconds(30.0) == 0.3
+    floor.note(0.01, 30.5)  # ... one quick trip: the floor is low again for a whole window
+    assert floor.seconds(31.0) == 0.01 and floor.seconds(60.0) == 0.01
+    floor.note(0.5, 61.0)
+    assert floor.seconds(61.0) == 0.5  # the quick one has left the window
+
+
+def test_a_busy_machine_does_not_refuse_but_a_stall_still_does(nats_server: str) -> None:
+    """The real probe over a real nats-server, on a loop that other work keeps busy (as processes sharing the
+    cores would): each probe comes back about 0.2 s late, over a bound of 0.1 s. Judged against the floor the
+    steady delay refuses nobody; a 1 s stall on top does."""
+    from services.gateway.input_lag import FLOOR_FACTOR, InputLag
+    from shared import bus
+
+    bound = 0.1
+
+    async def go() -> None:
+        nc = await bus.connect(nats_server)
+        lag = InputLag(nc, period_s=0.01, floor_window_s=3.0)
+        busy = True
+
+        async def other_processes() -> None:
+            while busy:
+                time.sleep(0.2)  # holds the loop: every probe out waits behind it
+                await asyncio.sleep(0.005)
+
+        await lag.start()
+        hog = asyncio.ensure_future(other_processes())
+        try:
+            await asyncio.sleep(4.0)  # more than the floor's window: every trip in it was slow
+            samples = []
+            for _ in range(16):
+                samples.append((lag.seconds(), lag.limit(bound)))
+                await asyncio.sleep(0.05)  # (held up by the other work too)
+            assert sum(1 for s, _ in samples if s > bound) > 8, samples  # the plain bound would refuse, mostly
+            assert all(s <= limit for s, limit in samples), samples  # judged against the floor: nobody
+            assert all(limit > FLOOR_FACTOR * 0.15 for _, limit in samples)
+            time.sleep(1.0)  # a stall: the gateway behind its input by far more than the machine's usual
+            assert lag.seconds() > lag.limit(bound)
+        finally:
+            busy = False
+            await hog
+            await lag.stop()
+            await nc.close()
+
+    asyncio.run(go())

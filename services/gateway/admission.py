@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError
+from services.gateway.input_lag import FLOOR_FACTOR
 
 # The routes that generate (each one is counted in ctx.in_flight while it runs).
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/invocations", "/v1/responses",
@@ -37,9 +38,11 @@ def admit_early(ctx: GatewayContext, path: str) -> None:
         return
     _count_bound(ctx, ctx.in_flight)  # not counted yet: every request in flight is another
     bound = ctx.config.max_input_lag_s
-    if bound and (lag := ctx.input_lag_s()) > bound:
+    if bound and (lag := ctx.input_lag_s()) > bound and lag > (limit := ctx.input_lag_limit_s(bound)):
+        # (limit: the bound, or a few times what this machine's scheduling costs the gateway anyway: input_lag.py)
         raise _refused(ctx, "input_lag", f"the gateway is {lag:.2f}s behind its input, more than its bound of "
-                                         f"{bound:g}s (--max-input-lag)", ctx.retry.for_lag(lag))
+                                         f"{limit:.2g}s (--max-input-lag {bound:g}, or {FLOOR_FACTOR:g}x the "
+                                         f"machine's recent floor)", ctx.retry.for_lag(lag))
 
 
 def _count_bound(ctx: GatewayContext, others: int) -> None:

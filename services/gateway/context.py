@@ -33,6 +33,8 @@ class GatewayContext:
     draining: bool = False
     # The gateway's own NATS input lag in seconds (services/gateway/input_lag.py; admission reads it).
     input_lag_s: Callable[[], float] = lambda: 0.0
+    # The lag above which admission refuses, given --max-input-lag (InputLag.limit: the bound or the machine's floor).
+    input_lag_limit_s: Callable[[float], float] = lambda bound: bound
     in_flight: int = 0
     retry: RetryAdvice = field(default_factory=RetryAdvice)  # Retry-After of the requests admission refuses
     _idle: asyncio.Event = field(default_factory=asyncio.Event)

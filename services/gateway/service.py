@@ -86,6 +86,7 @@ class GatewayService(Service):
         self._input_lag = InputLag(nc)
         await self._input_lag.start()
         ctx.input_lag_s = self._input_lag.seconds
+        ctx.input_lag_limit_s = self._input_lag.limit
         ctx.metrics.input_lag.labels(ctx.metrics.model).set_function(self._input_lag.seconds)
 
         async def on_event(ev: BlockStored | BlockRemoved, msg: bus.RequestContext) -> None:
@@ -187,8 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generation requests the gateway serves at once; past it a new one gets 429 with "
                              "Retry-After at once (0: no bound)")
     parser.add_argument("--max-input-lag", type=float, default=GatewayConfig.max_input_lag_s, metavar="SECONDS",
-                        help="while the gateway's own NATS input lags more than this, new requests get 429 with "
-                             "Retry-After (0: off)")
+                        help="while the gateway's own NATS input lags more than this (or 3x the smallest lag of "
+                             "the last 30 s, when that is more: the busy machine's floor), new requests get 429 "
+                             "with Retry-After (0: off)")
     parser.add_argument("--max-waiting", type=int, default=128,
                         help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")
