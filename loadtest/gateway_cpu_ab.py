@@ -1,8 +1,8 @@
 """Gateway CPU per streamed token, A/B in one run: the working tree's gateway against another revision's.
 
-One real nats-server and one `kvmesh up --engine sim` (simulated decode workers, tokenizer, and the working tree's
-gateway) on it, plus a second gateway process run from `git archive <rev>` on the same bus, so both gateways hear
-the same beats and block events and talk to the same workers. Rounds alternate (A B B A ...): N closed-loop
+One real nats-server and one `kvmesh up --engine sim` (simulated decode workers, a tokenizer, its own gateway left
+idle) on it, plus two gateway processes on the same bus, one run from the working tree and one from
+`git archive <rev>`, so both hear the same beats and block events and talk to the same workers. Rounds alternate (A B B A ...): N closed-loop
 streams through one gateway for --round-s seconds; its figure is the gateway process's CPU (utime + stime from
 /proc) over the round per output token the client received. The machine is shared, so only ratios from rounds of
 one run mean anything; the JSON keeps every round.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from loadtest.retry import retry_delay_s
 from loadtest.scale_bench import _stream
-from loadtest.sim_mesh import READY, STARTED, cpu_seconds, free_port
+from loadtest.sim_mesh import READY, cpu_seconds, free_port
 from shared.bus.natsd import NatsServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,31 +131,39 @@ def main(argv: list[str] | None = None) -> int:
                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
             procs.append(up)
             threading.Thread(target=_reader, args=(up, lines_a), daemon=True).start()
-            base_a = _wait(lines_a, up, READY, 240)
-            pid_a = int(next(m[2] for line in lines_a if (m := STARTED.search(line)) and m[1].startswith("gateway")))
-            port_b = free_port()
-            lines_b: list[str] = []
-            gw_b = subprocess.Popen(
-                [sys.executable, *(["-m", "cProfile", "-o", str(Path(args.profile).resolve())] if args.profile else []),
-                 "-m", "services.gateway", "--model", str(model), "--served-model-name", "sim",
-                 "--port", str(port_b), "--log-level", "warning"],
-                cwd=before, env={**env, "PYTHONPATH": str(before), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            procs.append(gw_b)
-            threading.Thread(target=_reader, args=(gw_b, lines_b), daemon=True).start()
-            base_b = f"http://127.0.0.1:{port_b}"
+            _wait(lines_a, up, READY, 240)  # workers up (the mesh's own gateway idles: both measured ones are ours)
             import httpx
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{base_b}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or gw_b.poll() is not None:
-                    raise RuntimeError("gateway B did not start:\n" + "\n".join(lines_b[-30:]))
-                time.sleep(0.5)
-            gateways = {"after": (base_a + "", pid_a), "before": (base_b, gw_b.pid)}
+
+            def gateway(tree: Path, lines: list[str]) -> tuple[str, int]:
+                port = free_port()
+                # Input-lag admission off on both: this loaded machine's lag refused at random, and a round of
+                # refusals is no measure of the CPU a streamed token costs.
+                proc = subprocess.Popen(
+                    [sys.executable, *(["-m", "cProfile", "-o", str(Path(args.profile).resolve())]
+                                       if args.profile and tree == before else []),
+                     "-m", "services.gateway", "--model", str(model), "--served-model-name", "sim", "--port",
+                     str(port), "--max-input-lag", "0", "--log-level", "warning"],
+                    cwd=tree, env={**env, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                procs.append(proc)
+                threading.Thread(target=_reader, args=(proc, lines), daemon=True).start()
+                base = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 90
+                while True:
+                    try:
+                        if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                            return base, proc.pid
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        raise RuntimeError(f"gateway from {tree} did not start:\n" + "\n".join(lines[-30:]))
+                    time.sleep(0.5)
+
+            lines_b: list[str] = []
+            lines_after: list[str] = []
+            base_a, pid_a = gateway(ROOT, lines_after)
+            base_b, pid_b = gateway(before, lines_b)
+            gateways = {"after": (base_a, pid_a), "before": (base_b, pid_b)}
             runs: dict[str, list[dict]] = {"after": [], "before": []}
             order = ["before", "after"]
             for r in range(args.rounds):
@@ -165,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     res["loadavg_1m"] = os.getloadavg()[0]
                     runs[name].append(res)
                     print(f"round {r} {name:6s} {json.dumps(res)}", flush=True)
+            logs = {"after": lines_after[-40:], "before": lines_b[-40:]}
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
            "before_over_after": med["before"] / med["after"],
            "machine": {"cpu_count": os.cpu_count(), "loadavg_1m_5m_15m": list(os.getloadavg()),
                        "note": "2-core machine shared with other helpers: only the ratio of interleaved rounds counts"},
-           "runs": runs}
+           "runs": runs, "gateway_log_tails": logs}
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({"median_gateway_cpu_ms_per_token": med, "before_over_after": out["before_over_after"]}))
     return 0

@@ -84,7 +84,8 @@ async def _stream(client, base: str, prompt: list[int], osl: int) -> Result:  # 
     try:
         async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
             if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}"
+                body = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {body[:160]}"
                 if r.status_code in (429, 503):
                     res.retry_after = advised_s(r.headers)
                 return res
