@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 
 import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -27,6 +28,7 @@ from shared.bus import slow_consumer
 from shared.bus.errors import BusError, BusTimeout, MessagesDroppedError, NoRespondersError, RemoteError, StreamGapError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.error_reply import ErrorReply
+from shared.bus.inbox import Inbox
 
 M = TypeVar("M", bound=wire.Message)
 log = logging.getLogger(__name__)
@@ -89,10 +91,16 @@ class ReplyStream(Generic[M]):
         limits: BusLimits = DEFAULT_LIMITS,
         span: trace.Span | None = None,
         sender: str | None = None,
+        inbox: Inbox | None = None,
+        closed: Callable[[], bool] = lambda: False,
     ) -> None:
         """sender: accept messages only from this sender (shared/bus/sender.py); None: from the sender of
-        the first message, whoever it is (a request to a queue group may reach any member)."""
+        the first message, whoever it is (a request to a queue group may reach any member). inbox: the
+        subscription's callback buffer (shared/bus/inbox.py; request_stream subscribes so); None: read with
+        nats-py's next_msg. closed: whether the connection is closed for good (a wait on an inbox then ends)."""
         self._sub = sub
+        self._inbox = inbox
+        self._conn_closed = closed
         self._sender = sender
         self._target = target
         self._idle_timeout = idle_timeout
@@ -115,7 +123,9 @@ class ReplyStream(Generic[M]):
     def ready(self) -> bool:
         """A message of this stream has arrived and waits to be read: the next item may need no wait (it does
         when that message is one chunk of several). The gateway sends what is ready in one write."""
-        return not self._done and self._sub.pending_msgs > 0
+        if self._done:
+            return False
+        return bool(self._inbox.msgs) if self._inbox is not None else self._sub.pending_msgs > 0
 
     @property
     def inbox(self) -> str:
@@ -124,7 +134,7 @@ class ReplyStream(Generic[M]):
     @property
     def dropped(self) -> bool:
         """The client library dropped messages of this stream: its reader fell behind (slow consumer)."""
-        return slow_consumer.dropped(self._sub)
+        return slow_consumer.dropped(self._sub) or (self._inbox is not None and self._inbox.overflowed)
 
     def __aiter__(self) -> AsyncIterator[M]:
         return self
@@ -185,9 +195,8 @@ class ReplyStream(Generic[M]):
                 raise MessagesDroppedError(f"stream from {self._target!r}: this receiver fell behind and messages "
                                            f"were dropped (slow consumer) after item {self._seq}")
             wait = remaining if self._watch is None else min(remaining, self._watch_interval)
-            try:
-                msg = await self._sub.next_msg(timeout=wait)
-            except nats.errors.TimeoutError:
+            msg = await self._next_msg(wait)
+            if msg is None:
                 if self._watch is not None:
                     self._watch()
                 continue
@@ -202,6 +211,21 @@ class ReplyStream(Generic[M]):
             env = self._assembler.feed(msg)
             if env is not None:
                 return env
+
+    async def _next_msg(self, wait: float) -> Msg | None:
+        """The next message, or None after `wait` seconds."""
+        inbox = self._inbox
+        if inbox is None:
+            try:
+                return await self._sub.next_msg(timeout=wait)
+            except nats.errors.TimeoutError:
+                return None
+        if not inbox.msgs:
+            if self._conn_closed():
+                raise nats.errors.ConnectionClosedError
+            if not await inbox.wait(wait):
+                return None
+        return inbox.msgs.popleft()
 
     def _raise_remote(self, err: ErrorReply) -> None:
         raise RemoteError(err.code, err.message, self._target)
