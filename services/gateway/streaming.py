@@ -21,7 +21,7 @@ from services.gateway.schemas import dump
 # Chunk events recorded on a request's "stream" span: the first ones (time to first tokens, the early rhythm),
 # then only the finishing one; the span's attributes count them all. An event per chunk of a long answer cost
 # more gateway CPU than anything else tracing does, and OpenTelemetry keeps only 128 per span anyway.
-CHUNK_EVENTS = 32
+CHUNK_EVENTS = 16
 # At most this many SSE chunks in one write (a stream far behind still goes out in pieces).
 MAX_COALESCED = 64
 
