@@ -25,6 +25,9 @@ STRUCTURED_ERRORS = tuple(f"invalid {kind}" for kind in ("json_object", "json_sc
 
 # How often a waiting stream checks that its worker still beats (detection is bounded by the router's expiry).
 WATCH_INTERVAL_S = 0.25
+# After the gateway's NATS connection came back, how long a stream may stay silent before it resumes elsewhere (its
+# last chunks may have been lost while the inbox had no subscription); a chunk in sequence proves nothing was.
+RECONNECT_GRACE_S = 2.0
 
 
 class WorkerLost(Exception):
@@ -90,7 +93,8 @@ class Choice:
         self.finish_reason: str | None = None
         self.sent = False  # a GenerateRequest went out: a cancel may be needed
         self._last_chunk_time = 0.0
-        self._reconnects = 0  # the connection's reconnect count when the current stream was opened
+        self._reconnects = 0  # the connection's reconnect count the current stream is known to have survived
+        self._reconnected_at: float | None = None  # when a reconnect the stream has not yet survived was seen
         self._worker_reconnects: int | None = None  # the routed worker's, from its beats (router.bus_reconnects)
 
     @property
@@ -119,6 +123,7 @@ class Choice:
 
     async def _send(self, subject: str) -> TokenChunk:
         self._reconnects = self.ctx.nc.stats["reconnects"]
+        self._reconnected_at = None
         self._worker_reconnects = self.ctx.router.bus_reconnects(self.worker_id) if self.worker_id else None
         with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
             # Routed to one worker: only its chunks count (shared/bus/sender.py).
@@ -129,7 +134,7 @@ class Choice:
         self._stream = stream
         stream.watch(self._check_worker, WATCH_INTERVAL_S)
         try:
-            return await stream.__anext__()
+            return self._arrived(await stream.__anext__())
         except StopAsyncIteration:
             raise APIError(500, "decode ended the stream without a token") from None
         except bus.NoRespondersError:
@@ -185,10 +190,19 @@ class Choice:
         task per chunk): WorkerLost as soon as the router stops hearing from the worker."""
         if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
             raise WorkerLost(self.worker_id)
-        if self.ctx.nc.stats["reconnects"] != self._reconnects:
-            raise StreamInterrupted()
         if self._worker_moved():
             raise StreamInterrupted()
+        if self.ctx.nc.stats["reconnects"] != self._reconnects:
+            # The gateway's connection dropped and came back; the client library subscribed the inbox again. What
+            # the worker sent meanwhile is gone, and the next chunk shows it (a gap in the sequence numbers: the
+            # stream resumes from the last token received, StreamInterrupted). Nothing lost: the stream goes on,
+            # no migration. Lost and nothing more coming (the last chunk went): silence, so past
+            # RECONNECT_GRACE_S without a chunk the stream resumes all the same.
+            now = time.monotonic()
+            if self._reconnected_at is None:
+                self._reconnected_at = now
+            elif now - self._reconnected_at > RECONNECT_GRACE_S:
+                raise StreamInterrupted()
         # (A stream whose messages NATS' client dropped because the gateway fell behind raises
         # MessagesDroppedError itself, checked at every wait.)
 
@@ -203,7 +217,7 @@ class Choice:
     async def _next(self) -> TokenChunk | None:
         assert self._stream is not None
         try:
-            return await self._stream.__anext__()
+            chunk = await self._stream.__anext__()
         except StopAsyncIteration:
             return None
         except bus.RemoteError as e:
@@ -216,6 +230,12 @@ class Choice:
             raise _fell_behind() from None
         except bus.BusError as e:
             raise APIError(500, f"lost the token stream: {e}", code="stream_error") from None
+        return self._arrived(chunk)
+
+    def _arrived(self, chunk: TokenChunk) -> TokenChunk:
+        if self._reconnected_at is not None:  # in sequence after the reconnect: nothing was lost, go on
+            self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
+        return chunk
 
     async def _migrate(self, worker_died: bool = True) -> TokenChunk:
         """Continue on another decode worker: the prompt plus every token streamed so far, what is left of
