@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.retry import advised_s, retry_delay_s
 from loadtest.sim_mesh import SimMesh, cpu_seconds, memory_mib
 
 RAMP_S = 5.0  # every stream of a level has started within this
@@ -83,9 +84,10 @@ async def _stream(client, base: str, prompt: list[int], osl: int) -> Result:  # 
     try:
         async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
             if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}"
-                if r.status_code in (429, 503) and (r.headers.get("retry-after") or "").isdigit():
-                    res.retry_after = float(r.headers["retry-after"])
+                body = (await r.aread()).decode(errors="replace")
+                res.error = f"HTTP {r.status_code}: {body[:160]}"
+                if r.status_code in (429, 503):
+                    res.retry_after = advised_s(r.headers)
                 return res
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -148,14 +150,19 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
         closing = asyncio.Event()
 
         async def stream_loop() -> None:
+            failures = 0
             while not closing.is_set():
                 prompt = [rng.randrange(10, vocab - 10) for _ in range(isl)]
                 r = await _stream(client, mesh.base, prompt, osl)
                 if measuring.is_set() and not closing.is_set():
                     level.results.append(r)
                 if r.error:
-                    # Back off as a client would: as long as the gateway's Retry-After says, else half a second.
-                    await asyncio.sleep(r.retry_after or 0.5)
+                    # Back off as a client would: as long as the gateway's Retry-After says, with jitter
+                    # (loadtest/retry.py), else exponential backoff.
+                    await asyncio.sleep(retry_delay_s(r.retry_after, failures, rng))
+                    failures += 1
+                else:
+                    failures = 0
 
         # Ramp over RAMP_S of wall time, as many at a time as the clock says: one stream per short sleep took
         # minutes at 2,000 streams once the client's own loop was busy with the first ones (each sleep lasts a turn).

@@ -38,7 +38,7 @@ DIST_KEYS = {"mean", "median", "p90", "p99", "std", "min", "max", "count"}
 REQUEST_KEYS = {
     "job", "turn", "requested_output_tokens", "prompt_len_estimate", "start", "ok", "error", "status", "ttft",
     "e2e", "itl", "prompt_tokens", "output_tokens", "output_tokens_source", "usage", "stream_chunks",
-    "finish_reason", "input_tokens",
+    "finish_reason", "input_tokens", "retry_after_s", "retries", "retry_wait_s",
 }
 # Small everything: the machine has 2 shared cores.
 LIGHT = ["--num-warmups", "1", "--no-progress", "--time-limit", "120", "--request-timeout", "60"]

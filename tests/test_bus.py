@@ -287,6 +287,55 @@ def test_stream_reply_from_another_task(nats_server: str) -> None:
     run(body())
 
 
+def test_stream_ready_and_watch(nats_server: str) -> None:
+    """`ready`: items that arrived together can be read without a wait (the gateway writes them in one go);
+    `watch`: the check runs while the stream waits, in the waiting task, and what it raises ends the stream."""
+    queue: asyncio.Queue[bus.StreamReply] = asyncio.Queue()
+
+    class Gone(Exception):
+        pass
+
+    async def generate(req: p.GenerateRequest, ctx: bus.RequestContext) -> None:
+        await queue.put(ctx.stream())
+
+    async def body() -> None:
+        nc = await bus.connect(nats_server)
+        served = await bus.serve(nc, subjects.DECODE_GENERATE, subjects.QUEUE_DECODE, generate, p.GenerateRequest)
+        try:
+            stream = await bus.request_stream(nc, subjects.DECODE_GENERATE, p.GenerateRequest(request_id="r", prompt_token_ids=[1]),
+                                              expect=p.TokenChunk)
+            checks: list[float] = []
+
+            def check() -> None:
+                checks.append(time.monotonic())
+                if len(checks) == 3:
+                    raise Gone()
+
+            stream.watch(check, 0.05)
+            out = await queue.get()
+            assert not stream.ready
+            for i in range(3):
+                await out.send(p.TokenChunk(request_id="r", seq=i, token_ids=[i]))
+            for _ in range(100):
+                if stream.ready:
+                    break
+                await asyncio.sleep(0.01)
+            seen = []
+            while stream.ready:  # all three arrived: each read takes what is there
+                seen.append((await stream.__anext__()).seq)
+            assert seen == [0, 1, 2] and not checks  # no wait, so no check
+            t0 = time.monotonic()
+            with pytest.raises(Gone):
+                await stream.__anext__()  # nothing comes: the check runs every 0.05 s until it raises
+            assert len(checks) == 3 and 0.1 <= time.monotonic() - t0 < 2
+            assert not stream.ready
+        finally:
+            await served.stop()
+            await nc.close()
+
+    run(body())
+
+
 def test_hostile_messages_do_not_stop_the_server(nats_server: str) -> None:
     async def body(nc: Client) -> None:
         inbox = nc.new_inbox()
@@ -361,6 +410,45 @@ def test_trace_context_propagates(nats_server: str) -> None:
     assert {"http request", f"request {ENCODE}", f"serve {ENCODE}"} <= set(spans)
     assert spans[f"serve {ENCODE}"].parent.span_id == spans[f"request {ENCODE}"].context.span_id
     assert spans[f"request {ENCODE}"].parent.span_id == spans["http request"].context.span_id
+
+
+def test_fanout_spans_only_for_traced_messages(nats_server: str) -> None:
+    """A cancel sent inside a request's trace is handled in a consumer span of that trace; a load beat (no trace
+    context) makes no trace of its own; traced=False subscriptions (the gateway's beats) make none at all."""
+    exporter = attach_memory_exporter()
+    subject = "kvmesh.test.fanout-spans"
+    quiet = "kvmesh.test.fanout-quiet"
+
+    async def body() -> int:
+        nc = await bus.connect(nats_server)
+        got: list[str] = []
+
+        async def on_msg(ev: p.CancelRequest, ctx: bus.RequestContext) -> None:
+            got.append(ev.request_id)
+
+        subs = [await bus.subscribe(nc, subject, on_msg, p.CancelRequest),
+                await bus.subscribe(nc, quiet, on_msg, p.CancelRequest, traced=False)]
+        try:
+            await bus.publish(nc, subject, p.CancelRequest(request_id="untraced", reason="x"))
+            with trace.get_tracer("test").start_as_current_span("http request") as root:
+                await bus.publish(nc, subject, p.CancelRequest(request_id="traced", reason="x"))
+                await bus.publish(nc, quiet, p.CancelRequest(request_id="quiet", reason="x"))
+            await nc.flush()
+            for _ in range(100):
+                if len(got) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert sorted(got) == ["quiet", "traced", "untraced"]
+            return root.get_span_context().trace_id
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+            await nc.close()
+
+    trace_id = run(body())
+    receives = [s for s in exporter.get_finished_spans() if s.name.startswith("receive kvmesh.test.fanout")]
+    assert [s.name for s in receives] == [f"receive {subject}"]
+    assert receives[0].context.trace_id == trace_id and receives[0].parent is not None
 
 
 def test_micro_discovery_and_endpoints(nats_server_factory: Callable[..., str]) -> None:

@@ -5,6 +5,7 @@ decode workers, the real openai client over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import httpx
@@ -43,10 +44,14 @@ def test_past_the_inflight_bound_a_request_gets_a_fast_429(tmp_path_factory, mod
             client.completions.create(**args)
         assert time.monotonic() - t0 < 1.0, "the refusal waited for the busy engine"
         err = info.value
-        assert err.status_code == 429 and err.response.headers["retry-after"] == "1"
+        assert err.status_code == 429 and int(err.response.headers["retry-after"]) >= 1
         assert err.body["code"] == "too_many_requests" and "--max-inflight-requests" in err.body["message"]
-        with pytest.raises(openai.RateLimitError):  # chat too, and the non-streamed form
+        with pytest.raises(openai.RateLimitError) as again:  # chat too, and the non-streamed form
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        # Two refusals under the same load: Retry-After follows the backlog, with jitter, never one value for all.
+        waits = [float(e.response.headers["retry-after-ms"]) / 1000 for e in (err, again.value)]
+        assert waits[0] != waits[1] and all(0.25 <= w <= 60 for w in waits)
+        assert all(int(e.response.headers["retry-after"]) == max(1, math.ceil(w)) for e, w in zip((err, again.value), waits))
         assert mesh.gateway.ctx.in_flight == 2  # refused requests leave nothing counted
         assert _metric(mesh, 'kvmesh:gateway_requests_rejected_total{model_name="tiny",reason="max_inflight_requests"}') == 2
         assert _metric(mesh, "kvmesh:gateway_max_inflight_requests") == 2
@@ -185,6 +190,87 @@ def test_the_input_lag_probe_always_stops(nats_server: str) -> None:
                 await asyncio.wait_for(lag.stop(), 5)
             assert lag.seconds() >= 0
         finally:
+            await nc.close()
+
+    asyncio.run(go())
+
+
+def test_bench_serve_retries_refused_requests_after_a_spread_retry_after(tmp_path_factory, model_dir) -> None:  # noqa: ANN001
+    """kvmesh's own load generator against the bound (`bench serve --retries`): the gateway takes one request at
+    a time, six arrive at once; the refused come back when the gateway's Retry-After (with jitter, both sides)
+    says, at spread-out times, and every one is served in the end."""
+    from loadtest.serve.datasets import Job, Turn, Workload
+    from loadtest.serve.load import LoadConfig, run_level
+    from loadtest.serve.payload import Endpoint
+
+    with one_decoder_mesh(tmp_path_factory, "retries", model_dir=model_dir, max_inflight_requests=1) as mesh:
+        ep = Endpoint(mesh.url, "tiny", extra_body={"ignore_eos": True})
+        jobs = tuple(Job(i, (Turn("Hello there", 8, 2),)) for i in range(6))
+        cfg = LoadConfig(num_warmups=0, progress=False, retries=30, request_timeout=60)
+        run = asyncio.run(run_level(ep, Workload("retries", jobs), cfg, time.perf_counter() + 90))
+        assert [r.ok for r in run.results] == [True] * 6, [r.error for r in run.results]
+        retried = [r for r in run.results if r.retries]
+        assert retried, "nothing was refused: the bound did not bite"
+        # The refused were told different waits and came back at different times.
+        starts = sorted(r.start for r in retried)
+        assert len(set(round(s, 3) for s in starts)) == len(starts)
+        assert all(r.retry_wait_s >= 0.25 for r in retried)  # the gateway's floor, honoured
+        assert _metric(mesh, 'kvmesh:gateway_requests_rejected_total{model_name="tiny",reason="max_inflight_requests"}') \
+            == sum(r.retries for r in run.results)
+
+
+def test_the_input_lag_limit_follows_the_machines_floor() -> None:
+    """The floor is the smallest round trip of the window: one quick probe keeps it low (a stall or a backlog
+    refuses at the bound), a machine whose every probe is slow for the whole window raises it."""
+    from services.gateway.input_lag import LagFloor
+
+    floor = LagFloor(window_s=30.0)
+    assert floor.seconds(0.0) == 0.0
+    for t in range(30):  # a busy machine: every trip 0.3-0.4 s ...
+        floor.note(0.3 + 0.1 * (t % 2), float(t))
+    assert floor.seconds(30.0) == 0.3
+    floor.note(0.01, 30.5)  # ... one quick trip: the floor is low again for a whole window
+    assert floor.seconds(31.0) == 0.01 and floor.seconds(60.0) == 0.01
+    floor.note(0.5, 61.0)
+    assert floor.seconds(61.0) == 0.5  # the quick one has left the window
+
+
+def test_a_busy_machine_does_not_refuse_but_a_stall_still_does(nats_server: str) -> None:
+    """The real probe over a real nats-server, on a loop that other work keeps busy (as processes sharing the
+    cores would): each probe comes back about 0.2 s late, over a bound of 0.1 s. Judged against the floor the
+    steady delay refuses nobody; a 1 s stall on top does."""
+    from services.gateway.input_lag import FLOOR_FACTOR, InputLag
+    from shared import bus
+
+    bound = 0.1
+
+    async def go() -> None:
+        nc = await bus.connect(nats_server)
+        lag = InputLag(nc, period_s=0.01, floor_window_s=3.0)
+        busy = True
+
+        async def other_processes() -> None:
+            while busy:
+                time.sleep(0.2)  # holds the loop: every probe out waits behind it
+                await asyncio.sleep(0.005)
+
+        await lag.start()
+        hog = asyncio.ensure_future(other_processes())
+        try:
+            await asyncio.sleep(4.0)  # more than the floor's window: every trip in it was slow
+            samples = []
+            for _ in range(16):
+                samples.append((lag.seconds(), lag.limit(bound)))
+                await asyncio.sleep(0.05)  # (held up by the other work too)
+            assert sum(1 for s, _ in samples if s > bound) > 8, samples  # the plain bound would refuse, mostly
+            assert all(s <= limit for s, limit in samples), samples  # judged against the floor: nobody
+            assert all(limit > FLOOR_FACTOR * 0.15 for _, limit in samples)
+            time.sleep(1.0)  # a stall: the gateway behind its input by far more than the machine's usual
+            assert lag.seconds() > lag.limit(bound)
+        finally:
+            busy = False
+            await hog
+            await lag.stop()
             await nc.close()
 
     asyncio.run(go())

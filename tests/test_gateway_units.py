@@ -220,3 +220,30 @@ def test_a_late_gateway_is_not_every_worker_dead() -> None:
         r.on_beat(beat("c"))
         assert r.is_alive("c")
     assert [w.worker_id for w in r.alive()] == ["c"]
+
+
+# ---------------------------------------------------------------------------------------- Retry-After
+
+def test_retry_after_follows_the_backlog_with_jitter() -> None:
+    from services.gateway.retry_after import MAX_S, MIN_S, RetryAdvice
+
+    clock = Clock()
+    advice = RetryAdvice(clock=clock)
+    for _ in range(50):  # 10 requests finish per second
+        clock.t += 0.1
+        advice.finished()
+    waits = [advice.for_count(in_flight=8) for _ in range(40)]  # 40 clients refused in the same instant
+    # Each refusal adds to the backlog: the k-th waits for k slots to free (50 freed in the 4.9 s since the first),
+    # at least that long, at most twice.
+    est = [max(k * 4.9 / 50, MIN_S) for k in range(1, 41)]
+    assert all(e <= w < 2 * e for e, w in zip(est, waits))
+    assert len({round(w, 3) for w in waits}) == len(waits)  # no two alike: they do not come back together
+    assert max(waits) > 4 * min(waits)  # and the spread grows with the backlog
+    lag = [advice.for_lag(3.0) for _ in range(20)]
+    assert all(3.0 <= w < 6.0 for w in lag) and len({round(w, 3) for w in lag}) == 20
+    assert all(MIN_S <= advice.for_lag(0.0) < 2 * MIN_S for _ in range(10))
+    assert advice.for_lag(1e6) < 2 * MAX_S
+    h = advice.headers(2.345)
+    assert h == {"Retry-After": "3", "retry-after-ms": "2345"}
+    clock.t += 100  # everything above forgotten: nothing finished lately, one refused, 8 long requests in flight
+    assert 5.0 / 8 <= advice.for_count(in_flight=8) < 2 * 5.0 / 8  # the window's worth of time shared by 8

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from loadtest.retry import advised_s
+
 from .datasets import Prompt
 from .payload import Endpoint, Message, build_body
 
@@ -32,6 +34,9 @@ class RequestResult:
     output_tokens_source: str = "none"  # "usage", "stream" (text chunks) or "words" (last resort)
     usage: dict | None = None  # exactly what the server reported, for auditing the counts
     stream_chunks: int = 0
+    retry_after_s: float | None = None  # refused (429/503): the server's Retry-After (loadtest/retry.py)
+    retries: int = 0  # refused attempts before this one (--retries)
+    retry_wait_s: float = 0.0  # time waited between them (not in ttft/e2e, which time this attempt)
     finish_reason: str | None = None
     text: str = ""
 
@@ -118,6 +123,8 @@ async def send(
         async with client.stream("POST", ep.url, json=body, headers=ep.headers()) as resp:
             r.status = resp.status_code
             if resp.status_code != 200:
+                if resp.status_code in (429, 503):
+                    r.retry_after_s = advised_s(resp.headers)
                 raw = (await resp.aread()).decode(errors="replace")
                 raise RuntimeError(f"HTTP {resp.status_code}: {raw[:300]}")
             if ep.stream:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -12,6 +13,8 @@ import httpx
 from tqdm import tqdm
 
 from .arrivals import arrival_offsets
+from loadtest.retry import retry_delay_s
+
 from .client import RequestResult, send
 from .datasets import Job, Workload
 from .eos import EosProbe, probe_eos_mode
@@ -27,6 +30,9 @@ class LoadConfig:
     seed: int = 0
     request_timeout: float = 300.0
     progress: bool = True
+    # A refused request (429, or 503 with Retry-After) is sent again up to this many times, after the server's
+    # Retry-After with jitter (loadtest/retry.py); 0: a refusal is a failed request.
+    retries: int = 0
 
 
 @dataclass
@@ -60,7 +66,11 @@ async def resolve_eos(ep: Endpoint, requested: str, cfg: LoadConfig) -> tuple[En
 async def _run_job(
     client: httpx.AsyncClient, ep: Endpoint, job: Job, delay: float, origin: float,
     sem: asyncio.Semaphore, sink: list[RequestResult], bar: tqdm | None,
+    retries: int = 0, rng: random.Random | None = None,
 ) -> None:
+    """One conversation, turn after turn. A refused turn is sent again up to `retries` times (LoadConfig.retries);
+    only its last attempt is a result, which counts the refusals before it and the time waited."""
+    rng = rng or random.Random(job.index)
     await asyncio.sleep(delay)
     history: list[Message] = []
     for t, turn in enumerate(job.turns):
@@ -68,6 +78,16 @@ async def _run_job(
             r = RequestResult(job.index, t, turn.output_len, turn.prompt_len)
             try:
                 await send(client, ep, turn.prompt, history, r, origin)
+                waited = 0.0
+                for attempt in range(retries):
+                    if r.ok or not _refused(r):
+                        break
+                    wait = retry_delay_s(r.retry_after_s, attempt, rng)
+                    await asyncio.sleep(wait)
+                    waited += wait
+                    r = RequestResult(job.index, t, turn.output_len, turn.prompt_len, retries=attempt + 1,
+                                      retry_wait_s=waited)
+                    await send(client, ep, turn.prompt, history, r, origin)
             finally:
                 # Appended even when cancelled, so sent == succeeded + failed always holds.
                 sink.append(r)
@@ -76,6 +96,11 @@ async def _run_job(
         if not r.ok:
             return  # a conversation cannot continue past a failed turn
         history += [Message("user", str(turn.prompt)), Message("assistant", r.text)]
+
+
+def _refused(r: RequestResult) -> bool:
+    """The server turned the request away before doing anything (nothing to lose by sending it again)."""
+    return r.status == 429 or (r.status == 503 and r.retry_after_s is not None)
 
 
 async def _warm_up(client: httpx.AsyncClient, ep: Endpoint, workload: Workload, cfg: LoadConfig, deadline: float) -> None:
@@ -114,8 +139,9 @@ async def run_level(ep: Endpoint, workload: Workload, cfg: LoadConfig, deadline:
         sink: list[RequestResult] = []
         bar = tqdm(total=workload.num_requests, desc=label or None, file=sys.stderr, disable=not cfg.progress, leave=False)
         origin = time.perf_counter()
+        rng = random.Random(cfg.seed)  # one for every job: their retry delays differ
         tasks = [
-            asyncio.ensure_future(_run_job(client, ep, job, off, origin, sem, sink, bar))
+            asyncio.ensure_future(_run_job(client, ep, job, off, origin, sem, sink, bar, cfg.retries, rng))
             for job, off in zip(workload.jobs, offsets)
         ]
         cut = await _wait_or_cancel(tasks, deadline)

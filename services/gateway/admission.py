@@ -4,7 +4,9 @@ Every streamed token costs the gateway CPU (routing, detokenizing, stop strings,
 measured on a 2-core CPU, issue 25). Admitting more streams than it can carry does not serve more: its event
 loop falls behind, workers' load beats are handled late, NATS cuts its connection off as a slow consumer, and
 every stream degrades at once. Past the bound a new request gets a fast 429 with Retry-After instead (as TGI
-answers past its --max-concurrent-requests), and the streams already admitted keep their pace.
+answers past its --max-concurrent-requests), and the streams already admitted keep their pace. Retry-After
+follows the measured backlog, with jitter, so the refused do not all come back at once
+(services/gateway/retry_after.py).
 
 Past a second bound too: while the gateway's own NATS input lags (services/gateway/input_lag.py), which
 follows what this machine carries for this workload where a count of streams cannot.
@@ -15,7 +17,8 @@ when clients retry in a tight loop, and again once the request is counted (ctx.b
 from __future__ import annotations
 
 from services.gateway.context import GatewayContext
-from services.gateway.errors import RETRY_AFTER_S, APIError
+from services.gateway.errors import APIError
+from services.gateway.input_lag import FLOOR_FACTOR
 
 # The routes that generate (each one is counted in ctx.in_flight while it runs).
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/invocations", "/v1/responses",
@@ -35,9 +38,11 @@ def admit_early(ctx: GatewayContext, path: str) -> None:
         return
     _count_bound(ctx, ctx.in_flight)  # not counted yet: every request in flight is another
     bound = ctx.config.max_input_lag_s
-    if bound and (lag := ctx.input_lag_s()) > bound:
+    if bound and (lag := ctx.input_lag_s()) > bound and lag > (limit := ctx.input_lag_limit_s(bound)):
+        # (limit: the bound, or a few times what this machine's scheduling costs the gateway anyway: input_lag.py)
         raise _refused(ctx, "input_lag", f"the gateway is {lag:.2f}s behind its input, more than its bound of "
-                                         f"{bound:g}s (--max-input-lag)")
+                                         f"{limit:.2g}s (--max-input-lag {bound:g}, or {FLOOR_FACTOR:g}x the "
+                                         f"machine's recent floor)", ctx.retry.for_lag(lag))
 
 
 def _count_bound(ctx: GatewayContext, others: int) -> None:
@@ -45,9 +50,10 @@ def _count_bound(ctx: GatewayContext, others: int) -> None:
     limit = ctx.config.max_inflight_requests
     if limit and others >= limit:
         raise _refused(ctx, "max_inflight_requests", f"the gateway is serving its limit of {limit} requests at once "
-                                                     "(--max-inflight-requests)")
+                                                     "(--max-inflight-requests)", ctx.retry.for_count(others))
 
 
-def _refused(ctx: GatewayContext, reason: str, why: str) -> APIError:
+def _refused(ctx: GatewayContext, reason: str, why: str, retry_s: float) -> APIError:
+    """A 429 whose Retry-After (and retry-after-ms) follows the backlog, with jitter (services/gateway/retry_after.py)."""
     ctx.metrics.rejected.labels(ctx.metrics.model, reason).inc()
-    return APIError(429, f"{why}; retry shortly", code="too_many_requests", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(429, f"{why}; retry in {retry_s:.1f}s", code="too_many_requests", headers=ctx.retry.headers(retry_s))

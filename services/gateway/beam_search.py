@@ -125,7 +125,9 @@ class BeamGeneration:
             self._cached[k] = gen.cached_tokens
         return [out[i] for i in range(len(prompts))]
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self, idle_marks: bool = False) -> AsyncIterator[Delta]:
+        """The finished beams as deltas. idle_marks (Generation.deltas'): none to give, as the search ran to the
+        end in open() and no delta here waits for anything."""
         params = self.prepared.samplings[0]
         for k, beams in enumerate(self.results):
             for j, b in enumerate(beams):

@@ -2,7 +2,6 @@
 turned into text deltas (incremental detokenization, then stop strings)."""
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +25,9 @@ STRUCTURED_ERRORS = tuple(f"invalid {kind}" for kind in ("json_object", "json_sc
 
 # How often a waiting stream checks that its worker still beats (detection is bounded by the router's expiry).
 WATCH_INTERVAL_S = 0.25
+# After the gateway's NATS connection came back, how long a stream may stay silent before it resumes elsewhere (its
+# last chunks may have been lost while the inbox had no subscription); a chunk in sequence proves nothing was.
+RECONNECT_GRACE_S = 2.0
 
 
 class WorkerLost(Exception):
@@ -36,6 +38,13 @@ class StreamInterrupted(Exception):
     """The gateway's own NATS connection dropped and came back (its server died; it moved to another
     server of the cluster) while the stream was open: chunks sent meanwhile had no subscriber and are
     gone, including perhaps the last one. The choice resumes as a migration; the worker is fine."""
+
+
+class Idle:
+    """Marks a point where a choice's deltas pause: the next one needs a wait (Choice.deltas(idle_marks=True))."""
+
+
+IDLE = Idle()
 
 
 @dataclass
@@ -84,7 +93,8 @@ class Choice:
         self.finish_reason: str | None = None
         self.sent = False  # a GenerateRequest went out: a cancel may be needed
         self._last_chunk_time = 0.0
-        self._reconnects = 0  # the connection's reconnect count when the current stream was opened
+        self._reconnects = 0  # the connection's reconnect count the current stream is known to have survived
+        self._reconnected_at: float | None = None  # when a reconnect the stream has not yet survived was seen
         self._worker_reconnects: int | None = None  # the routed worker's, from its beats (router.bus_reconnects)
 
     @property
@@ -113,6 +123,7 @@ class Choice:
 
     async def _send(self, subject: str) -> TokenChunk:
         self._reconnects = self.ctx.nc.stats["reconnects"]
+        self._reconnected_at = None
         self._worker_reconnects = self.ctx.router.bus_reconnects(self.worker_id) if self.worker_id else None
         with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
             # Routed to one worker: only its chunks count (shared/bus/sender.py).
@@ -121,8 +132,9 @@ class Choice:
                                               expect=TokenChunk, sender=sender, limits=self.ctx.stream_limits)
         self.sent = True
         self._stream = stream
+        stream.watch(self._check_worker, WATCH_INTERVAL_S)
         try:
-            return await self._watched(stream.__anext__())
+            return self._arrived(await stream.__anext__())
         except StopAsyncIteration:
             raise APIError(500, "decode ended the stream without a token") from None
         except bus.NoRespondersError:
@@ -138,7 +150,9 @@ class Choice:
         except bus.MessagesDroppedError:
             raise _fell_behind() from None
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self, idle_marks: bool = False) -> AsyncIterator[Delta | Idle]:
+        """The choice's deltas in order. idle_marks: also IDLE each time the next read would wait (nothing of
+        this stream has arrived yet) or a migration starts, so a streaming caller sends what it holds then."""
         assert self._stream is not None and self._first is not None, "open() first"
         chunk: TokenChunk | None = self._first
         try:
@@ -146,6 +160,8 @@ class Choice:
                 if chunk.finish_reason == "error" and chunk.error == codes.MOVE_ELSEWHERE:
                     # The worker is draining (the planner removes it, or it stops): continue elsewhere.
                     self.sent = False
+                    if idle_marks:
+                        yield IDLE
                     chunk = await self._migrate()
                     continue
                 delta = self._on_chunk(chunk)
@@ -153,38 +169,42 @@ class Choice:
                     yield delta
                 if self.finished:
                     return
+                if idle_marks and not self._stream.ready:
+                    yield IDLE
                 try:
                     chunk = await self._next()
                 except WorkerLost:
+                    if idle_marks:
+                        yield IDLE
                     chunk = await self._migrate()
                 except StreamInterrupted:
+                    if idle_marks:
+                        yield IDLE
                     chunk = await self._migrate(worker_died=False)
             raise APIError(500, "decode ended the stream before the last token", code="stream_ended")
         finally:
             await self._stream.aclose()
 
-    async def _watched(self, work) -> TokenChunk:  # noqa: ANN001
-        """Awaits the stream's next chunk; WorkerLost as soon as the router stops hearing from the worker."""
-        pending = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=WATCH_INTERVAL_S)
-                if done:
-                    return pending.result()
-                if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
-                    raise WorkerLost(self.worker_id)
-                if self.ctx.nc.stats["reconnects"] != self._reconnects:
-                    raise StreamInterrupted()
-                if self._worker_moved():
-                    raise StreamInterrupted()
-                if self._stream is not None and self._stream.dropped:
-                    # The gateway fell behind and NATS' client dropped some of this stream, perhaps its end:
-                    # nothing may come any more. The caller ends the stream with an error and cancels the worker.
-                    raise bus.MessagesDroppedError(f"the gateway fell behind the token stream of {self.request_id}")
-        finally:
-            if not pending.done():
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
+    def _check_worker(self) -> None:
+        """Called by the stream while it waits for a chunk (every WATCH_INTERVAL_S, in the waiting task: no watcher
+        task per chunk): WorkerLost as soon as the router stops hearing from the worker."""
+        if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
+            raise WorkerLost(self.worker_id)
+        if self._worker_moved():
+            raise StreamInterrupted()
+        if self.ctx.nc.stats["reconnects"] != self._reconnects:
+            # The gateway's connection dropped and came back; the client library subscribed the inbox again. What
+            # the worker sent meanwhile is gone, and the next chunk shows it (a gap in the sequence numbers: the
+            # stream resumes from the last token received, StreamInterrupted). Nothing lost: the stream goes on,
+            # no migration. Lost and nothing more coming (the last chunk went): silence, so past
+            # RECONNECT_GRACE_S without a chunk the stream resumes all the same.
+            now = time.monotonic()
+            if self._reconnected_at is None:
+                self._reconnected_at = now
+            elif now - self._reconnected_at > RECONNECT_GRACE_S:
+                raise StreamInterrupted()
+        # (A stream whose messages NATS' client dropped because the gateway fell behind raises
+        # MessagesDroppedError itself, checked at every wait.)
 
     def _worker_moved(self) -> bool:
         """The routed worker's connection reconnected since the stream opened: on a locked-down bus its
@@ -197,7 +217,7 @@ class Choice:
     async def _next(self) -> TokenChunk | None:
         assert self._stream is not None
         try:
-            return await self._watched(self._stream.__anext__())
+            chunk = await self._stream.__anext__()
         except StopAsyncIteration:
             return None
         except bus.RemoteError as e:
@@ -210,6 +230,12 @@ class Choice:
             raise _fell_behind() from None
         except bus.BusError as e:
             raise APIError(500, f"lost the token stream: {e}", code="stream_error") from None
+        return self._arrived(chunk)
+
+    def _arrived(self, chunk: TokenChunk) -> TokenChunk:
+        if self._reconnected_at is not None:  # in sequence after the reconnect: nothing was lost, go on
+            self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
+        return chunk
 
     async def _migrate(self, worker_died: bool = True) -> TokenChunk:
         """Continue on another decode worker: the prompt plus every token streamed so far, what is left of
@@ -301,7 +327,7 @@ class Choice:
                 delta.text = self._stop.push(self._detok.push(ids[:n_text]), armed=before + len(ids) > min_tokens)
             self.num_tokens += len(ids)
             self._generated.extend(ids)
-            m.generation_tokens.labels(m.model).inc(len(ids))
+            m.model_generation_tokens.inc(len(ids))
             delta.token_ids = ids
             delta.logprobs = lps
         if chunk.finished:

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.retry_after import RetryAdvice
 from services.gateway.router import Router
 from services.gateway.special_tokens import added_tokens
 from shared.bus.limits import BusLimits
@@ -32,7 +33,10 @@ class GatewayContext:
     draining: bool = False
     # The gateway's own NATS input lag in seconds (services/gateway/input_lag.py; admission reads it).
     input_lag_s: Callable[[], float] = lambda: 0.0
+    # The lag above which admission refuses, given --max-input-lag (InputLag.limit: the bound or the machine's floor).
+    input_lag_limit_s: Callable[[float], float] = lambda bound: bound
     in_flight: int = 0
+    retry: RetryAdvice = field(default_factory=RetryAdvice)  # Retry-After of the requests admission refuses
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 
@@ -61,6 +65,7 @@ class GatewayContext:
 
     def end(self) -> None:
         self.in_flight -= 1
+        self.retry.finished()
         self.metrics.in_flight.labels(self.metrics.model).set(self.in_flight)
         if self.in_flight == 0:
             self._idle.set()

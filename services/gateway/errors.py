@@ -6,6 +6,7 @@ shape, so the handlers here replace FastAPI's.
 from __future__ import annotations
 
 import json
+import random
 from http import HTTPStatus
 from typing import Any
 
@@ -52,8 +53,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def unavailable(message: str, code: str = "overloaded") -> APIError:
-    """503 with Retry-After: nothing is wrong with the request, try again shortly."""
-    return APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+    """503 with Retry-After: nothing is wrong with the request, try again shortly. retry-after-ms spreads the
+    clients refused together over [1, 2) s (a constant sends them back in lock-step)."""
+    ms = round(1000 * RETRY_AFTER_S * (1.0 + random.random()))
+    return APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S), "retry-after-ms": str(ms)})
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

@@ -60,6 +60,7 @@ class Formatter:
         self.reasoning: ReasoningPlan | None = None
         self._reason_streams: list[ReasoningStream] = []
         self.reasoning_tokens = 0
+        self._templates: dict[tuple[int, bool], tuple[str, str] | None] = {}  # sse_chunks' fast path
 
     def reason(self, plan: ReasoningPlan) -> None:
         """Keep a reasoning model's <think> text apart from the answer (reasoning.py)."""
@@ -137,6 +138,38 @@ class Formatter:
     def sse(self, data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
+    def sse_chunks(self, d: Delta, include_usage: bool) -> list[str]:
+        """The SSE events of one delta, encoded. A plain text delta (the common case: no logprobs, ids, tools,
+        reasoning, echo or finish) is written into a template of its chunk (made once per choice by the general
+        path, so the two agree byte for byte): no response model, dump and JSON encoding per token."""
+        if d.text and self._plain(d):
+            key = (d.index, include_usage)
+            template = self._templates.get(key)
+            if template is None:
+                template = self._templates[key] = self._template(d.index, include_usage)
+            if template is not None:
+                head, tail = template
+                return [head + json.dumps(d.text, ensure_ascii=False)[1:-1] + tail]
+        return [self.sse(c) for c in self.chunks(d, include_usage)]
+
+    def _plain(self, d: Delta) -> bool:
+        """A delta whose chunk is the template's with another text (the subclass says which fields it needs)."""
+        return False
+
+    def _template(self, index: int, include_usage: bool) -> tuple[str, str] | None:
+        """(before, after) the text in choice `index`'s plain chunk, JSON-encoded; None if the text is not found
+        exactly once (then the general path serves)."""
+        mark = "\u0001kvmesh-text\u0002"
+        chunks = self.chunks(Delta(index, text=mark), include_usage)
+        if len(chunks) != 1:
+            return None
+        line = self.sse(chunks[0])
+        encoded = json.dumps(mark, ensure_ascii=False)[1:-1]
+        if line.count(encoded) != 1:
+            return None
+        head, _, tail = line.partition(encoded)
+        return head, tail
+
     def start_chunks(self) -> list[dict[str, Any]]:
         return []
 
@@ -184,6 +217,11 @@ class CompletionFormatter(Formatter):
 
     def _echoed(self, index: int) -> str:
         return self.echo[index // self.per_prompt] if self.echo else ""
+
+    def _plain(self, d: Delta) -> bool:
+        return (self.logprobs is None and not self.return_token_ids and d.prompt_logprobs is None
+                and not (self.echo and not self._echo_sent[d.index]) and d.finish_reason is None
+                and d.stop_reason is None and d.matched_stop is None)
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
         text, prompt = d.text, None
@@ -247,6 +285,11 @@ class ChatFormatter(Formatter):
         for c in chunks:
             c.pop("prompt_logprobs"), c.pop("prompt_token_ids"), c["choices"][0].pop("token_ids")
         return chunks
+
+    def _plain(self, d: Delta) -> bool:
+        return (self.logprobs is None and not self.return_token_ids and d.prompt_logprobs is None
+                and self.tools is None and self.reasoning is None and d.finish_reason is None
+                and d.stop_reason is None and d.matched_stop is None)
 
     def chunks(self, d: Delta, include_usage: bool) -> list[dict[str, Any]]:
         # No chunk that carries nothing: a delta whose text a tool stream holds back sends nothing (vLLM).

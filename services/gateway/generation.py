@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
-from services.gateway.choice import Choice, Delta
+from services.gateway.choice import IDLE, Choice, Delta, Idle
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, unavailable
 from services.gateway.prepare import Prepared
@@ -74,11 +74,14 @@ class Generation:
             self.abort("a sibling choice failed")
             raise errors[0]
 
-    async def deltas(self) -> AsyncIterator[Delta]:
-        """Deltas of every choice as they come (choices interleave; each one's deltas stay in order)."""
+    async def deltas(self, idle_marks: bool = False) -> AsyncIterator[Delta | Idle]:
+        """Deltas of every choice as they come (choices interleave; each one's deltas stay in order).
+        idle_marks: also IDLE whenever the next delta needs a wait (services/gateway/streaming.py sends what it
+        holds then, so deltas that arrived together go out in one write and a lone one is never held)."""
         if len(self.choices) == 1:
-            async for d in self.choices[0].deltas():
-                self._observe(d)
+            async for d in self.choices[0].deltas(idle_marks):
+                if d is not IDLE:
+                    self._observe(d)  # type: ignore[arg-type]
                 yield d
             return
         queue: asyncio.Queue[object] = asyncio.Queue()
@@ -96,6 +99,8 @@ class Generation:
         try:
             remaining = len(tasks)
             while remaining:
+                if idle_marks and queue.empty():
+                    yield IDLE
                 item = await queue.get()
                 if item is _DONE:
                     remaining -= 1

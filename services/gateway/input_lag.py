@@ -10,12 +10,22 @@ is above a bound: the gateway sheds load before workers look dead and streams st
 One probe is out at a time: the lag is the last round trip, or the age of the probe still out (or how late the
 next one is to go out) when that is longer, so a backlog that keeps growing shows at once. Until a first probe has come back nothing is known (a
 server that does not let the gateway publish to its own inbox must not make it refuse everything).
+
+The bound is judged against the machine's floor (`limit`): admission refuses while the lag is above
+max(--max-input-lag, FLOOR_FACTOR x the smallest round trip of the last FLOOR_WINDOW_S). On a small busy machine
+(the gateway sharing 2 cores with its engines) the probe's round trip includes the time other processes hold the
+cores, even when the gateway is not behind at all; the smallest recent round trip is that cost, and a backlog of
+the gateway's own adds to it. A lag several times the floor is a backlog; one near it is the machine. While the
+gateway refuses, its own load stops growing, so a lag that stays high for the whole window anyway raises the
+floor (and the limit) with it: load the gateway cannot shed by refusing is no reason to refuse everyone. A stall
+or a growing backlog still shows at once, because the floor is the window's smallest trip, not its typical one.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections import deque
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -23,12 +33,37 @@ from nats.aio.subscription import Subscription
 
 PERIOD_S = 0.1  # between a probe's return and the next one
 RECHECK_S = 0.25  # while a probe is out: how often to check whether the connection dropped meanwhile
+FLOOR_WINDOW_S = 30.0  # the floor is the smallest round trip this recent
+FLOOR_FACTOR = 3.0  # a lag this many times the floor is a backlog, not the machine
+
+
+class LagFloor:
+    """The smallest probe round trip of the last `window_s` seconds (monotonic deque: O(1) per trip)."""
+
+    def __init__(self, window_s: float = FLOOR_WINDOW_S) -> None:
+        self._window_s = window_s
+        self._trips: deque[tuple[float, float]] = deque()  # (when, round trip), round trips increasing
+
+    def note(self, trip_s: float, now: float) -> None:
+        while self._trips and self._trips[-1][1] >= trip_s:
+            self._trips.pop()  # never the minimum again: a smaller, later trip outlives it
+        self._trips.append((now, trip_s))
+        self._expire(now)
+
+    def seconds(self, now: float) -> float:
+        self._expire(now)
+        return self._trips[0][1] if self._trips else 0.0
+
+    def _expire(self, now: float) -> None:
+        while self._trips and self._trips[0][0] < now - self._window_s:
+            self._trips.popleft()
 
 
 class InputLag:
-    def __init__(self, nc: Client, period_s: float = PERIOD_S) -> None:
+    def __init__(self, nc: Client, period_s: float = PERIOD_S, floor_window_s: float = FLOOR_WINDOW_S) -> None:
         self._nc = nc
         self._period_s = period_s
+        self._floor = LagFloor(floor_window_s)
         self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
         self._sent: float | None = None  # when the probe still out was sent
@@ -55,6 +90,11 @@ class InputLag:
         since = self._sent if self._sent is not None else self._due
         return max(self._last, time.monotonic() - since)
 
+    def limit(self, bound_s: float) -> float:
+        """The lag above which admission refuses: `bound_s`, or FLOOR_FACTOR x this machine's recent floor when
+        that is higher (the module's docstring)."""
+        return max(bound_s, FLOOR_FACTOR * self._floor.seconds(time.monotonic()))
+
     async def _loop(self) -> None:
         assert self._sub is not None
         while not self._stopping:
@@ -76,6 +116,7 @@ class InputLag:
         if self._sent is not None:
             now = time.monotonic()
             self._last, self._due = now - self._sent, now + self._period_s
+            self._floor.note(self._last, now)
             self._sent = None
             self._answered = True
         self._back.set()

@@ -219,6 +219,10 @@ class GatewayMetrics:
         r.register(self.kvstore)
         self._queries = 0
         self._hits = 0
+        # The per-token series, their one label resolved once (a labels() lookup per token per series showed in
+        # the gateway's profile).
+        self._per_token = (self.itl.labels(model), self.tpot.labels(model))
+        self.model_generation_tokens = self.generation_tokens.labels(model)
 
     def prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
         self._queries += prompt_tokens
@@ -238,8 +242,8 @@ class GatewayMetrics:
             self.inference_time.labels(self.model).observe(timings.prefill_s + timings.decode_s)
 
     def inter_token(self, seconds: float) -> None:
-        self.itl.labels(self.model).observe(seconds)
-        self.tpot.labels(self.model).observe(seconds)
+        for series in self._per_token:
+            series.observe(seconds)
 
     def request_done(self, generated: list[list[int]], ttft_s: float | None, e2e_s: float) -> None:
         """A request whose every choice finished, as generated tokens per choice of each prompt (a batch of

@@ -86,6 +86,7 @@ class GatewayService(Service):
         self._input_lag = InputLag(nc)
         await self._input_lag.start()
         ctx.input_lag_s = self._input_lag.seconds
+        ctx.input_lag_limit_s = self._input_lag.limit
         ctx.metrics.input_lag.labels(ctx.metrics.model).set_function(self._input_lag.seconds)
 
         async def on_event(ev: BlockStored | BlockRemoved, msg: bus.RequestContext) -> None:
@@ -120,11 +121,13 @@ class GatewayService(Service):
             if believable(beat, msg, "prefill"):
                 ctx.metrics.prefill_workers.on_beat(beat)
 
+        # Mesh state, not any request's work: no span per beat or block event (shared/bus/server.py, subscribe).
         self._subs = [
-            await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved)),
-            await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, (BlockStored, BlockRemoved, StatsReply)),
-            await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat),
-            await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat),
+            await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved), traced=False),
+            await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, (BlockStored, BlockRemoved, StatsReply),
+                                traced=False),
+            await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat, traced=False),
+            await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat, traced=False),
         ]
         self._deaf_watch = asyncio.ensure_future(_keep_workers_while_deaf(nc, router))
         self._micro = await bus.add_micro_service(nc, subjects.SERVICE_GATEWAY, VERSION, [],
@@ -185,8 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generation requests the gateway serves at once; past it a new one gets 429 with "
                              "Retry-After at once (0: no bound)")
     parser.add_argument("--max-input-lag", type=float, default=GatewayConfig.max_input_lag_s, metavar="SECONDS",
-                        help="while the gateway's own NATS input lags more than this, new requests get 429 with "
-                             "Retry-After (0: off)")
+                        help="while the gateway's own NATS input lags more than this (or 3x the smallest lag of "
+                             "the last 30 s, when that is more: the busy machine's floor), new requests get 429 "
+                             "with Retry-After (0: off)")
     parser.add_argument("--max-waiting", type=int, default=128,
                         help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")

@@ -12,38 +12,68 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.gateway.context import GatewayContext
+from services.gateway.choice import IDLE, Delta
 from services.gateway.generation import Generation, as_api_error
 from services.gateway.formatters import Formatter, usage
 from services.gateway.schemas import dump
+
+
+# Chunk events recorded on a request's "stream" span: the first ones (time to first tokens, the early rhythm),
+# then only the finishing one; the span's attributes count them all. An event per chunk of a long answer cost
+# more gateway CPU than anything else tracing does, and OpenTelemetry keeps only 128 per span anyway.
+CHUNK_EVENTS = 16
+# At most this many SSE chunks in one write (a stream far behind still goes out in pieces).
+MAX_COALESCED = 64
 
 
 async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, include_usage: bool,
                         continuous_usage: bool = False) -> AsyncIterator[str]:
     """The SSE body of an opened generation. Owns the request from here: ends its span and in-flight count.
 
-    The stream is a child span of the request's ("stream"), with an event per SSE chunk that carries
-    tokens or a finish reason (OpenTelemetry keeps the first 128 events of a span; the count attribute
-    holds them all), so a trace shows when each chunk left.
+    Chunks that are ready together (the gateway fell behind a stream, or a worker sent several at once) go out in
+    one write: the body is yielded whenever the next delta would need a wait (Generation.deltas' IDLE marks), so
+    a lone chunk is never held back, and under load the per-write cost (the ASGI server's send, a syscall) is
+    paid once for all of them.
+
+    The stream is a child span of the request's ("stream"), with an event for each of the first CHUNK_EVENTS SSE
+    chunks that carry tokens or a finish reason, and for the finishing one (attributes: kvmesh.stream.chunks, all
+    of them, and kvmesh.stream.writes, the writes they took), so a trace shows when chunks left.
     """
     stream_span = ctx.tracer.start_span("stream", context=trace.set_span_in_context(gen.span))
-    sent = 0
+    sent = writes = 0
+    held: list[str] = []
     try:
         try:
             for c in fmt.start_chunks():
                 if continuous_usage:  # the role chunk too: nothing generated yet (vLLM)
                     c["usage"] = dump(usage(gen.prompt_tokens, 0, gen.cached_tokens))
-                yield fmt.sse(c)
-            async for d in gen.deltas():
-                for chunk in fmt.chunks(d, include_usage):
-                    if continuous_usage:  # vLLM's continuous_usage_stats: running totals in every chunk
+                held.append(fmt.sse(c))
+            async for d in gen.deltas(idle_marks=True):
+                if d is IDLE or len(held) >= MAX_COALESCED:
+                    if held:
+                        writes += 1
+                        yield "".join(held)
+                        held.clear()
+                    if d is IDLE:
+                        continue
+                assert isinstance(d, Delta)
+                if continuous_usage:  # vLLM's continuous_usage_stats: running totals in every chunk
+                    out = []
+                    for chunk in fmt.chunks(d, include_usage):
                         chunk["usage"] = dump(usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
+                        out.append(fmt.sse(chunk))
+                else:
+                    out = fmt.sse_chunks(d, include_usage)
+                for _ in out:
                     sent += 1
-                    stream_span.add_event("chunk", {"gen_ai.choice.index": d.index, "kvmesh.chunk.tokens": len(d.token_ids),
-                                                    **({"gen_ai.response.finish_reasons": [d.finish_reason]}
-                                                       if d.finish_reason else {})})
-                    yield fmt.sse(chunk)
+                    if sent <= CHUNK_EVENTS or d.finish_reason:
+                        stream_span.add_event("chunk", {"gen_ai.choice.index": d.index,
+                                                        "kvmesh.chunk.tokens": len(d.token_ids),
+                                                        **({"gen_ai.response.finish_reasons": [d.finish_reason]}
+                                                           if d.finish_reason else {})})
+                held += out
             if include_usage:
-                yield fmt.sse(fmt.usage_chunk(usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)))
+                held.append(fmt.sse(fmt.usage_chunk(usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))))
         except Exception as e:  # noqa: BLE001 - every failure becomes an error chunk
             err = as_api_error(e)
             ctx.metrics.error(err.status)
@@ -51,8 +81,11 @@ async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, in
             gen.span.set_status(Status(StatusCode.ERROR, err.message))
             gen.span.set_attribute("error.type", err.code or type(e).__name__)
             gen.abort("error")
-            yield fmt.sse(fmt.error_chunk(err.body()))
-        yield fmt.done
+            held.append(fmt.sse(fmt.error_chunk(err.body())))
+        held.append(fmt.done)
+        writes += 1
+        yield "".join(held)
+        held.clear()
     except BaseException:
         # Cancelled or closed by the server: the client went away mid-stream.
         gen.abort("client disconnected")
@@ -62,7 +95,7 @@ async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, in
         gen.span.add_event("cancelled", {"reason": "client disconnected"})
         raise
     finally:
-        stream_span.set_attribute("kvmesh.stream.chunks", sent)
+        stream_span.set_attributes({"kvmesh.stream.chunks": sent, "kvmesh.stream.writes": writes})
         stream_span.end()
         with anyio.CancelScope(shield=True):
             await gen.close()

@@ -11,6 +11,7 @@ from shared import wire
 from shared.bus import headers as H
 from shared.bus.chunks import send_direct, send_upload, unsubscribe_quietly
 from shared.bus.errors import BusError, BusTimeout
+from shared.bus.inbox import Inbox
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.stream import ReplyStream
 
@@ -97,7 +98,9 @@ async def request_stream(
     span = _tracer.start_span(f"request {subject}", kind=trace.SpanKind.CLIENT, attributes={"messaging.destination": subject})
     try:
         pending = {} if limits.reply_pending_msgs is None else {"pending_msgs_limit": limits.reply_pending_msgs}
-        sub = await nc.subscribe(nc.new_inbox(), **pending)
+        # Read through a callback buffer, not next_msg: no task and uuid per message (shared/bus/inbox.py).
+        inbox = Inbox(limits.reply_pending_msgs)
+        sub = await nc.subscribe(nc.new_inbox(), cb=inbox.put, **pending)
         try:
             data = wire.encode(msg)
             await send_upload(nc, subject, data, H.with_trace(None, trace.set_span_in_context(span)), sub.subject, timeout)
@@ -109,7 +112,7 @@ async def request_stream(
         span.set_status(trace.StatusCode.ERROR, str(e))
         span.end()
         raise
-    return ReplyStream(sub, subject, timeout, expect, limits, span, sender)
+    return ReplyStream(sub, subject, timeout, expect, limits, span, sender, inbox, lambda: nc.is_closed)
 
 
 async def send_request(nc: Client, subject: str, msg: wire.Message, reply: str = "", timeout: float = 5.0) -> None:

@@ -12,6 +12,7 @@ REPLY = "Kvmesh-Reply"  # an upload's real reply subject (its NATS reply carries
 SEQ = "Kvmesh-Seq"  # stream item number, 0-based
 END = "Kvmesh-End"  # end of stream; value: number of items sent; body: empty or an ErrorReply
 FROM = "Kvmesh-From"  # the sender's identity (shared/bus/sender.py), when it has one
+TRACEPARENT = "traceparent"  # W3C trace context, put there by `with_trace` (absent: the sender was in no trace)
 STATUS = "Status"  # set by the NATS server on status messages; "503" = no responders
 
 FRAMING = (CHUNK, MSG_ID, SIZE, UPLOAD, REPLY)

@@ -201,10 +201,18 @@ async def subscribe(
     *,
     queue: str | None = None,
     limits: BusLimits = DEFAULT_LIMITS,
+    traced: bool = True,
 ) -> Subscription:
     """Consumes fan-out messages (events, load beats, cancels) one at a time, in arrival order.
 
     Bad messages and handler errors are logged and skipped; nothing is answered.
+
+    A message that carries a trace context (a cancel sent for a request) is handled in a consumer span of that
+    trace. One without (a load beat, a block event: published by a worker's own loop, in no request) gets no
+    span: it would be a trace of its own for every beat of every worker, which at 64 workers is most of what a
+    trace backend receives and a good part of the gateway's CPU. traced=False: no span even when the message
+    carries a context (the gateway's beats and block events, whoever sent them: they are mesh state, not a
+    request's work).
     """
     assembler = Reassembler(limits)
 
@@ -217,9 +225,14 @@ async def subscribe(
         except (BusError, wire.WireError) as e:
             log.warning("bad message on %s: %s", msg.subject, e)
             return
-        with _tracer.start_as_current_span(
-            f"receive {subject}", context=H.trace_context(env.headers), kind=trace.SpanKind.CONSUMER
-        ):
+        parent = H.trace_context(env.headers) if traced and env.headers and H.TRACEPARENT in env.headers else None
+        if parent is None:
+            try:
+                await handler(event, RequestContext(nc, env.subject, env.reply, env.headers))
+            except Exception:
+                log.exception("handler for %s failed", msg.subject)
+            return
+        with _tracer.start_as_current_span(f"receive {subject}", context=parent, kind=trace.SpanKind.CONSUMER):
             try:
                 await handler(event, RequestContext(nc, env.subject, env.reply, env.headers))
             except Exception:

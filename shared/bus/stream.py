@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Generic, TypeVar
 
 import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -27,6 +28,7 @@ from shared.bus import slow_consumer
 from shared.bus.errors import BusError, BusTimeout, MessagesDroppedError, NoRespondersError, RemoteError, StreamGapError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.error_reply import ErrorReply
+from shared.bus.inbox import Inbox
 
 M = TypeVar("M", bound=wire.Message)
 log = logging.getLogger(__name__)
@@ -89,10 +91,16 @@ class ReplyStream(Generic[M]):
         limits: BusLimits = DEFAULT_LIMITS,
         span: trace.Span | None = None,
         sender: str | None = None,
+        inbox: Inbox | None = None,
+        closed: Callable[[], bool] = lambda: False,
     ) -> None:
         """sender: accept messages only from this sender (shared/bus/sender.py); None: from the sender of
-        the first message, whoever it is (a request to a queue group may reach any member)."""
+        the first message, whoever it is (a request to a queue group may reach any member). inbox: the
+        subscription's callback buffer (shared/bus/inbox.py; request_stream subscribes so); None: read with
+        nats-py's next_msg. closed: whether the connection is closed for good (a wait on an inbox then ends)."""
         self._sub = sub
+        self._inbox = inbox
+        self._conn_closed = closed
         self._sender = sender
         self._target = target
         self._idle_timeout = idle_timeout
@@ -102,6 +110,22 @@ class ReplyStream(Generic[M]):
         self._seq = 0
         self._done = False  # no more items will be returned
         self._closed = False  # subscription and span released
+        self._watch: Callable[[], None] | None = None
+        self._watch_interval = 0.0
+
+    def watch(self, check: Callable[[], None], interval: float) -> None:
+        """Calls `check` every `interval` seconds while this stream waits for a message, from the waiting task;
+        what it raises ends the stream. (The gateway checks that the worker still beats: services/gateway/
+        choice.py. A watcher task beside every wait cost a task and a timer per streamed token.)"""
+        self._watch, self._watch_interval = check, interval
+
+    @property
+    def ready(self) -> bool:
+        """A message of this stream has arrived and waits to be read: the next item may need no wait (it does
+        when that message is one chunk of several). The gateway sends what is ready in one write."""
+        if self._done:
+            return False
+        return bool(self._inbox.msgs) if self._inbox is not None else self._sub.pending_msgs > 0
 
     @property
     def inbox(self) -> str:
@@ -110,7 +134,7 @@ class ReplyStream(Generic[M]):
     @property
     def dropped(self) -> bool:
         """The client library dropped messages of this stream: its reader fell behind (slow consumer)."""
-        return slow_consumer.dropped(self._sub)
+        return slow_consumer.dropped(self._sub) or (self._inbox is not None and self._inbox.overflowed)
 
     def __aiter__(self) -> AsyncIterator[M]:
         return self
@@ -170,9 +194,11 @@ class ReplyStream(Generic[M]):
                 # wait its whole idle timeout checks `dropped` while it waits (services/gateway/choice.py).
                 raise MessagesDroppedError(f"stream from {self._target!r}: this receiver fell behind and messages "
                                            f"were dropped (slow consumer) after item {self._seq}")
-            try:
-                msg = await self._sub.next_msg(timeout=remaining)
-            except nats.errors.TimeoutError:
+            wait = remaining if self._watch is None else min(remaining, self._watch_interval)
+            msg = await self._next_msg(wait)
+            if msg is None:
+                if self._watch is not None:
+                    self._watch()
                 continue
             hdrs = msg.headers or {}
             if hdrs.get(H.STATUS) == "503":  # the server's own answer
@@ -185,6 +211,21 @@ class ReplyStream(Generic[M]):
             env = self._assembler.feed(msg)
             if env is not None:
                 return env
+
+    async def _next_msg(self, wait: float) -> Msg | None:
+        """The next message, or None after `wait` seconds."""
+        inbox = self._inbox
+        if inbox is None:
+            try:
+                return await self._sub.next_msg(timeout=wait)
+            except nats.errors.TimeoutError:
+                return None
+        if not inbox.msgs:
+            if self._conn_closed():
+                raise nats.errors.ConnectionClosedError
+            if not await inbox.wait(wait):
+                return None
+        return inbox.msgs.popleft()
 
     def _raise_remote(self, err: ErrorReply) -> None:
         raise RemoteError(err.code, err.message, self._target)
