@@ -8,8 +8,10 @@ serve`: output tokens per second at concurrency 8 and 32 (32 requests), and at c
 its median TTFT. Each server runs alone: started, measured, stopped, then the next.
 
 Configurations (`--configs`, comma list):
-  kvmesh          `kvmesh up` with default flags (bf16 on CPUs that compute it natively)
-  kvmesh-local    `kvmesh up --prefill 0 --kvstore 0` (one engine process: no second model on the 2 cores)
+  kvmesh          `kvmesh up` with default flags (bf16 on CPUs that compute it natively; on CPU no prefill worker)
+  kvmesh-local    `kvmesh up --prefill 0 --kvstore 0` (one engine process, no kvstore)
+  kvmesh-prefill1 `kvmesh up --prefill 1` (a prefill worker beside decode on the same cores: the CPU default before
+                  session 34)
   kvmesh-none     `kvmesh up --quantization none` (the GGUF dequantized to bf16)
   kvmesh-gguf     `kvmesh up --quantization gguf` (native Q4_1 layers at every batch, no bf16 copy)
   kvmesh-int4     `kvmesh up --quantization int4` (Q4_1's layout; head int8)
@@ -73,16 +75,20 @@ def _measure(base_url: str, model: str, jsonl: Path, tmp: Path, tag: str) -> dic
 def _kvmesh(extra: list[str], gguf: Path, jsonl: Path, tmp: Path, tag: str, port: int = 8010) -> dict:
     cmd = [sys.executable, "-m", "shared.cli", "up", "--model", str(gguf), "--port", str(port),
            "--served-model-name", MODEL_NAME, "--kvstore-disk-dir", "none", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # The mesh's output goes to a file: a pipe nobody reads once the mesh is up would fill and block its logging.
+    log_path = tmp / f"{tag}-up.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     lines: list[str] = []
     try:
         end = time.monotonic() + 300
-        for line in proc.stdout:
-            lines.append(line)
-            if "kvmesh is up at" in line or time.monotonic() > end:
+        while time.monotonic() < end and proc.poll() is None:
+            lines = log_path.read_text().splitlines()
+            if any("kvmesh is up at" in x for x in lines):
                 break
+            time.sleep(0.5)
         if not any("kvmesh is up at" in x for x in lines):
-            raise RuntimeError("kvmesh up did not come up:\n" + "".join(lines[-30:]))
+            raise RuntimeError("kvmesh up did not come up:\n" + "\n".join(lines[-30:]))
         dtype = next((m[1] for x in lines if (m := re.search(r"dtype (\w+) on CPU", x))), "?")
         return {"command": "kvmesh up " + " ".join(extra), "dtype": dtype,
                 **_measure(f"http://127.0.0.1:{port}", MODEL_NAME, jsonl, tmp, tag)}
@@ -129,6 +135,8 @@ def main() -> None:
             print(f"== {name}", flush=True)
             if name == "kvmesh":
                 results[name] = _kvmesh([], q4, jsonl, tmp, name)
+            elif name == "kvmesh-prefill1":
+                results[name] = _kvmesh(["--prefill", "1"], q4, jsonl, tmp, name)
             elif name == "kvmesh-local":
                 results[name] = _kvmesh(["--prefill", "0", "--kvstore", "0"], q4, jsonl, tmp, name)
             elif name == "kvmesh-none":  # the GGUF dequantized to bf16 (the default before native GGUF layers)

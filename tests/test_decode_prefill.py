@@ -104,6 +104,39 @@ def test_local_prefill_when_tail_is_short(nats_server, checkpoints, hf_reference
     asyncio.run(main())
 
 
+def test_cached_prefix_is_admitted_in_one_engine_command(nats_server, checkpoints, hf_reference):
+    """With a kvstore below it, a decode worker admits a prompt whose every full block is in its device cache with
+    one engine command (Reserve commits it: the kvstore has nothing to add), not Reserve then Commit, each of
+    which waits for a step boundary; a prompt with uncached blocks still asks the kvstore first."""
+    from shared.engine.commands import Commit, Reserve
+
+    ckpt = checkpoints["llama"]
+    prompt = random_prompts([40], seed=31)[0]  # two full blocks, then 8 tokens
+    decode = decode_service(ckpt, threshold=10_000)
+    store = kvstore_service()
+
+    async def main():
+        async with running(nats_server, store, decode) as nc:
+            ran: list[str] = []
+            run = decode.thread.run
+
+            async def recording(command):
+                ran.append(type(command).__name__)
+                return await run(command)
+            decode.thread.run = recording
+            tokens, _ = await generate(nc, prompt, greedy(MAX_NEW, None), "first")
+            check(ckpt, hf_reference, prompt, tokens)
+            admitted = [c for c in ran if c in (Reserve.__name__, Commit.__name__)]
+            assert admitted == ["Reserve", "Commit"]  # new blocks: the kvstore was asked in between
+            ran.clear()
+            again, chunks = await generate(nc, prompt, greedy(MAX_NEW, None), "again")
+            assert again == tokens and chunks[0].num_cached_tokens == 32
+            assert [c for c in ran if c in (Reserve.__name__, Commit.__name__)] == ["Reserve"]
+            await wait_idle(decode)
+
+    asyncio.run(main())
+
+
 def test_no_prefill_worker_falls_back_at_once(nats_server, checkpoints, hf_reference):
     ckpt = checkpoints["llama"]
     prompt = random_prompts([50], seed=23)[0]

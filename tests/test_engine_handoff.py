@@ -120,6 +120,38 @@ def test_reserve_commits_a_local_prompt_in_the_same_command(checkpoints, hf_refe
     assert_all_free(decode)
 
 
+def test_reserve_commits_a_prompt_whose_whole_prefix_is_cached(checkpoints, hf_reference):
+    """A decode worker with tiers below its device pool (kvstore, host tier) commits a local prompt in its Reserve
+    command when the device cache holds every full block of the prompt (the tiers have nothing to add); a prompt
+    with an uncached full block stays held for the tiers' lookup."""
+    from shared.engine.commands import Reserve
+
+    ckpt = checkpoints["llama"]
+    decode = make_engine(ckpt)
+    prompt = random_prompts([40], seed=23)[0]  # two full blocks of 16, then 8 tokens
+    held = Reserve("h", prompt, greedy(8), commit_if_prefix_cached_below=100).run(decode)
+    assert held is not None and not held.committed and decode.is_held("h")  # its blocks may be in a lower tier
+    decode.release_held("h")
+    first = run_to_completion(decode)["h"]
+    # One full block cached, the second one new: the lookup may still find it, so the request waits for it.
+    other = prompt[:16] + random_prompts([24], seed=24)[0]
+    part = Reserve("p", other, greedy(8), commit_if_prefix_cached_below=100).run(decode)
+    assert part is not None and not part.committed and part.num_cached_tokens == 16
+    decode.release_held("p")
+    run_to_completion(decode)
+    # Every full block cached, 8 tokens left: committed at once below the bound, held at it.
+    at_bound = Reserve("b", prompt, greedy(8), commit_if_prefix_cached_below=8).run(decode)
+    assert at_bound is not None and not at_bound.committed
+    decode.release_held("b")
+    run_to_completion(decode)
+    again = Reserve("c", prompt, greedy(8), commit_if_prefix_cached_below=9).run(decode)
+    assert again is not None and again.committed and again.num_cached_tokens == 32 and not decode.is_held("c")
+    out = run_to_completion(decode)["c"]
+    assert out.output_token_ids == first.output_token_ids
+    assert_matches_hf(ckpt, hf_reference, [prompt], [out], 8)
+    assert_all_free(decode)
+
+
 def test_fp8_kv_moves_between_engines_byte_for_byte(checkpoints):
     """An FP8 KV cache's blocks, read chunk by chunk on one engine and written into another, give the
     tokens a local FP8 run gives (the bytes are the same; FP8 has no CPU index_copy, reads use index_select)."""

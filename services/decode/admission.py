@@ -137,12 +137,15 @@ class Admission:
         s = self.settings
         # Each engine command waits for the step in progress to end: a local prompt committed by Reserve itself
         # starts a step sooner (`kvmesh bench scale` measured ~0.7 of a step of TTFT for the second round trip).
+        # With tiers below the device that holds for a prompt whose every full block is in the device cache (a
+        # chat template's shared prefix, a conversation's next turn): the tiers have nothing to add to it.
         commit_below = len(req.prompt_token_ids) + 1 if here else (
             s.remote_prefill_threshold if s.nothing_below_device else 0)
         with _tracer.start_as_current_span("decode.admit", context=trace.set_span_in_context(self.span)) as span:
             try:
                 res = await host.thread.run(Reserve(rid, req.prompt_token_ids, params, req.priority,
                                                     commit_if_uncached_below=commit_below,
+                                                    commit_if_prefix_cached_below=s.remote_prefill_threshold,
                                                     arrival_time=self.arrival_time))
             except ValueError as e:
                 self.state = State.FAILED

@@ -42,6 +42,10 @@ class Reserve(Command[Reservation | None]):
     # caller knows nothing below the device could add to the prefix, and saves a second wait for the step
     # boundary (a command runs between steps). 0: never.
     commit_if_uncached_below: int = 0
+    # The same for a caller with tiers below the device (host tier, kvstore), when the device cache already holds
+    # every full block of the prompt: no tier could add to that prefix, so there is nothing to look up and the
+    # second command (Commit after the lookup) would only wait for another step boundary. 0: never.
+    commit_if_prefix_cached_below: int = 0
     # When the request reached the worker (None: now). A command waits for the step in progress to end; that
     # wait is the request's time in the worker's queue, as its timings report it.
     arrival_time: float | None = None
@@ -49,7 +53,11 @@ class Reserve(Command[Reservation | None]):
     def run(self, engine: LLMEngine) -> Reservation | None:
         res = engine.reserve(self.request_id, self.prompt_token_ids, self.params, self.priority,
                              arrival_time=self.arrival_time, capture_kv_from_block=self.capture_kv_from_block)
-        if res is not None and len(self.prompt_token_ids) - res.num_cached_tokens < self.commit_if_uncached_below:
+        if res is None:
+            return None
+        left = len(self.prompt_token_ids) - res.num_cached_tokens
+        whole_prefix = res.num_cached_tokens // engine.config.block_size >= len(res.block_hashes)
+        if left < self.commit_if_uncached_below or (whole_prefix and left < self.commit_if_prefix_cached_below):
             engine.commit_held(self.request_id, res.num_cached_tokens)
             return replace(res, committed=True)
         return res

@@ -21,6 +21,7 @@ from pathlib import Path
 from shared.engine.errors import EXIT_CONFIG, ConfigError
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
                                      plan_mesh, worker_needs)
+from shared.launcher.cpu_layout import cpu_default_layout
 from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.readiness import wait_healthy
@@ -49,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=d.host, help=f"gateway bind address (default {d.host})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port (default {DEFAULT_PORT})")
     parser.add_argument("--prefill", type=int, default=None,
-                        help=f"prefill workers (default {d.prefill}, or 0 when the GPU plan needs it; 0: all prefill local)")
+                        help=f"prefill workers (default {d.prefill} on GPUs, or 0 when the GPU plan needs it; 0 on CPU, where "
+                             "a prefill worker shares decode's cores; 0: all prefill local)")
     parser.add_argument("--decode", type=int, default=None, help=f"decode workers (default {d.decode})")
     parser.add_argument("--tokenizer", type=int, default=d.tokenizer, help=f"tokenizer workers (default {d.tokenizer})")
     parser.add_argument("--kvstore", type=int, default=d.kvstore, help=f"kvstore replicas (default {d.kvstore}; 0: none)")
@@ -254,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    # A remote-prefill threshold asks for prefill workers as --prefill does (without them it would only time out).
+    opts, note = cpu_default_layout(opts, args.prefill is not None or args.remote_prefill_threshold is not None,
+                                    planned=planner is not None)
+    if note:
+        print(note, flush=True)
     if args.dry_run:
         for spec in mesh_services(opts):
             for proc in spec.processes(sys.executable, {}):

