@@ -9,6 +9,7 @@ import pytest
 
 from shared import bus, subjects
 from shared.kv_transport.direct import DirectSettings
+from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest
 from tests.engine_helpers import greedy, random_prompts
 from tests.mesh_helpers import (decode_service, generate, kvstore_service, prefill_service, running, wait_idle)
@@ -219,6 +220,37 @@ def test_cancel_midstream_frees_everything(nats_server, checkpoints):
             tokens, chunks = await asyncio.wait_for(req_task, 5)
             assert chunks[-1].finish_reason == "abort" and len(tokens) < 400
             await wait_idle(decode, timeout=2.0)
+
+    asyncio.run(main())
+
+
+def test_an_admission_that_fails_unexpectedly_answers_and_frees_everything(nats_server, checkpoints, hf_reference):
+    """A bug in admission (here: the kvstore lookup raising) answers the client with an internal error at once,
+    frees the request's reserved blocks, and the worker keeps serving (before: the admission task died silently
+    and the client waited for its timeout)."""
+    ckpt = checkpoints["llama"]
+    prompt = random_prompts([40], seed=33)[0]
+    decode = decode_service(ckpt, threshold=10_000)
+    store = kvstore_service()
+
+    async def main():
+        async with running(nats_server, store, decode) as nc:
+            real = decode.load_prefix
+
+            async def broken(rid, res):
+                decode.load_prefix = real  # once
+                raise RuntimeError("lookup bug")
+            decode.load_prefix = broken
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(bus.RemoteError) as err:
+                await generate(nc, prompt, greedy(MAX_NEW, None), "broken")
+            assert err.value.code == codes.INTERNAL and "lookup bug" in err.value.message
+            assert loop.time() - t0 < 5, "answered at once, not after a timeout"
+            await wait_idle(decode)
+            tokens, _ = await generate(nc, prompt, greedy(MAX_NEW, None), "after")
+            check(ckpt, hf_reference, prompt, tokens)
+            await wait_idle(decode)
 
     asyncio.run(main())
 

@@ -80,7 +80,7 @@ class Host(Protocol):
 
     async def load_prefix(self, rid: str, res: Reservation) -> int: ...
 
-    async def reject(self, admission: Admission, message: str) -> None: ...
+    async def reject(self, admission: Admission, message: str, code: str = codes.BAD_REQUEST) -> None: ...
 
     def admitted(self, admission: Admission) -> None: ...
 
@@ -128,7 +128,21 @@ class Admission:
             # migrates its requests is the crash handling and the gateway, not this admission.
             self.state = State.FAILED
             return
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave the client waiting on a silent task
+            log.exception("admission of %s failed", self.rid)
+            await self._fail_internal(f"{type(e).__name__}: {e}")
+            return
         self.host.admitted(self)
+
+    async def _fail_internal(self, message: str) -> None:
+        """An unexpected failure: whatever the request holds is given up (as a cancel would) and the client gets
+        an internal error at once instead of waiting for its timeout."""
+        try:
+            await self.cancel("admission failed")
+        except Exception:  # noqa: BLE001 - the reply below matters more than a second failure
+            log.exception("releasing %s after its failed admission", self.rid)
+        self.state = State.FAILED
+        await self.host.reject(self, f"decode admission failed: {message}", codes.INTERNAL)
 
     async def _admit(self) -> None:
         req, rid, host = self.req, self.rid, self.host

@@ -168,12 +168,12 @@ class DecodeService(EngineWorker):
 
     # Admission's host interface.
 
-    async def reject(self, admission: Admission, message: str) -> None:
+    async def reject(self, admission: Admission, message: str, code: str = codes.BAD_REQUEST) -> None:
         r = self.requests.pop(admission.rid)
         if r is None:
             return
         r.span.set_status(trace.StatusCode.ERROR, message)
-        await r.stream.end(error=ErrorReply(code=codes.BAD_REQUEST, message=message))
+        await r.stream.end(error=ErrorReply(code=code, message=message))
         r.span.end()
 
     def admitted(self, admission: Admission) -> None:
