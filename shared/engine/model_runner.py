@@ -24,6 +24,7 @@ from shared.engine.cuda_graphs import DecodeGraphs
 from shared.engine.kv_cache import KVCaches, allocate_kv_cache, gather_blocks, write_blocks
 from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
+from shared.models.cpu_native import native_decode_for
 from shared.models.llama import LlamaFamilyForCausalLM
 from shared.sampling_params import SamplingParams
 
@@ -107,6 +108,11 @@ class ModelRunner:
         self.buffers = StepBuffers(device)
         self.tables = BlockTables()  # every running sequence's block table, kept across steps
         self.graphs: DecodeGraphs | None = None  # built by use_decode_graphs once the KV pool exists
+        # On CPU, small steps (decode, verify, short chunks) through the C++ decoder stack (shared/models/cpu_native.py)
+        self.native, why = native_decode_for(model, device)
+        if device == "cpu":
+            log.info("CPU step path: %s", f"C++ decoder stack for steps of chunks <= 16 rows ({why})"
+                     if self.native is not None else f"Python, torch twins ({why})")
 
     # --- the KV pool and the graphs over it ----------------------------------------------------
 
@@ -258,7 +264,10 @@ class ModelRunner:
         """Run one (eager) step: logits (model dtype) of sample_rows and the hidden states of hidden_rows (whose
         logits the caller computes in slices: prompt logprobs), both on the device, plan row numbering."""
         ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
-        hidden = self.model(ids, positions, meta, self.kv_caches)
+        if self.native is not None and self.native.can_run(meta, self.kv_caches):
+            hidden = self.native(ids, positions, meta, self.kv_caches)
+        else:
+            hidden = self.model(ids, positions, meta, self.kv_caches)
         rows = rows.long()
         n = len(sample_rows)
         return self.model.compute_logits(hidden[rows[:n]]), hidden[rows[n:]]
