@@ -4,6 +4,7 @@
 // softmax in float32, probabilities rounded to the activation dtype before the product with V (the twin's
 // bmm numerics), the output accumulated in float32 and rounded once.
 #include <torch/library.h>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -13,13 +14,13 @@ namespace kvmesh {
 
 template <typename T>
 static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* tables, int64_t table_stride,
-                   const int64_t* row_table, const int64_t* row_end, int64_t rows, int64_t heads, int64_t kv_heads,
+                   const int64_t* row_table, const int64_t* row_end, const bool* flash_row, int64_t rows, int64_t heads, int64_t kv_heads,
                    int64_t d, int64_t block_size, float scale, int64_t window) {
   const int64_t group = heads / kv_heads;
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, row_end[r]);
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> qf(group * d), acc(group * d), scores(group * std::max<int64_t>(longest, 1));
+    std::vector<float> qf(group * d), acc(group * d), inv_sum(group), scores(group * std::max<int64_t>(longest, 1));
     for (int64_t task = a; task < b; ++task) {
       const int64_t r = task / kv_heads, kh = task % kv_heads;
       const int64_t end = row_end[r], start = window > 0 ? std::max<int64_t>(0, end - window) : 0, n = end - start;
@@ -38,6 +39,7 @@ static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* 
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
+      const bool flash = flash_row != nullptr && flash_row[r];
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * n;
         float mx = -INFINITY;
@@ -48,7 +50,10 @@ static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* 
           sum += sg[j];
         }
         const float inv = 1.f / sum;
-        for (int64_t j = 0; j < n; ++j) sg[j] = Act<T>::round(sg[j] * inv);
+        // flash: torch's CPU flash kernel (the twin's call for a decode row alone): the unnormalised exps rounded
+        // for the product with V, the sum of the unrounded ones divided out at the end.
+        inv_sum[g] = flash ? inv : 1.f;
+        for (int64_t j = 0; j < n; ++j) sg[j] = Act<T>::round(flash ? sg[j] : sg[j] * inv);
       }
       for (int64_t t = start; t < end; ++t) {
         const int64_t slot = int64_t(table[t / block_size]) * block_size + t % block_size;
@@ -61,7 +66,7 @@ static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* 
         }
       }
       T* o = out + (r * heads + kh * group) * d;
-      for (int64_t i = 0; i < group * d; ++i) Act<T>::store(o + i, acc[i]);
+      for (int64_t i = 0; i < group * d; ++i) Act<T>::store(o + i, acc[i] * inv_sum[i / d]);
     }
   });
 }
@@ -120,10 +125,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       TORCH_CHECK(b >= 0 && b < blocks, "paged_attention: block ", b, " outside the cache");
     }
   }
+  // The twin computes a decode row whose length group holds only itself with torch's flash kernel, other decode
+  // rows with matmuls (kernels/decode_attention.py); a lone decode row is such a group, and its numerics are
+  // followed here (reduced-precision activations only: in float32 there is no rounding to follow).
+  std::unique_ptr<bool[]> flash(new bool[std::max<int64_t>(rows, 1)]());
+  if (decodes == 1 && q.scalar_type() != at::kFloat) flash[num_prefill_tokens] = true;
   at::Tensor out = at::empty_like(q);
   KVMESH_DISPATCH_ACT(q.scalar_type(), "paged_attention", [&] {
     attend<T>(ptr<T>(out), ptr<T>(q), ptr<T>(k_cache), ptr<T>(v_cache), tables.data(), std::max<int64_t>(width, 1),
-              row_table.data(), row_end.data(), rows, heads, k_cache.size(2), d, block_size, float(scale),
+              row_table.data(), row_end.data(), flash.get(), rows, heads, k_cache.size(2), d, block_size, float(scale),
               sliding_window);
   });
   return out;
