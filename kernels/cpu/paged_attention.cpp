@@ -19,7 +19,9 @@ static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* 
   const int64_t group = heads / kv_heads;
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, row_end[r]);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t a, int64_t b) {
+  // A task is ~longest * group * d multiply-adds twice: below ~64k of them per chunk a thread's wake-up costs more.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, longest * group * d));
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t a, int64_t b) {
     std::vector<float> qf(group * d), acc(group * d), inv_sum(group), scores(group * std::max<int64_t>(longest, 1));
     for (int64_t task = a; task < b; ++task) {
       const int64_t r = task / kv_heads, kh = task % kv_heads;
@@ -45,8 +47,9 @@ static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* 
         float mx = -INFINITY;
         for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - mx);
+          sg[j] = fast_exp(sg[j] - mx);
           sum += sg[j];
         }
         const float inv = 1.f / sum;

@@ -18,7 +18,7 @@ static void silu_mul_rows(T* out, const T* x, int64_t rows, int64_t n) {
 #pragma omp simd
       for (int64_t c = c0; c < c1; ++c) {
         const float gv = Act<T>::load(g + c);
-        const float act = Act<T>::round(gv / (1.f + std::exp(-gv)));
+        const float act = Act<T>::round(gv / (1.f + fast_exp(-gv)));
         Act<T>::store(o + c, act * Act<T>::load(u + c));
       }
       e += c1 - c0;
