@@ -4,8 +4,10 @@ runs all layers in one call instead of ~70 Python-dispatched aten ops per layer.
 
 Default on a CPU device when the extension builds (KVMESH_CPU_KERNELS=torch keeps the Python path). The Python
 (eager, torch twin) path stays for: CUDA, tensor parallelism, an FP8 or otherwise non-model-dtype KV cache,
-dtypes other than float32/bfloat16, linear layers it does not know, and steps with a prompt chunk longer than
-MAX_CHUNK (its per-row attention loops have no matmul; prefill attention there is the twin's).
+dtypes other than float32/bfloat16, linear layers it does not know, steps with a prompt chunk longer than
+MAX_CHUNK (its per-row attention loops have no matmul; prefill attention there is the twin's), steps whose Triton
+launches are being recorded (kernels/aot.py), and a compiled CPU decode (--cpu-compile: its bucketed decode graphs
+run instead of execute_rows).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch import nn
 from kernels import AttentionMetadata
 from kernels.cpu.decoder_stack import DENSE, INT4, INT8, PACKED, DecoderStack
 from kernels.cpu.extension import native_status
+from kernels.triton_support import recording
 from shared.models.gguf_quant import RowSplitLinear
 from shared.models.packed_linear import PackedLinear
 from shared.models.quant_linear import Int4Linear, Int8Linear
@@ -64,7 +67,9 @@ class NativeDecode:
 
     def can_run(self, meta: AttentionMetadata, kv_caches) -> bool:  # noqa: ANN001
         k = kv_caches[0][0]  # an FP8 cache (scales, dequantization) stays on the twin
-        return meta.max_prefill_query_len <= MAX_CHUNK and k.dtype == self.dtype and k.device.type == "cpu"
+        # recording(): kernels/aot.py records the Triton launches a step would make, which only the Python path does.
+        return (meta.max_prefill_query_len <= MAX_CHUNK and k.dtype == self.dtype and k.device.type == "cpu"
+                and not recording())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches) -> torch.Tensor:  # noqa: ANN001
