@@ -29,15 +29,18 @@ static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* 
       const int32_t* table = tables + row_table[r] * table_stride;
       const T* qr = q + (r * heads + kh * group) * d;
       for (int64_t i = 0; i < group * d; ++i) qf[i] = Act<T>::load(qr + i);
-      for (int64_t t = start; t < end; ++t) {
-        const int64_t slot = int64_t(table[t / block_size]) * block_size + t % block_size;
-        const T* k = kc + (slot * kv_heads + kh) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * d;
-          float dot = 0.f;
+      // Block by block (no division per key): keys [lo, hi) of block b sit at consecutive slots.
+      for (int64_t b = start / block_size; b * block_size < end; ++b) {
+        const int64_t lo = std::max(start, b * block_size), hi = std::min(end, (b + 1) * block_size);
+        const T* k = kc + ((int64_t(table[b]) * block_size + lo - b * block_size) * kv_heads + kh) * d;
+        for (int64_t t = lo; t < hi; ++t, k += kv_heads * d) {
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * d;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += qg[i] * Act<T>::load(k + i);
-          scores[g * n + (t - start)] = dot * scale;
+            for (int64_t i = 0; i < d; ++i) dot += qg[i] * Act<T>::load(k + i);
+            scores[g * n + (t - start)] = dot * scale;
+          }
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -58,14 +61,16 @@ static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* 
         inv_sum[g] = flash ? inv : 1.f;
         for (int64_t j = 0; j < n; ++j) sg[j] = Act<T>::round(flash ? sg[j] : sg[j] * inv);
       }
-      for (int64_t t = start; t < end; ++t) {
-        const int64_t slot = int64_t(table[t / block_size]) * block_size + t % block_size;
-        const T* v = vc + (slot * kv_heads + kh) * d;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + (t - start)];
-          float* ag = acc.data() + g * d;
+      for (int64_t b = start / block_size; b * block_size < end; ++b) {
+        const int64_t lo = std::max(start, b * block_size), hi = std::min(end, (b + 1) * block_size);
+        const T* v = vc + ((int64_t(table[b]) * block_size + lo - b * block_size) * kv_heads + kh) * d;
+        for (int64_t t = lo; t < hi; ++t, v += kv_heads * d) {
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * n + (t - start)];
+            float* ag = acc.data() + g * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ag[i] += p * Act<T>::load(v + i);
+            for (int64_t i = 0; i < d; ++i) ag[i] += p * Act<T>::load(v + i);
+          }
         }
       }
       T* o = out + (r * heads + kh * group) * d;
