@@ -1,6 +1,7 @@
 """Where one CPU decode step's time goes: torch.profiler over decode-only steps of the in-process engine.
 
-`python -m loadtest.cpu_step_profile [--batches 1,8] [--steps 20] [--json PATH] [--cpu-compile off|on]`:
+`python -m loadtest.cpu_step_profile [--batches 1,8] [--steps 20] [--json PATH] [--cpu-compile off|on]
+[--cpu-kernels native|torch] [--quantization none|auto]`:
 SmolLM2-135M-Instruct in bfloat16 (packed linears, the CPU default), prompts of ~50 tokens; after the prompts
 are prefilled, `--steps` decode-only steps run under the profiler. Prints, per batch size, the wall time per
 step and the self CPU time per step of the top operators, grouped into matmuls, attention, norms/elementwise and
@@ -22,6 +23,7 @@ from shared.sampling_params import SamplingParams
 
 # Which bucket an aten/mkldnn op's self time goes to in the summary.
 GROUPS = {
+    "cpp_stack": ("kvmesh_cpu::",),  # the C++ decoder stack's own loops (its matmuls are counted as matmuls)
     "matmul": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::_weight_int",
                "aten::bmm"),
     "attention": ("aten::_scaled_dot_product", "aten::index_select", "aten::index_copy_", "aten::masked_fill",
@@ -78,17 +80,22 @@ def main() -> None:
     ap.add_argument("--cpu-compile", default="off")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json")
+    ap.add_argument("--cpu-kernels", default="native", help="native: the C++ decoder stack; torch: the Python path")
+    ap.add_argument("--quantization", default="none")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     from shared.models.smollm2 import smollm2_checkpoint
 
-    cfg = EngineConfig(model=str(smollm2_checkpoint()), dtype="bfloat16", device="cpu")
+    cfg = EngineConfig(model=str(smollm2_checkpoint()), dtype="bfloat16", device="cpu",
+                       quantization=args.quantization)
     if hasattr(cfg, "cpu_compile"):
         cfg.cpu_compile = args.cpu_compile
     engine = LLMEngine(cfg)
+    if args.cpu_kernels == "torch":
+        engine.runner.native = None
     out = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "threads": torch.get_num_threads(),
-           "cpu_compile": args.cpu_compile,
+           "cpu_compile": args.cpu_compile, "cpu_kernels": args.cpu_kernels, "quantization": cfg.quantization,
            "profiles": [profile_batch(engine, int(b), args.steps) for b in args.batches.split(",")]}
     print(json.dumps(out, indent=2))
     if args.json:

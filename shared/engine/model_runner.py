@@ -26,6 +26,7 @@ from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
 from shared.engine.verify_buckets import VerifyGraphPlan
 from shared.engine.verify_graphs import VerifyGraphs, VerifyGraphStats, is_verify
+from shared.models.cpu_native import native_decode_for
 from shared.models.llama import LlamaFamilyForCausalLM
 from shared.sampling_params import SamplingParams
 
@@ -111,6 +112,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # built by use_decode_graphs once the KV pool exists
         self.verify_graphs: VerifyGraphs | None = None  # built by use_verify_graphs (speculative decoding)
         self.verify_stats = VerifyGraphStats()  # verify steps replayed, padded eagerly, or eager
+        # On CPU, small steps (decode, verify, short chunks) through the C++ decoder stack (shared/models/cpu_native.py)
+        self.native, why = native_decode_for(model, device)
+        if device == "cpu":
+            log.info("CPU step path: %s", f"C++ decoder stack for steps of chunks <= 16 rows ({why})"
+                     if self.native is not None else f"Python, torch twins ({why})")
 
     # --- the KV pool and the graphs over it ----------------------------------------------------
 
@@ -279,7 +285,10 @@ class ModelRunner:
         if is_verify(plan):
             self.verify_stats.eager += 1
         ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
-        hidden = self.model(ids, positions, meta, self.kv_caches)
+        if self.native is not None and self.native.can_run(meta, self.kv_caches):
+            hidden = self.native(ids, positions, meta, self.kv_caches)
+        else:
+            hidden = self.model(ids, positions, meta, self.kv_caches)
         rows = rows.long()
         n = len(sample_rows)
         return self.model.compute_logits(hidden[rows[:n]]), hidden[rows[n:]]

@@ -1,0 +1,113 @@
+"""Builds and loads the C++ CPU kernels of this folder (one .cpp per kernel, registered as torch.ops.kvmesh_cpu.*).
+
+Compiled at runtime with torch.utils.cpp_extension.load on the first use in a process, into a cache outside the
+repository ($KVMESH_TORCH_EXT_DIR, else ~/.cache/kvmesh/torch_ext), one folder per hash of the sources, flags and
+torch version: a clean checkout compiles once (about a minute on 2 cores), later processes only load the library.
+Flags follow the CPU: AVX-512 (with BF16 / VNNI when /proc/cpuinfo lists them) and FMA/AVX2 where present, never
+-march=native (it would also switch on AMX, which this project's CPUs advertise but must not use), plain -O3
+elsewhere. A missing compiler or a failed build is logged once and the callers keep the torch path.
+
+KVMESH_CPU_KERNELS=torch turns the C++ path off (native, the default, uses it when it builds).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+ENV = "KVMESH_CPU_KERNELS"
+MODES = ("native", "torch")
+# /proc/cpuinfo flag -> g++ flag. AVX-512 only when the foundation, BW and VL sets are all there (the compiler
+# vectorises 16-bit loads with BW, 256-bit ops with VL).
+_ISA = (("avx2", "-mavx2"), ("fma", "-mfma"), ("f16c", "-mf16c"), ("avx512f", "-mavx512f"),
+        ("avx512bw", "-mavx512bw"), ("avx512vl", "-mavx512vl"), ("avx512dq", "-mavx512dq"),
+        ("avx512_bf16", "-mavx512bf16"), ("avx512_vnni", "-mavx512vnni"))
+
+_lock = threading.Lock()
+_state: tuple[bool, str] | None = None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """Compiler flags for this CPU's vector extensions (from /proc/cpuinfo; none where it cannot be read)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    have = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            break
+    flags = [f for name, f in _ISA if name in have]
+    if not {"avx512f", "avx512bw", "avx512vl"} <= have:
+        flags = [f for f in flags if not f.startswith("-mavx512")]
+    return flags
+
+
+def sources() -> list[Path]:
+    return sorted(HERE.glob("*.cpp"))
+
+
+def _build_dir(flags: list[str]) -> tuple[str, Path]:
+    h = hashlib.sha256()
+    for p in sources() + sorted(HERE.glob("*.h")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    name = f"kvmesh_cpu_{h.hexdigest()[:12]}"
+    root = Path(os.environ.get("KVMESH_TORCH_EXT_DIR", Path.home() / ".cache" / "kvmesh" / "torch_ext"))
+    return name, root / name
+
+
+def requested() -> str:
+    mode = os.environ.get(ENV, "native")
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={mode!r}: choose one of {', '.join(MODES)}")
+    return mode
+
+
+def _load() -> tuple[bool, str]:
+    if requested() == "torch":
+        return False, f"{ENV}=torch"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler or not shutil.which(compiler):
+        return False, "no C++ compiler (c++ / g++ / $CXX) on PATH"
+    try:
+        from torch.utils import cpp_extension
+    except Exception as e:  # noqa: BLE001 - a torch without its build helpers: keep the torch path
+        return False, f"torch.utils.cpp_extension unavailable: {e}"
+    flags = cpu_flags()
+    name, build_dir = _build_dir(flags)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(name=name, sources=[str(p) for p in sources()], build_directory=str(build_dir),
+                           extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build or load failure: keep the torch path, say why once
+        return False, f"building the C++ CPU kernels failed ({type(e).__name__}: {str(e)[-2000:]})"
+    return True, f"C++ CPU kernels ({' '.join(flags) or 'no vector flags'}) from {build_dir}"
+
+
+def native_status() -> tuple[bool, str]:
+    """(the C++ kernels are loaded?, why / what), built or loaded on the first call; logged once."""
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _load()
+            (log.info if _state[0] else log.warning)("CPU kernels: %s", _state[1] if _state[0] else
+                                                     f"torch twins ({_state[1]})")
+        return _state
+
+
+def native_available() -> bool:
+    return native_status()[0]

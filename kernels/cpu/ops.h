@@ -1,0 +1,31 @@
+// The CPU kernels' C++ entry points, called by their own ops (one per .cpp) and by the decoder stack.
+#pragma once
+#include <ATen/ATen.h>
+#include <optional>
+
+namespace kvmesh {
+
+// out = rms_norm(x) [* weight]; with residual: residual <- x + residual first, and the norm is of that sum.
+// x, residual, out: [rows, hidden] contiguous rows; out may alias x.
+void rms_norm_into(const at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                   const at::Tensor& weight, double eps);
+
+// q [tokens, heads, head_dim] (returned) from qkv rows: optional per-head q/k RMSNorm, rotary, k/v stored at
+// their slots (slot -1 skipped).
+at::Tensor qk_rope_store(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,
+                         double eps, const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// silu(gate) * up for x = [gate | up].
+at::Tensor silu_mul(const at::Tensor& x);
+
+// Every query row over the paged cache: rows [0, num_prefill_tokens) are prompt chunks (query_start offsets into
+// prefill_context_lens / prefill_block_tables, causal within the chunk), the rest one decode row per sequence.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           int64_t num_prefill_tokens, const at::Tensor& query_start,
+                           const at::Tensor& prefill_context_lens, const at::Tensor& prefill_block_tables,
+                           const at::Tensor& decode_context_lens, const at::Tensor& decode_block_tables, double scale,
+                           int64_t sliding_window);
+
+}  // namespace kvmesh

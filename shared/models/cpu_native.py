@@ -1,0 +1,98 @@
+"""The C++ CPU path for small steps (kernels/cpu/): a single-device Llama-family model's decoder stack handed to
+C++ once, then each decode step (and each verify or short prompt-chunk step: at most MAX_CHUNK rows per chunk)
+runs all layers in one call instead of ~70 Python-dispatched aten ops per layer.
+
+Default on a CPU device when the extension builds (KVMESH_CPU_KERNELS=torch keeps the Python path). The Python
+(eager, torch twin) path stays for: CUDA, tensor parallelism, an FP8 or otherwise non-model-dtype KV cache,
+dtypes other than float32/bfloat16, linear layers it does not know, steps with a prompt chunk longer than
+MAX_CHUNK (its per-row attention loops have no matmul; prefill attention there is the twin's), steps whose Triton
+launches are being recorded (kernels/aot.py), and a compiled CPU decode (--cpu-compile: its bucketed decode graphs
+run instead of execute_rows).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kernels import AttentionMetadata
+from kernels.cpu.decoder_stack import DENSE, INT4, INT8, PACKED, DecoderStack
+from kernels.cpu.extension import native_status
+from kernels.triton_support import recording
+from shared.models.gguf_quant import RowSplitLinear
+from shared.models.packed_linear import PackedLinear
+from shared.models.quant_linear import Int4Linear, Int8Linear
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK = 16  # longest prompt chunk (or verify step) of a step the C++ stack runs
+
+
+def _linear(stack: DecoderStack, m: nn.Module) -> int:
+    if isinstance(m, RowSplitLinear):
+        return stack.split(_linear(stack, m.quantized), _linear(stack, m.dense), m.max_rows)
+    if isinstance(m, PackedLinear):
+        return stack.linear(PACKED, m.packed, bias=m.bias)
+    if isinstance(m, Int4Linear):
+        return stack.linear(INT4, m.packed, m.scales_zeros, m.bias, m.group)
+    if isinstance(m, Int8Linear):
+        return stack.linear(INT8, m.qweight, m.scales, m.bias)
+    if type(m) is nn.Linear:
+        return stack.linear(DENSE, m.weight, bias=m.bias)
+    raise TypeError(f"no C++ path for a {type(m).__name__} layer")
+
+
+class NativeDecode:
+    """The model's forward (embedding, decoder stack, final norm) for the steps can_run accepts."""
+
+    def __init__(self, model: nn.Module) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.dtype = model.norm.weight.dtype
+        attn0 = model.layers[0].self_attn
+        self.stack = DecoderStack(model.norm.weight.detach(), cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads,
+                                  cfg.head_dim, attn0.scale, cfg.sliding_window)
+        for layer in model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            assert layer.input_layernorm.eps == layer.post_attention_layernorm.eps == cfg.rms_norm_eps
+            qn, kn = (a.q_norm.weight.detach(), a.k_norm.weight.detach()) if cfg.qk_norm else (None, None)
+            self.stack.layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                             qn, kn, _linear(self.stack, a.qkv_proj), _linear(self.stack, a.o_proj),
+                             _linear(self.stack, mlp.gate_up_proj), _linear(self.stack, mlp.down_proj))
+
+    @property
+    def calls(self) -> int:
+        return self.stack.calls
+
+    def can_run(self, meta: AttentionMetadata, kv_caches) -> bool:  # noqa: ANN001
+        k = kv_caches[0][0]  # an FP8 cache (scales, dequantization) stays on the twin
+        # recording(): kernels/aot.py records the Triton launches a step would make, which only the Python path does.
+        return (meta.max_prefill_query_len <= MAX_CHUNK and k.dtype == self.dtype and k.device.type == "cpu"
+                and not recording())
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches) -> torch.Tensor:  # noqa: ANN001
+        x = self.model.embed_tokens(input_ids)
+        return self.stack.run(x, positions, self.model.cos_sin, meta, kv_caches)
+
+
+def native_decode_for(model: nn.Module, device: str) -> tuple[NativeDecode | None, str]:
+    """(the C++ stack for this model, or None; why / which path), for a ModelRunner on device."""
+    if device != "cpu":
+        return None, f"not a CPU device ({device})"
+    if getattr(model, "tp", None) is not None:
+        return None, "tensor parallelism"
+    dtype = model.norm.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, f"{dtype} (float32 and bfloat16 only)"
+    if model.cos_sin.dtype != torch.float32:
+        return None, f"a {model.cos_sin.dtype} rotary table"
+    ok, why = native_status()
+    if not ok:
+        return None, why
+    try:
+        native = NativeDecode(model)
+    except (TypeError, AssertionError) as e:
+        return None, str(e) or type(e).__name__
+    return native, why
