@@ -10,7 +10,7 @@ import pytest
 from shared import bus, subjects
 from shared.kv_transport.direct import DirectSettings
 from shared.protocol import errors as codes
-from shared.protocol.generate import CancelRequest
+from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk
 from tests.engine_helpers import greedy, random_prompts
 from tests.mesh_helpers import (decode_service, generate, kvstore_service, prefill_service, running, wait_idle)
 from tests.nats_fixtures import nats_server  # noqa: F401
@@ -214,10 +214,19 @@ def test_cancel_midstream_frees_everything(nats_server, checkpoints):
     async def main():
         async with running(nats_server, decode) as nc:
             params = greedy(400, None).model_copy(update={"ignore_eos": True})
-            req_task = asyncio.ensure_future(generate(nc, prompt, params, "c1"))
-            await asyncio.sleep(0.5)
-            await bus.publish(nc, subjects.DECODE_CANCEL, CancelRequest(request_id="c1", reason="client gone"))
-            tokens, chunks = await asyncio.wait_for(req_task, 5)
+            req = GenerateRequest(request_id="c1", prompt_token_ids=prompt, sampling=params)
+            chunks = []
+            # Cancelled once its first tokens arrived (not after a fixed sleep: a tiny model on the C++ CPU path
+            # can finish 400 tokens in half a second).
+            async with await bus.request_stream(nc, subjects.DECODE_GENERATE, req, timeout=5, expect=TokenChunk) as s:
+                async for chunk in s:
+                    chunks.append(chunk)
+                    if len(chunks) == 1:
+                        gone = CancelRequest(request_id="c1", reason="client gone")
+                        await bus.publish(nc, subjects.DECODE_CANCEL, gone)
+                    if chunk.finished:
+                        break
+            tokens = [t for c in chunks for t in c.token_ids]
             assert chunks[-1].finish_reason == "abort" and len(tokens) < 400
             await wait_idle(decode, timeout=2.0)
 
