@@ -12,7 +12,9 @@ import pytest
 from tests.checkpoints import build_checkpoint
 from tests.gateway_harness import Mesh
 
-MAX_TOKENS = 300
+# Long enough that the worker is still streaming when it is killed: the tiny model on the C++ CPU path runs
+# about a thousand steps a second.
+MAX_TOKENS = 900
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def _kill_serving_worker(mesh) -> tuple[threading.Thread, list[str]]:  # noqa: A
         while time.monotonic() < deadline:
             serving = [w for w, d in list(mesh.decoders.items()) if d.requests.ids()]
             if serving:
-                time.sleep(0.2)  # tokens stream meanwhile
+                time.sleep(0.05)  # tokens stream meanwhile
                 mesh.crash(serving[0])
                 killed.append(serving[0])
                 return
