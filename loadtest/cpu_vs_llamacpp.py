@@ -25,14 +25,13 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from loadtest.eos_offline import TOPICS
+from loadtest.up_process import kvmesh_up
 from loadtest.serve.llamacpp import CACHE, LlamaCppConfig, server_binary, source_version, start_llamacpp
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -73,31 +72,11 @@ def _measure(base_url: str, model: str, jsonl: Path, tmp: Path, tag: str) -> dic
 
 
 def _kvmesh(extra: list[str], gguf: Path, jsonl: Path, tmp: Path, tag: str, port: int = 8010) -> dict:
-    cmd = [sys.executable, "-m", "shared.cli", "up", "--model", str(gguf), "--port", str(port),
-           "--served-model-name", MODEL_NAME, "--kvstore-disk-dir", "none", *extra]
-    # The mesh's output goes to a file: a pipe nobody reads once the mesh is up would fill and block its logging.
-    log_path = tmp / f"{tag}-up.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    lines: list[str] = []
-    try:
-        end = time.monotonic() + 300
-        while time.monotonic() < end and proc.poll() is None:
-            lines = log_path.read_text().splitlines()
-            if any("kvmesh is up at" in x for x in lines):
-                break
-            time.sleep(0.5)
-        if not any("kvmesh is up at" in x for x in lines):
-            raise RuntimeError("kvmesh up did not come up:\n" + "\n".join(lines[-30:]))
+    with kvmesh_up(gguf, port, MODEL_NAME, extra, tmp / f"{tag}-up.log") as (_, log_path):
+        lines = log_path.read_text().splitlines()
         dtype = next((m[1] for x in lines if (m := re.search(r"dtype (\w+) on CPU", x))), "?")
         return {"command": "kvmesh up " + " ".join(extra), "dtype": dtype,
                 **_measure(f"http://127.0.0.1:{port}", MODEL_NAME, jsonl, tmp, tag)}
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _llamacpp(gguf: Path, jsonl: Path, tmp: Path, tag: str) -> dict:

@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from loadtest.up_process import kvmesh_up
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 OUT_TOKENS = 128
@@ -126,43 +127,21 @@ def run_mesh(gguf: Path, extra: list[str], requests: int, port: int, otlp_url: s
     if otlp_url:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_url
         env["OTEL_BSP_SCHEDULE_DELAY"] = "200"
-    with tempfile.TemporaryDirectory() as work:
-        cmd = [sys.executable, "-m", "shared.cli", "up", "--model", str(gguf), "--port", str(port),
-               "--served-model-name", MODEL_NAME, "--kvstore-disk-dir", "none", *extra]
-        # The mesh's output goes to a file: a pipe nobody reads once the mesh is up would fill and block its logging.
-        log_path = Path(work) / "up.log"
-        with open(log_path, "w") as log_file:
-            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=work, env=env,
-                                    start_new_session=True)
-        lines: list[str] = []
-        try:
-            end = time.monotonic() + 300
-            while time.monotonic() < end and proc.poll() is None:
-                lines = log_path.read_text().splitlines()
-                if any("kvmesh is up at" in x for x in lines):
-                    break
-                time.sleep(0.5)
-            if not any("kvmesh is up at" in x for x in lines):
-                raise RuntimeError("kvmesh up did not come up:\n" + "".join(lines[-30:]))
-            client_requests(f"http://127.0.0.1:{port}/v1", 1, ["Warmup"])  # warm-up, outside the CPU accounting
-            wall = time.time()
-            cpu0 = mesh_cpu(proc.pid)
-            res = client_requests(f"http://127.0.0.1:{port}/v1", requests)
-            cpu1 = mesh_cpu(proc.pid)
-            tokens = sum(r["chunks"] for r in res)
-            cpu = {k: round((v - cpu0.get(k, 0.0)) * 1e3 / tokens, 3) for k, v in sorted(cpu1.items())}
-            cpu = {k: v for k, v in cpu.items() if v > 0.005 or "/" not in k}
-            lines = log_path.read_text().splitlines()
-            return {"command": "kvmesh up " + " ".join(extra), "wall_start": wall, "requests": res,
-                    "cpu_ms_per_token": cpu,
-                    "startup_log": [x for x in lines if "dtype" in x or "prefill worker" in x or "quantization" in x][:6],
-                    "errors": [x for x in lines if "Traceback" in x or "ERROR" in x][:5]}
-        finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    with tempfile.TemporaryDirectory() as work, \
+            kvmesh_up(gguf, port, MODEL_NAME, extra, Path(work) / "up.log", cwd=work, env=env) as (proc, log_path):
+        client_requests(f"http://127.0.0.1:{port}/v1", 1, ["Warmup"])  # warm-up, outside the CPU accounting
+        wall = time.time()
+        cpu0 = mesh_cpu(proc.pid)
+        res = client_requests(f"http://127.0.0.1:{port}/v1", requests)
+        cpu1 = mesh_cpu(proc.pid)
+        tokens = sum(r["chunks"] for r in res)
+        cpu = {k: round((v - cpu0.get(k, 0.0)) * 1e3 / tokens, 3) for k, v in sorted(cpu1.items())}
+        cpu = {k: v for k, v in cpu.items() if v > 0.005 or "/" not in k}
+        lines = log_path.read_text().splitlines()
+        return {"command": "kvmesh up " + " ".join(extra), "wall_start": wall, "requests": res,
+                "cpu_ms_per_token": cpu,
+                "startup_log": [x for x in lines if "dtype" in x or "prefill worker" in x or "quantization" in x][:6],
+                "errors": [x for x in lines if "Traceback" in x or "ERROR" in x][:5]}
 
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -234,11 +213,9 @@ def main() -> None:
     receiver = None
     if args.spans:
         sys.path.insert(0, os.getcwd())
-        import tests.otlp_receiver as otlp
         from tests.otlp_receiver import OtlpReceiver
 
-        otlp.decode_export = _decode_with_event_times
-        receiver = OtlpReceiver().__enter__()
+        receiver = OtlpReceiver(event_times=True).__enter__()
     for rnd in range(args.rounds):
         for arm in arms:
             load = os.getloadavg()[0]
@@ -284,29 +261,6 @@ def main() -> None:
     print(json.dumps(report["arms"], indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-
-
-def _decode_with_event_times(body: bytes) -> list:
-    """tests/otlp_receiver.decode_export, with each event's time (ns) in its attributes as "t_ns"."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    from tests.otlp_receiver import ReceivedSpan, _attrs
-
-    req = ExportTraceServiceRequest()
-    req.ParseFromString(body)
-    out = []
-    for rs in req.resource_spans:
-        res = _attrs(rs.resource.attributes)
-        for ss in rs.scope_spans:
-            for s in ss.spans:
-                out.append(ReceivedSpan(
-                    service=str(res.get("service.name", "")), pid=res.get("process.pid"),
-                    trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_id=s.parent_span_id.hex() or None,
-                    name=s.name, kind=s.kind, attributes=_attrs(s.attributes),
-                    events=tuple((e.name, {**_attrs(e.attributes), "t_ns": e.time_unix_nano}) for e in s.events),
-                    status_code=s.status.code, status_message=s.status.message,
-                    start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano))
-    return out
 
 
 def span_dump(spans: list) -> list[dict]:

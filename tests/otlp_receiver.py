@@ -61,7 +61,12 @@ def _attrs(kvs) -> dict[str, Any]:  # noqa: ANN001 - repeated KeyValue
     return {kv.key: _value(kv.value) for kv in kvs}
 
 
-def decode_export(body: bytes) -> list[ReceivedSpan]:
+def _event_attrs(e, event_times: bool) -> dict[str, Any]:  # noqa: ANN001 - a Span.Event
+    return {**_attrs(e.attributes), "t_ns": e.time_unix_nano} if event_times else _attrs(e.attributes)
+
+
+def decode_export(body: bytes, event_times: bool = False) -> list[ReceivedSpan]:
+    """The spans of one OTLP export; with event_times each event's time (ns) is in its attributes as "t_ns"."""
     req = ExportTraceServiceRequest()
     req.ParseFromString(body)
     out = []
@@ -73,7 +78,7 @@ def decode_export(body: bytes) -> list[ReceivedSpan]:
                     service=str(res.get("service.name", "")), pid=res.get("process.pid"),
                     trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_id=s.parent_span_id.hex() or None,
                     name=s.name, kind=s.kind, attributes=_attrs(s.attributes),
-                    events=tuple((e.name, _attrs(e.attributes)) for e in s.events),
+                    events=tuple((e.name, _event_attrs(e, event_times)) for e in s.events),
                     status_code=s.status.code, status_message=s.status.message,
                     start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano))
     return out
@@ -85,6 +90,7 @@ class OtlpReceiver:
 
     spans: list[ReceivedSpan] = field(default_factory=list)
     exports: int = 0
+    event_times: bool = False  # decode_export's: each event's time as its "t_ns" attribute
 
     def __post_init__(self) -> None:
         self._cond = threading.Condition()
@@ -98,7 +104,7 @@ class OtlpReceiver:
                 if self.path != "/v1/traces" or self.headers.get("Content-Type") != "application/x-protobuf":
                     self.send_error(404 if self.path != "/v1/traces" else 415)
                     return
-                spans = decode_export(body)
+                spans = decode_export(body, receiver.event_times)
                 with receiver._cond:
                     receiver.spans.extend(spans)
                     receiver.exports += 1
