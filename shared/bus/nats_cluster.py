@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.bus.natsd import NatsServer, free_port
+from shared.bus.natsd import NatsServer, free_ports
 
 
 @dataclass
@@ -25,10 +25,20 @@ class NatsCluster:
     servers: list[NatsServer] = field(default_factory=list)
     authorization: dict | None = field(default=None, repr=False)  # every server's users (NatsServer)
 
-    def start(self, timeout: float = 15.0) -> NatsCluster:
+    def start(self, timeout: float = 15.0, attempts: int = 3) -> NatsCluster:
         assert self.size >= 1, "a cluster needs at least one server"
         workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvmesh-nats-cluster-"))
-        ports = [(free_port(self.host), free_port(self.host), free_port(self.host)) for _ in range(self.size)]
+        for attempt in range(attempts):  # a "free" port can be taken before its server binds it: new ports
+            try:
+                return self._start_on_new_ports(workdir, timeout)
+            except RuntimeError:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_on_new_ports(self, workdir: Path, timeout: float) -> NatsCluster:
+        flat = free_ports(3 * self.size, self.host)
+        ports = [tuple(flat[3 * i:3 * i + 3]) for i in range(self.size)]
         self.servers = [
             NatsServer(host=self.host, workdir=workdir, port=p, http_port=h, cluster_port=c, authorization=self.authorization,
                        routes=tuple(f"nats-route://{self.host}:{oc}" for j, (_, _, oc) in enumerate(ports) if j != i))
