@@ -237,10 +237,11 @@ def test_retry_after_follows_the_backlog_with_jitter() -> None:
     # at least that long, at most twice.
     est = [max(k * 4.9 / 50, MIN_S) for k in range(1, 41)]
     assert all(e <= w < 2 * e for e, w in zip(est, waits))
-    assert len({round(w, 3) for w in waits}) == len(waits)  # no two alike: they do not come back together
+    # Hardly two alike (random jitter at ms resolution can collide now and then): they do not come back together.
+    assert len({round(w, 3) for w in waits}) >= 0.9 * len(waits)
     assert max(waits) > 4 * min(waits)  # and the spread grows with the backlog
     lag = [advice.for_lag(3.0) for _ in range(20)]
-    assert all(3.0 <= w < 6.0 for w in lag) and len({round(w, 3) for w in lag}) == 20
+    assert all(3.0 <= w < 6.0 for w in lag) and len({round(w, 3) for w in lag}) >= 18
     assert all(MIN_S <= advice.for_lag(0.0) < 2 * MIN_S for _ in range(10))
     assert advice.for_lag(1e6) < 2 * MAX_S
     h = advice.headers(2.345)
