@@ -10,7 +10,7 @@ from shared.engine.verify_buckets import PER_GRAPH_BYTES, draft_buckets, plan_ve
 from shared.engine.verify_graphs import VerifyGraphs
 from shared.sampling_params import SamplingParams
 from shared.spec_config import SpeculativeConfig
-from tests.engine_helpers import assert_all_free, greedy, make_engine, random_prompts
+from tests.engine_helpers import assert_all_free, greedy, make_engine, random_prompts, run_to_completion
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -117,15 +117,11 @@ class WriteWatch:
 
 
 def run_checked(engine, prompts, params) -> list:  # noqa: ANN001
+    """Each prompt's finished output, in order, check_integrity after every step (run_to_completion)."""
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p, sp in zip(ids, prompts, params):
         engine.add_request(rid, p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_integrity()
+    done = run_to_completion(engine)
     return [done[r] for r in ids]
 
 
@@ -214,8 +210,6 @@ def test_steps_no_bucket_fits_fall_back_to_eager(checkpoints):
 def test_padded_verify_through_preemption_prefix_hits_and_an_abort(checkpoints):
     """A pool too small for three growing requests (preemption, drafts included), the same prompts again (prefix
     hits), then an abort midway: the padded path gives the unpadded tokens and frees everything."""
-    from tests.engine_helpers import run_to_completion
-
     ckpt = checkpoints["mistral"]
     prompts = repetitive([16, 9, 20], seed=7)
     params = greedy(20, logprobs=None)
