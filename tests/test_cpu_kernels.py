@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from kernels.cpu import paged_attention as cpp_attention
 from kernels.cpu import qk_rope_store as cpp_rope
 from kernels.cpu import rms_norm as cpp_norm
 from kernels.cpu import silu_mul as cpp_silu
+from kernels.cpu import extension
 from kernels.cpu.extension import native_status
 from kernels.qk_rope_store import qk_rope_store_ref
 from kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
@@ -163,3 +166,35 @@ def test_fallback_when_turned_off_or_no_compiler() -> None:
     assert _status_in_subprocess({"KVMESH_CPU_KERNELS": "torch"}) == "False | KVMESH_CPU_KERNELS=torch"
     out = _status_in_subprocess({"CXX": "/nonexistent/c++"})
     assert out.startswith("False |") and "compiler" in out, out
+
+
+def test_a_build_killed_half_way_does_not_hang_later_loads() -> None:
+    """torch's FileBaton lock file left by a build that died (Ctrl-C in `make venv`) made every later worker start
+    wait on it for ever; the flock holder removes it as stale. Real build folder, real subprocess load."""
+    ok, why = native_status()
+    assert ok, why
+    build_dir = Path(why.rsplit(" from ", 1)[1])
+    (build_dir / "lock").touch()
+    t0 = time.monotonic()
+    out = _status_in_subprocess({})
+    assert out.startswith("True |"), out
+    assert time.monotonic() - t0 < 120 and not (build_dir / "lock").exists()
+
+
+def test_checkouts_share_one_build_compiled_from_staged_sources() -> None:
+    """ninja keys its rules on source paths: compiling from the checkout made each clone or worktree rebuild the
+    shared cache folder in turn. The build compiles copies under the (content-hashed) folder instead."""
+    ok, why = native_status()
+    assert ok, why
+    build_dir = Path(why.rsplit(" from ", 1)[1])
+    ninja = (build_dir / "build.ninja").read_text()
+    assert str(build_dir / "src" / "rms_norm.cpp") in ninja
+    assert str(Path(extension.__file__).parent / "rms_norm.cpp") not in ninja
+    for p in extension.sources():
+        assert (build_dir / "src" / p.name).read_bytes() == p.read_bytes()
+
+
+def test_the_build_lock_removes_a_stale_torch_lock(tmp_path: Path) -> None:
+    (tmp_path / "lock").touch()
+    with extension._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()

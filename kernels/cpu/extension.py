@@ -3,6 +3,11 @@
 Compiled at runtime with torch.utils.cpp_extension.load on the first use in a process, into a cache outside the
 repository ($KVMESH_TORCH_EXT_DIR, else ~/.cache/kvmesh/torch_ext), one folder per hash of the sources, flags and
 torch version: a clean checkout compiles once (about a minute on 2 cores), later processes only load the library.
+The sources are copied into that folder and compiled from there, so every checkout on the machine (a CI clone, a
+git worktree) with the same sources shares one build instead of each rebuilding it (ninja keys on source paths).
+Builders serialise on an flock of the folder, which the kernel drops when a process dies: a build killed half way
+(Ctrl-C in `make venv`) leaves torch's own lock file behind, and every later load would wait on it for ever, so
+whoever holds the flock removes that file as stale first.
 Flags follow the CPU: AVX-512 (with BF16 / VNNI when /proc/cpuinfo lists them) and FMA/AVX2 where present, never
 -march=native (it would also switch on AMX, which this project's CPUs advertise but must not use), plain -O3
 elsewhere. A missing compiler or a failed build is logged once and the callers keep the torch path.
@@ -11,6 +16,8 @@ KVMESH_CPU_KERNELS=torch turns the C++ path off (native, the default, uses it wh
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -57,9 +64,40 @@ def sources() -> list[Path]:
     return sorted(HERE.glob("*.cpp"))
 
 
+def _all_files() -> list[Path]:
+    return sources() + sorted(HERE.glob("*.h"))
+
+
+def _stage_sources(build_dir: Path) -> list[str]:
+    """The sources as copies under build_dir/src (written once: the folder's name is their hash), the .cpp paths."""
+    src = build_dir / "src"
+    src.mkdir(exist_ok=True)
+    for p in _all_files():
+        dst = src / p.name
+        if not dst.exists() or dst.read_bytes() != p.read_bytes():
+            tmp = dst.with_suffix(dst.suffix + f".{os.getpid()}.tmp")
+            tmp.write_bytes(p.read_bytes())
+            os.replace(tmp, dst)  # atomic: a concurrent reader sees the old file or the new, never half
+    return [str(src / p.name) for p in sources()]
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Exclusive among this machine's processes for the build folder; a holder that died released it."""
+    with open(build_dir / "kvmesh.flock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            # Every builder of this folder goes through this flock, so torch's lock file (cpp_extension's FileBaton)
+            # present now was left by a build that died: it would make load() wait on it for ever.
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build_dir(flags: list[str]) -> tuple[str, Path]:
     h = hashlib.sha256()
-    for p in sources() + sorted(HERE.glob("*.h")):
+    for p in _all_files():
         h.update(p.name.encode())
         h.update(p.read_bytes())
     h.update(" ".join(flags).encode())
@@ -90,9 +128,10 @@ def _load() -> tuple[bool, str]:
     name, build_dir = _build_dir(flags)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=name, sources=[str(p) for p in sources()], build_directory=str(build_dir),
-                           extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        with _build_lock(build_dir):
+            cpp_extension.load(name=name, sources=_stage_sources(build_dir), build_directory=str(build_dir),
+                               extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure: keep the torch path, say why once
         return False, f"building the C++ CPU kernels failed ({type(e).__name__}: {str(e)[-2000:]})"
     return True, f"C++ CPU kernels ({' '.join(flags) or 'no vector flags'}) from {build_dir}"
