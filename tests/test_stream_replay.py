@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -109,12 +110,15 @@ def _metric(mesh: Mesh, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-@pytest.mark.parametrize("kept", [True, False], ids=["replayed", "missed"])
-def test_a_busy_stream_survives_the_gateway_losing_its_nats_server(tmp_path, kept) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("case", ["replayed", "ended", "missed"])
+def test_a_busy_stream_survives_the_gateway_losing_its_nats_server(tmp_path, case) -> None:  # noqa: ANN001
     """The gateway's NATS server dies while its worker (on another server) streams: the gateway reconnects to
-    a third server, the chunks sent meanwhile are lost (a gap, or silence if the stream ended meanwhile), and
-    the worker resends them: identical output, no migration (before: the stream migrated). With nothing kept
-    (kept=False: the worker keeps no chunks), the replay misses and the stream migrates, still complete."""
+    a third server, the chunks sent meanwhile are lost, and the worker resends them: identical output, no
+    migration (before: the stream migrated). replayed: the next chunk after the reconnect shows a gap. ended:
+    the stream ended while the gateway was away (silence, then the replay of its tail, last chunk included).
+    missed: the worker keeps no chunks, so the replay misses and the stream migrates, still complete."""
+    kept = case != "missed"
+    max_tokens, away_s = (8, 2.5) if case == "ended" else (300, 0.6)
     model_dir = build_checkpoint("llama", tmp_path / "llama", max_position_embeddings=1024).path
     (tmp_path / "nats").mkdir()
     mesh = Mesh(tmp_path / "nats", model_dir, nats_servers=3, worker_expiry_s=5.0, stream_idle_timeout_s=30.0)
@@ -127,23 +131,39 @@ def test_a_busy_stream_survives_the_gateway_losing_its_nats_server(tmp_path, kep
         nc = mesh.gateway.ctx.nc
         victim = mesh.homes[id(nc)]
         assert mesh.homes[id(d0.nc)] != victim
-        # The gateway stays away 0.6 s before it connects to the next server (a restarting server, a slow
+        # The gateway stays away a while before it connects to the next server (a restarting server, a slow
         # network): the worker certainly sends chunks meanwhile.
         select_next_server = nc._select_next_server
+        running_when_back: list[int] = []
 
         async def slowly() -> None:
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(away_s)
+            running_when_back.append(len(d0.requests))
             await select_next_server()
         nc._select_next_server = slowly
         reconnects = nc.stats["reconnects"]
         client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        args = dict(model="tiny", prompt="Hello", max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+        args = dict(model="tiny", prompt="Hello", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
         reference = client.completions.create(**args).choices[0].text
-        stream = client.completions.create(**args, stream=True)
-        text = next(iter(stream)).choices[0].text
-        mesh.cluster.kill(victim)
-        mesh.wait_until(lambda: nc.stats["reconnects"] > reconnects, timeout=10)
-        chunks = list(stream)
+        if case == "ended":
+            # The engine pauses 1 s: the request reaches the worker, the gateway loses its server, then the worker
+            # sends every chunk (and ends the stream) while the gateway is away.
+            received = d0.num_received
+            stalled = mesh.call_soon(d0.thread.call(lambda e: time.sleep(1.0)))
+            with ThreadPoolExecutor(1) as pool:
+                streamed = pool.submit(lambda: list(client.completions.create(**args, stream=True)))
+                mesh.wait_until(lambda: d0.num_received > received)
+                mesh.cluster.kill(victim)
+                stalled.result(30)
+                chunks = streamed.result(60)
+            text = ""
+            assert running_when_back[0] == 0  # the worker had finished: its tail was replayed from the buffer
+        else:
+            stream = client.completions.create(**args, stream=True)
+            text = next(iter(stream)).choices[0].text
+            mesh.cluster.kill(victim)
+            mesh.wait_until(lambda: nc.stats["reconnects"] > reconnects, timeout=10)
+            chunks = list(stream)
         text += "".join(c.choices[0].text for c in chunks if c.choices)
         assert chunks[-1].choices[0].finish_reason == "length"
         assert text == reference  # every token, once, in order
