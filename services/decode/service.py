@@ -114,8 +114,8 @@ class DecodeService(EngineWorker):
             self.kv_rank_endpoints = [f"tcp://{host}:{port}" for port in ports]
         self.cancel_sub = await bus.subscribe(nc, subjects.DECODE_CANCEL, self._on_cancel, CancelRequest)
         # Not a micro endpoint: it must go on answering while the worker drains (stop_intake stops those).
-        self.replay_served = await bus.serve(nc, subjects.decode_replay(s.worker_id), f"{subjects.QUEUE_DECODE}.{s.worker_id}",
-                                             self._on_replay, ReplayRequest)
+        self.replay_served = await bus.serve(nc, subjects.decode_replay(s.worker_id),
+                                             f"{subjects.QUEUE_DECODE}.{s.worker_id}", self._on_replay, ReplayRequest)
         self.micro = await bus.add_micro_service(nc, subjects.SERVICE_DECODE, VERSION, [
             bus.Endpoint("generate", subjects.DECODE_GENERATE, subjects.QUEUE_DECODE, self._on_generate,
                          GenerateRequest),
@@ -280,7 +280,8 @@ class DecodeService(EngineWorker):
         chunks = self.replay.since(msg.request_id, msg.from_seq, live=r is not None)
         self.beats.changed()  # the replay counters
         if chunks is None:
-            raise bus.RemoteError(codes.NOT_FOUND, f"request {msg.request_id!r}: chunks from {msg.from_seq} are not kept")
+            raise bus.RemoteError(codes.NOT_FOUND,
+                                  f"request {msg.request_id!r}: chunks from {msg.from_seq} are not kept")
         stream = ctx.stream()
         if r is not None:
             r.stream = stream  # what the engine emits from now on (r.span ends with the last chunk, as before)

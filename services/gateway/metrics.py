@@ -166,7 +166,8 @@ class _WorkerCollector(Collector):
         alive.add_metric([self._model, "decode"], len(decode))
         alive.add_metric([self._model, "prefill"], len(prefill))
         yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
-                    pushes, push_bytes, push_wait, replays, replay_misses, iteration, config, drafts, draft_tokens, accepted, per_pos, alive)
+                    pushes, push_bytes, push_wait, replays, replay_misses,
+                    iteration, config, drafts, draft_tokens, accepted, per_pos, alive)
 
 
 class GatewayMetrics:

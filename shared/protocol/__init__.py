@@ -22,6 +22,6 @@ __all__ = [
     "BlockRemoved", "BlockStored", "CancelRequest", "ChatMessage", "ContainsReply", "ContainsRequest",
     "DecodeReply", "DecodeRequest", "EncodeReply", "EncodeRequest", "ErrorReply", "GenerateRequest",
     "GetReply", "GetRequest", "KVBlockChunk", "KVChunkAck", "LoadBeat", "PutReply", "PutRequest",
-    "RemotePrefillReply", "RemotePrefillRequest", "ReplayRequest", "SharedOutput", "StatsReply", "StatsRequest", "StoredBlock",
-    "SuffixOutputs", "TokenChunk", "TokenLogprob",
+    "RemotePrefillReply", "RemotePrefillRequest", "ReplayRequest", "SharedOutput", "StatsReply", "StatsRequest",
+    "StoredBlock", "SuffixOutputs", "TokenChunk", "TokenLogprob",
 ]  # fmt: skip
