@@ -34,18 +34,19 @@ def test_the_buffer_serves_what_it_keeps_and_misses_the_rest() -> None:
     buf = ReplayBuffer(ReplayLimits(max_chunks=4))
     for seq in range(10):
         buf.keep(_chunk("a", seq))
-    assert [c.seq for c in buf.since("a", 7, live=True)] == [7, 8, 9]
-    assert buf.since("a", 10, live=True) == []  # nothing lost yet: the stream just moves
-    assert [c.seq for c in buf.since("a", 6, live=True)] == [6, 7, 8, 9]  # the oldest of the 4 kept
-    assert buf.since("a", 5, live=True) is None  # evicted by the count bound
-    assert buf.since("a", 11, live=True) is None  # never sent
-    assert buf.since("b", 0, live=True) is None  # unknown (a restarted worker)
-    assert buf.since("a", 8, live=False) is None  # kept, but neither running nor ended (the engine failed)
-    assert (buf.served, buf.missed) == (3, 4)
+    assert [c.seq for c in buf.since("a", 7, 10)] == [7, 8, 9]
+    assert buf.since("a", 10, 10) == []  # nothing lost yet: the stream just moves
+    assert buf.since("prefilling", 0, 0) == []  # running, nothing sent yet: nothing to resend
+    assert [c.seq for c in buf.since("a", 6, 10)] == [6, 7, 8, 9]  # the oldest of the 4 kept
+    assert buf.since("a", 5, 10) is None  # evicted by the count bound
+    assert buf.since("a", 11, 10) is None  # never sent
+    assert buf.since("b", 0, None) is None  # unknown (a restarted worker)
+    assert buf.since("a", 8, None) is None  # kept, but neither running nor ended (the engine failed)
+    assert (buf.served, buf.missed) == (4, 4)
     # The chunks kept are the ones sent, not copies.
     c = _chunk("c", 0)
     buf.keep(c)
-    assert buf.since("c", 0, live=True)[0] is c
+    assert buf.since("c", 0, 1)[0] is c
 
 
 def test_the_buffer_respects_its_byte_bounds_per_stream_and_in_total() -> None:
@@ -54,23 +55,23 @@ def test_the_buffer_respects_its_byte_bounds_per_stream_and_in_total() -> None:
     buf = ReplayBuffer(ReplayLimits(max_chunks=100, max_bytes=3 * one, total_bytes=5 * one))
     for seq in range(6):
         buf.keep(_chunk("a", seq))
-    assert [c.seq for c in buf.since("a", 3, live=True)] == [3, 4, 5] and buf.bytes == 3 * one
+    assert [c.seq for c in buf.since("a", 3, 6)] == [3, 4, 5] and buf.bytes == 3 * one
     # Other streams: the total bound takes from the stream that appended least recently ("a").
     for seq in range(3):
         buf.keep(_chunk("b", seq))
     assert buf.bytes == 5 * one
-    assert buf.since("a", 3, live=True) is None and [c.seq for c in buf.since("a", 4, live=True)] == [4, 5]
-    assert [c.seq for c in buf.since("b", 0, live=True)] == [0, 1, 2]
+    assert buf.since("a", 3, 6) is None and [c.seq for c in buf.since("a", 4, 6)] == [4, 5]
+    assert [c.seq for c in buf.since("b", 0, 3)] == [0, 1, 2]
     buf.keep(_chunk("c", 0))
     buf.keep(_chunk("c", 1))  # "a" loses its last chunk: its entry goes
     assert "a" not in buf and buf.bytes == 5 * one
     buf.keep(_chunk("a", 6))  # a later chunk of a live stream starts over from its own seq; "b" is now the oldest
-    assert buf.since("a", 5, live=True) is None and [c.seq for c in buf.since("a", 6, live=True)] == [6]
-    assert buf.since("b", 0, live=True) is None and [c.seq for c in buf.since("b", 1, live=True)] == [1, 2]
+    assert buf.since("a", 5, 7) is None and [c.seq for c in buf.since("a", 6, 7)] == [6]
+    assert buf.since("b", 0, 3) is None and [c.seq for c in buf.since("b", 1, 3)] == [1, 2]
     assert buf.bytes == 5 * one
     # A chunk larger than a stream's bound is not kept at all.
     buf.keep(_chunk("big", 0, n=200))
-    assert buf.since("big", 0, live=True) is None and buf.bytes <= 5 * one
+    assert buf.since("big", 0, 1) is None and buf.bytes <= 5 * one
 
 
 def test_the_buffer_frees_an_ended_stream_after_its_grace_and_a_cancelled_one_at_once() -> None:
@@ -84,7 +85,7 @@ def test_the_buffer_frees_an_ended_stream_after_its_grace_and_a_cancelled_one_at
     buf.keep(_chunk("live", 0))
     clock.now += 4.0
     # The tail of a finished stream is replayed (live=False: the worker no longer runs it), its last chunk too.
-    assert [(c.seq, c.finish_reason) for c in buf.since("done", 2, live=False)] == [(2, None), (3, "length")]
+    assert [(c.seq, c.finish_reason) for c in buf.since("done", 2, None)] == [(2, None), (3, "length")]
     buf.keep(_chunk("cancelled", 0))
     buf.forget("cancelled")  # the gateway's cancel: it will ask for no replay
     assert "cancelled" not in buf
@@ -92,7 +93,7 @@ def test_the_buffer_frees_an_ended_stream_after_its_grace_and_a_cancelled_one_at
     buf.expire()
     assert "done" not in buf and "aborted" not in buf and "live" in buf
     assert buf.bytes == chunk_bytes(_chunk("live", 0))
-    assert buf.since("done", 2, live=False) is None
+    assert buf.since("done", 2, None) is None
     for seq in range(1, 50):
         buf.keep(_chunk("live", seq))
     buf.keep(_chunk("live", 50, finish="stop"))

@@ -101,14 +101,18 @@ class ReplayBuffer:
             self._ended.append((self._clock(), rid))
             self.expire()
 
-    def since(self, request_id: str, from_seq: int, live: bool) -> list[TokenChunk] | None:
-        """The kept chunks from `from_seq` on (empty: none sent after it yet), or None, a miss: the first of
-        them is no longer kept, the request is unknown, or its stream neither goes on (live: the worker still
-        runs it) nor ended with a kept last chunk. Counts the replay as served or missed."""
+    def since(self, request_id: str, from_seq: int, live_next_seq: int | None) -> list[TokenChunk] | None:
+        """The kept chunks from `from_seq` on (empty: nothing sent after it yet), or None, a miss: the first of
+        them is no longer kept, the request is unknown, or its stream neither goes on nor ended with a kept last
+        chunk. live_next_seq: the seq of the next chunk of a request the worker still runs (None: it does not).
+        Counts the replay as served or missed."""
         self.expire()
+        if live_next_seq is not None and from_seq == live_next_seq:  # nothing lost (e.g. still prefilling)
+            self.served += 1
+            return []
         tail = self._tails.get(request_id)
         first = tail.next_seq - len(tail.chunks) if tail is not None else 0
-        if tail is None or not first <= from_seq <= tail.next_seq or not (live or tail.ended):
+        if tail is None or not first <= from_seq <= tail.next_seq or not (live_next_seq is not None or tail.ended):
             self.missed += 1
             return None
         self.served += 1

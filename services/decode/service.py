@@ -277,7 +277,7 @@ class DecodeService(EngineWorker):
         One subject per stream at a time, fed by the one outbox, keeps the order: chunks queued for the old
         subject before the switch still go there (nobody reads it any more) and are also in the replay."""
         r = self.requests.get(msg.request_id)
-        chunks = self.replay.since(msg.request_id, msg.from_seq, live=r is not None)
+        chunks = self.replay.since(msg.request_id, msg.from_seq, r.next_seq if r is not None else None)
         self.beats.changed()  # the replay counters
         if chunks is None:
             raise bus.RemoteError(codes.NOT_FOUND,
