@@ -250,11 +250,11 @@ class DecodeService(EngineWorker):
 
     async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:
         self.num_cancels += 1
-        self.replay.forget(msg.request_id)  # the gateway gave it up: it asks for no replay
         if msg.request_id in self.requests:
             await self._abort(msg.request_id, msg.reason or "cancelled")
         else:
             self.requests.remember_cancel(msg.request_id)
+        self.replay.forget(msg.request_id)  # the gateway gave it up (its abort chunk too): it asks for no replay
 
     async def _abort(self, rid: str, reason: str, error: bool = False) -> None:
         r = self.requests.pop(rid)
