@@ -63,6 +63,11 @@ def decode_generate(worker_id: str) -> str:
     return f"kvmesh.decode.generate.{worker_token(worker_id)}"
 
 
+def decode_replay(worker_id: str) -> str:
+    """Replay requests for the streams one decode worker serves (services/decode/replay.py)."""
+    return f"kvmesh.decode.replay.{worker_token(worker_id)}"
+
+
 def decode_kv_push(worker_id: str) -> str:
     """Inbox where prefill workers push KV blocks for one decode worker."""
     return f"kvmesh.decode.kv.push.{worker_token(worker_id)}"

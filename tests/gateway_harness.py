@@ -196,6 +196,8 @@ async def _silence(worker: DecodeService | PrefillService) -> None:
     worker.beats.stop()
     await worker.micro.stop()
     await worker.cancel_sub.unsubscribe()
+    if isinstance(worker, DecodeService):
+        await worker.replay_served.stop()
     await worker.transport.stop()
     worker.thread.stop()
 

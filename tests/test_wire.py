@@ -49,6 +49,7 @@ SAMPLES: list[Message] = [
     ),  # fmt: skip
     p.TokenChunk(request_id="r1", seq=7, finish_reason="error", error="boom"),
     p.CancelRequest(request_id="r1", reason="client disconnected"),
+    p.ReplayRequest(request_id="r1-m1", from_seq=17),
     p.RemotePrefillRequest(
         request_id="r1", transfer_id="t1", prompt_token_ids=list(range(40)), num_cached_tokens=16,
         decode_worker_id="d0", num_dest_blocks=2, block_size=16,

@@ -25,9 +25,11 @@ from shared.engine.outputs import RequestOutput
 from shared.engine.tp.launch import TPRankError
 from shared.protocol import errors as codes
 from shared.protocol.errors import ErrorReply
-from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
+from shared.protocol.events import LoadBeat
+from shared.protocol.generate import CancelRequest, GenerateRequest, ReplayRequest, TokenChunk, TokenLogprob
 from services.decode.admission import Admission, AdmissionSettings, State
 from services.decode.outbox import Delivery, Outbox
+from services.decode.replay import ReplayBuffer
 from services.decode.requests import DecodeRequest, RequestTable
 from services.decode.suffix_sharing import SuffixSharing
 from services.engine_worker import EngineWorker, default_worker_id, request_timings, to_wire
@@ -74,6 +76,7 @@ class DecodeService(EngineWorker):
         self.settings = settings
         self.kv_host, self.direct_kv = settings.kv_host, settings.direct_kv
         self.requests = RequestTable()
+        self.replay = ReplayBuffer()  # recent chunks per stream, for a gateway that lost some (replay.py)
         self.draining = False
         self.num_received = 0  # generate requests that reached this worker
         self.num_cancels = 0  # cancel messages seen (for any request)
@@ -110,6 +113,9 @@ class DecodeService(EngineWorker):
             host = f"[{server.host}]" if ":" in server.host else server.host
             self.kv_rank_endpoints = [f"tcp://{host}:{port}" for port in ports]
         self.cancel_sub = await bus.subscribe(nc, subjects.DECODE_CANCEL, self._on_cancel, CancelRequest)
+        # Not a micro endpoint: it must go on answering while the worker drains (stop_intake stops those).
+        self.replay_served = await bus.serve(nc, subjects.decode_replay(s.worker_id),
+                                             f"{subjects.QUEUE_DECODE}.{s.worker_id}", self._on_replay, ReplayRequest)
         self.micro = await bus.add_micro_service(nc, subjects.SERVICE_DECODE, VERSION, [
             bus.Endpoint("generate", subjects.DECODE_GENERATE, subjects.QUEUE_DECODE, self._on_generate,
                          GenerateRequest),
@@ -139,6 +145,7 @@ class DecodeService(EngineWorker):
         self.outbox.stop()
         self.beats.stop()
         await self.cancel_sub.unsubscribe()
+        await self.replay_served.stop()
         if self.suffix_sharing is not None:
             await self.suffix_sharing.stop()
         await self.transport.stop()
@@ -218,6 +225,7 @@ class DecodeService(EngineWorker):
             self.requests.pop(out.request_id)
             r.span.set_attribute("gen_ai.usage.output_tokens", len(out.output_token_ids))
             r.span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason])
+        self.replay.keep(chunk)
         self.outbox.put(Delivery(r.stream, r.span, chunk, out.finished))
 
     async def on_engine_crash(self) -> None:
@@ -246,6 +254,7 @@ class DecodeService(EngineWorker):
             await self._abort(msg.request_id, msg.reason or "cancelled")
         else:
             self.requests.remember_cancel(msg.request_id)
+        self.replay.forget(msg.request_id)  # the gateway gave it up (its abort chunk too): it asks for no replay
 
     async def _abort(self, rid: str, reason: str, error: bool = False) -> None:
         r = self.requests.pop(rid)
@@ -257,10 +266,35 @@ class DecodeService(EngineWorker):
         r.span.add_event("cancelled", {"reason": reason})
         chunk = TokenChunk(request_id=rid, seq=r.next_seq, finish_reason="error" if error else "abort",
                            error=reason if error else None)
+        self.replay.keep(chunk)
         self.outbox.put(Delivery(r.stream, r.span, chunk, True))
+
+    # --- replay ---------------------------------------------------------------------------------
+
+    async def _on_replay(self, msg: ReplayRequest, ctx: bus.RequestContext) -> None:
+        """The gateway lost chunks from msg.from_seq on (its connection dropped and came back): the request's
+        stream moves to this request's reply subject, kept chunks first, then the rest as it is generated.
+        One subject per stream at a time, fed by the one outbox, keeps the order: chunks queued for the old
+        subject before the switch still go there (nobody reads it any more) and are also in the replay."""
+        r = self.requests.get(msg.request_id)
+        chunks = self.replay.since(msg.request_id, msg.from_seq, r.next_seq if r is not None else None)
+        self.beats.changed()  # the replay counters
+        if chunks is None:
+            raise bus.RemoteError(codes.NOT_FOUND,
+                                  f"request {msg.request_id!r}: chunks from {msg.from_seq} are not kept")
+        stream = ctx.stream()
+        if r is not None:
+            r.stream = stream  # what the engine emits from now on (r.span ends with the last chunk, as before)
+        for chunk in chunks:  # (a tail that ended: its span has ended too)
+            self.outbox.put(Delivery(stream, trace.INVALID_SPAN, chunk, chunk.finished))
 
     def load_subject(self) -> str:
         return subjects.decode_load(self.settings.worker_id)
+
+    async def _load_snapshot(self) -> LoadBeat:
+        beat = await super()._load_snapshot()
+        return beat.model_copy(update={"stream_replays": self.replay.served,
+                                       "stream_replay_misses": self.replay.missed})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

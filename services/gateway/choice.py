@@ -16,7 +16,7 @@ from services.gateway.special_tokens import output_detokenizer
 from services.gateway.stop import StopMatcher
 from shared import bus, subjects
 from shared.protocol import errors as codes
-from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
+from shared.protocol.generate import CancelRequest, GenerateRequest, ReplayRequest, TokenChunk, TokenLogprob
 from shared.sampling_params import SamplingParams
 
 
@@ -28,6 +28,9 @@ WATCH_INTERVAL_S = 0.25
 # After the gateway's NATS connection came back, how long a stream may stay silent before it resumes elsewhere (its
 # last chunks may have been lost while the inbox had no subscription); a chunk in sequence proves nothing was.
 RECONNECT_GRACE_S = 2.0
+# An interrupted stream first asks its worker to resend what was lost (services/decode/replay.py), at most this
+# many times per choice (each follows a reconnect); past it, or when the worker no longer has the chunks, it migrates.
+REPLAYS_PER_CHOICE = 8
 
 
 class WorkerLost(Exception):
@@ -37,7 +40,8 @@ class WorkerLost(Exception):
 class StreamInterrupted(Exception):
     """The gateway's own NATS connection dropped and came back (its server died; it moved to another
     server of the cluster) while the stream was open: chunks sent meanwhile had no subscriber and are
-    gone, including perhaps the last one. The choice resumes as a migration; the worker is fine."""
+    gone, including perhaps the last one. The worker is fine: the choice asks it to resend them (a replay)
+    and resumes as a migration only if it cannot."""
 
 
 class Idle:
@@ -81,6 +85,8 @@ class Choice:
         self._origin = self._req  # the request as the client asked it (a migration sends a continuation)
         self._generated: list[int] = []  # every token streamed so far, across migrations
         self.migrations = 0
+        self.replays = 0  # replays asked of the worker (served or not)
+        self._next_seq = 0  # the seq of the next TokenChunk of the current request (what a replay starts from)
         self._dead: set[str] = set()  # workers this choice lost
         self._detok = output_detokenizer(ctx.tokenizer, prompt, sampling, ctx.added_tokens)
         self._stop = StopMatcher(stops, include_stop=sampling.include_stop_str_in_output, regexes=stop_regex,
@@ -109,7 +115,7 @@ class Choice:
         except WorkerLost:  # it died before the first token (e.g. while prefilling): start over elsewhere
             self._first = await self._migrate()
         except StreamInterrupted:
-            self._first = await self._migrate(worker_died=False)
+            self._first = await self._resume()
         except bus.NoRespondersError:
             if self.worker_id is None:
                 raise unavailable("no decode worker is available", code="no_decode_worker") from None
@@ -180,7 +186,7 @@ class Choice:
                 except StreamInterrupted:
                     if idle_marks:
                         yield IDLE
-                    chunk = await self._migrate(worker_died=False)
+                    chunk = await self._resume()
             raise APIError(500, "decode ended the stream before the last token", code="stream_ended")
         finally:
             await self._stream.aclose()
@@ -194,10 +200,10 @@ class Choice:
             raise StreamInterrupted()
         if self.ctx.nc.stats["reconnects"] != self._reconnects:
             # The gateway's connection dropped and came back; the client library subscribed the inbox again. What
-            # the worker sent meanwhile is gone, and the next chunk shows it (a gap in the sequence numbers: the
-            # stream resumes from the last token received, StreamInterrupted). Nothing lost: the stream goes on,
-            # no migration. Lost and nothing more coming (the last chunk went): silence, so past
-            # RECONNECT_GRACE_S without a chunk the stream resumes all the same.
+            # the worker sent meanwhile is gone, and the next chunk shows it (a gap in the sequence numbers:
+            # StreamInterrupted, and the worker resends from the first chunk lost). Nothing lost: the stream goes
+            # on as it was. Lost and nothing more coming (the last chunk went): silence, so past RECONNECT_GRACE_S
+            # without a chunk the stream resumes all the same.
             now = time.monotonic()
             if self._reconnected_at is None:
                 self._reconnected_at = now
@@ -233,9 +239,61 @@ class Choice:
         return self._arrived(chunk)
 
     def _arrived(self, chunk: TokenChunk) -> TokenChunk:
+        self._next_seq = chunk.seq + 1
         if self._reconnected_at is not None:  # in sequence after the reconnect: nothing was lost, go on
             self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
         return chunk
+
+    async def _resume(self) -> TokenChunk:
+        """The stream broke, not the worker (StreamInterrupted): the worker resends from the first chunk lost
+        and the stream goes on in order (no re-prefill; a sampled stream keeps its continuation). If it no
+        longer has them (evicted, restarted, unknown request), the choice migrates."""
+        while self.worker_id is not None and self.replays < REPLAYS_PER_CHOICE:
+            self.replays += 1
+            try:
+                chunk = await self._replay(self.worker_id)
+            except StreamInterrupted:  # the connection dropped again meanwhile: ask again
+                continue
+            except WorkerLost:
+                return await self._migrate()
+            if chunk is not None:
+                return chunk
+            break
+        return await self._migrate(worker_died=False)
+
+    async def _replay(self, worker_id: str) -> TokenChunk | None:
+        """Asks the worker for this request's chunks from self._next_seq on; it moves the request's stream to this
+        request's reply subject (services/decode/service.py: _on_replay). None: it cannot (then: migrate)."""
+        if self._stream is not None:
+            await self._stream.aclose()
+        from_seq = self._next_seq
+        self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
+        self._worker_reconnects = self.ctx.router.bus_reconnects(worker_id)
+        req = ReplayRequest(request_id=self.request_id, from_seq=from_seq)
+        try:
+            with trace.use_span(self.span, end_on_exit=False):
+                stream = await bus.request_stream(self.ctx.nc, subjects.decode_replay(worker_id), req,
+                                                  timeout=self.ctx.config.stream_idle_timeout_s, expect=TokenChunk,
+                                                  sender=worker_id, limits=self.ctx.stream_limits)
+        except bus.BusError:
+            return None
+        self._stream = stream
+        stream.watch(self._check_worker, WATCH_INTERVAL_S)
+        try:
+            chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        except bus.StreamGapError:
+            raise StreamInterrupted() from None
+        except bus.MessagesDroppedError:
+            raise _fell_behind() from None
+        except bus.BusError:  # NOT_FOUND (not kept), no responders (restarted, gone), timeout
+            self.span.add_event("replay_missed", {"kvmesh.worker_id": worker_id, "kvmesh.from_seq": from_seq})
+            return None
+        if chunk.seq != from_seq:
+            return None
+        self.span.add_event("replayed", {"kvmesh.worker_id": worker_id, "kvmesh.from_seq": from_seq})
+        return self._arrived(chunk)
 
     async def _migrate(self, worker_died: bool = True) -> TokenChunk:
         """Continue on another decode worker: the prompt plus every token streamed so far, what is left of

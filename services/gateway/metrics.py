@@ -112,6 +112,12 @@ class _WorkerCollector(Collector):
         push_wait = CounterMetricFamily(f"{PREFIX}kv_push_wait_seconds", "Seconds decode workers waited for pushed "
                                         "KV after the prompt's last chunk computed (what compute did not hide)",
                                         labels=labels)
+        replays = CounterMetricFamily(f"{PREFIX}stream_replays", "Token chunks a gateway lost over a NATS reconnect "
+                                      "that the decode worker resent from its recent chunks (no migration)",
+                                      labels=labels)
+        replay_misses = CounterMetricFamily(f"{PREFIX}stream_replay_misses", "Replays the decode worker could not "
+                                            "serve (chunks no longer kept, unknown request): the choice migrated",
+                                            labels=labels)
         # vLLM's spec_decode counters (vllm:spec_decode_num_drafts, ...) under the kvmesh prefix.
         drafts = CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Verify steps of a request with drafted "
                                      "tokens (speculative decoding)", labels=labels)
@@ -141,6 +147,9 @@ class _WorkerCollector(Collector):
             pushes.add_metric(v, b.kv_pushes)
             push_bytes.add_metric(v, b.kv_push_bytes)
             push_wait.add_metric(v, b.kv_push_wait_seconds)
+            if b.role == "decode":
+                replays.add_metric(v, b.stream_replays)
+                replay_misses.add_metric(v, b.stream_replay_misses)
             if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
                 cumulative, acc = [], 0
                 for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
@@ -157,7 +166,8 @@ class _WorkerCollector(Collector):
         alive.add_metric([self._model, "decode"], len(decode))
         alive.add_metric([self._model, "prefill"], len(prefill))
         yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
-                    pushes, push_bytes, push_wait, iteration, config, drafts, draft_tokens, accepted, per_pos, alive)
+                    pushes, push_bytes, push_wait, replays, replay_misses,
+                    iteration, config, drafts, draft_tokens, accepted, per_pos, alive)
 
 
 class GatewayMetrics:

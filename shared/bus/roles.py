@@ -76,7 +76,7 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
     own_inbox = f"{inbox_prefix(user or role)}.>"
     publish = {
         "gateway": [s.TOKENIZER_ENCODE, s.TOKENIZER_DECODE, s.DECODE_GENERATE, "kvmesh.decode.generate.*",
-                    s.DECODE_CANCEL, s.PREFILL_CANCEL, SERVICE_DISCOVERY],
+                    "kvmesh.decode.replay.*", s.DECODE_CANCEL, s.PREFILL_CANCEL, SERVICE_DISCOVERY],
         "tokenizer": [],
         "decode": [f"kvmesh.decode.events.{w}", f"kvmesh.decode.load.{w}", f"kvmesh.decode.suffix.{w}",
                    s.PREFILL_PREFILL, s.PREFILL_CANCEL,
@@ -89,6 +89,7 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
         "tokenizer": [_queued(s.TOKENIZER_ENCODE, s.QUEUE_TOKENIZER), _queued(s.TOKENIZER_DECODE, s.QUEUE_TOKENIZER)],
         "decode": [_queued(s.DECODE_GENERATE, s.QUEUE_DECODE),
                    _queued(f"kvmesh.decode.generate.{w}", f"{s.QUEUE_DECODE}.{w}"),
+                   _queued(f"kvmesh.decode.replay.{w}", f"{s.QUEUE_DECODE}.{w}"),
                    s.DECODE_CANCEL, f"kvmesh.decode.kv.push.{w}", s.DECODE_SUFFIX_ALL],
         "prefill": [_queued(s.PREFILL_PREFILL, s.QUEUE_PREFILL), s.PREFILL_CANCEL],
         "kvstore": [_queued(subject, s.QUEUE_KVSTORE) for subject in _kvstore()],

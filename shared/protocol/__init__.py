@@ -1,7 +1,7 @@
 """One small message module per service boundary. Importing this package registers every kind."""
 from shared.protocol.errors import ErrorReply
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
-from shared.protocol.generate import CancelRequest, GenerateRequest, TokenChunk, TokenLogprob
+from shared.protocol.generate import CancelRequest, GenerateRequest, ReplayRequest, TokenChunk, TokenLogprob
 from shared.protocol.kvstore import (
     ContainsReply,
     ContainsRequest,
@@ -22,6 +22,6 @@ __all__ = [
     "BlockRemoved", "BlockStored", "CancelRequest", "ChatMessage", "ContainsReply", "ContainsRequest",
     "DecodeReply", "DecodeRequest", "EncodeReply", "EncodeRequest", "ErrorReply", "GenerateRequest",
     "GetReply", "GetRequest", "KVBlockChunk", "KVChunkAck", "LoadBeat", "PutReply", "PutRequest",
-    "RemotePrefillReply", "RemotePrefillRequest", "SharedOutput", "StatsReply", "StatsRequest", "StoredBlock",
-    "SuffixOutputs", "TokenChunk", "TokenLogprob",
+    "RemotePrefillReply", "RemotePrefillRequest", "ReplayRequest", "SharedOutput", "StatsReply", "StatsRequest",
+    "StoredBlock", "SuffixOutputs", "TokenChunk", "TokenLogprob",
 ]  # fmt: skip

@@ -80,3 +80,15 @@ class CancelRequest(Message):
 
     request_id: str
     reason: str = ""
+
+
+class ReplayRequest(Message):
+    """Gateway -> the decode worker streaming a request (`kvmesh.decode.replay.<worker>`, services/decode/replay.py):
+    its connection dropped and came back and chunks from `from_seq` on may be lost. The answer is a stream of
+    TokenChunks from `from_seq` on that carries the rest of the request too (the worker moves the request's
+    stream to this reply subject), or an ErrorReply NOT_FOUND when those chunks are no longer kept."""
+
+    KIND: ClassVar[str] = "decode.replay"
+
+    request_id: str
+    from_seq: int = Field(ge=0)  # the first TokenChunk.seq the gateway lacks
