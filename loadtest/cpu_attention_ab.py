@@ -9,14 +9,13 @@ the per-round ratios.
 from __future__ import annotations
 
 import importlib
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from loadtest.engine_ab import smollm2_ab_setup, decode_tok_s, interleaved, median_ratio, medians
+from loadtest.report_json import emit_report
 
 # The module (kernels/__init__.py exports a function of the same name).
 da = importlib.import_module("kernels.decode_attention")
@@ -45,9 +44,7 @@ def main() -> None:
               "ratio_bmm_vs_sdpa_median_of_rounds": median_ratio(runs, "bmm", "sdpa"),
               "decode_tok_s_median": medians(runs),
               "runs": runs}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,13 @@ the two engines' greedy tokens on the same prompts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from loadtest.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
+from loadtest.report_json import emit_report
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
@@ -61,9 +60,7 @@ def main() -> None:
               "decode_tok_s_median": medians(runs),
               "ratio_median_of_rounds": ratio, "runs": runs,
               "dynamo_unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
 from loadtest.cpu_step_overhead_ab import ops_per_decode_step
 from loadtest.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
+from loadtest.report_json import emit_report
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
@@ -75,9 +75,7 @@ def main() -> None:
             "loadavg_1m_after": os.getloadavg()[0]}
         print(json.dumps(report["by_threads"][threads]["ratio_native_vs_torch_median_of_rounds"]), flush=True)
     use("native")
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

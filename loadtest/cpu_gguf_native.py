@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from loadtest.engine_ab import decode_tok_s, interleaved, median_ratio, medians
+from loadtest.report_json import emit_report
 
 TEXT = Path(__file__).parent / "data" / "alice_ch1.txt"
 
@@ -128,9 +129,7 @@ def main() -> None:
                    "ratio_native_vs_dequant": median_ratio(runs, "native", "dequant"),
                    "ratio_hybrid_vs_dequant": median_ratio(runs, "hybrid", "dequant"),
                    "runs": runs})
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ per batch size and the packed/plain ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 
 from loadtest.engine_ab import decode_tok_s, interleaved
+from loadtest.report_json import emit_report
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 
@@ -37,9 +36,7 @@ def main() -> None:
               "loadavg_1m_after": os.getloadavg()[0], "decode_tok_s_best": best,
               "ratio_packed_vs_plain": {b: round(best["packed"][b] / best["plain"][b], 3) for b in batches},
               "runs": runs}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from loadtest.report_json import emit_report
+
 VARIANTS = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4"), ("float32", "int4")]
 TEXT = Path(__file__).parent / "data" / "alice_ch1.txt"
 
@@ -87,9 +89,7 @@ def main() -> None:
               "cpu_bf16": "avx512_bf16" in flags or "amx_bf16" in flags, "torch": torch.__version__,
               "loadavg_1m": os.getloadavg()[0], "greedy_prompts": len(chats), "greedy_tokens": 32,
               "variants": results}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ per-round ratios. Greedy outputs of both arms are compared too.
 from __future__ import annotations
 
 import importlib
-import json
 import os
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loadtest.engine_ab import smollm2_ab_setup, decode_prompts, decode_tok_s, interleaved, median_ratio, medians
+from loadtest.report_json import emit_report
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
 
@@ -104,9 +103,7 @@ def main() -> None:
               "ratio_new_vs_old_median_of_rounds": median_ratio(runs, "new", "old"),
               "decode_tok_s_median": medians(runs),
               "runs": runs}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

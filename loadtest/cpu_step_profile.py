@@ -10,13 +10,12 @@ the rest (the per-op dispatch cost is the gap between the step's wall time and t
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from loadtest.report_json import emit_report
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams
@@ -97,9 +96,7 @@ def main() -> None:
     out = {"model": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "threads": torch.get_num_threads(),
            "cpu_compile": args.cpu_compile, "cpu_kernels": args.cpu_kernels, "quantization": cfg.quantization,
            "profiles": [profile_batch(engine, int(b), args.steps) for b in args.batches.split(",")]}
-    print(json.dumps(out, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    emit_report(out, args.json)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from loadtest.eos_offline import TOPICS
+from loadtest.report_json import emit_report
 from loadtest.up_process import kvmesh_up
 from loadtest.serve.llamacpp import CACHE, LlamaCppConfig, server_binary, source_version, start_llamacpp
 
@@ -143,9 +144,7 @@ def main() -> None:
               "cpu": cpu, "cores": os.cpu_count(), "loadavg_1m_before": os.getloadavg()[0],
               "llama_cpp": {"source": f"llama-cpp-python {source_version(binary)} vendor/llama.cpp" if binary else None},
               "results": results, "ratios": ratios}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 CHILD = r"""
 import asyncio, json, sys, time, torch
+from loadtest.report_json import emit_report
 from shared.config import EngineConfig
 from shared.engine.engine_thread import EngineThread
 from shared.engine.llm_engine import LLMEngine
@@ -99,9 +100,7 @@ def main() -> None:
     report = {"model": "SmolLM2-135M-Instruct", "decode_tok_s_best": best,
               "ratio_vs_main": {m: {b: round(best[m][b] / best["main"][b], 3) for b in best[m]} for m in best},
               "loadavg_1m_after": os.getloadavg()[0], "cores": os.cpu_count(), "runs": runs}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ is `kvmesh bench offline --model DIR`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
+
+from loadtest.report_json import emit_report
 
 TOPICS = ["the moon", "photosynthesis", "the French revolution", "Python lists", "volcanoes", "the heart",
           "rainbows", "bees", "gravity", "the internet", "chess", "coffee", "glaciers", "the Roman empire",
@@ -82,9 +82,7 @@ def main() -> None:
         "stopped_at_eos": sum(1 for o in ours if o.finish_reason == "stop"),
         "identical_outputs": sum(a == b for a, b in zip(ours_tokens, hf_tokens)),
     }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

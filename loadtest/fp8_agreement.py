@@ -11,12 +11,12 @@ lower bound, and measure real checkpoints on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 import torch
 
+from loadtest.report_json import emit_report
 from shared.engine.kv_cache import bytes_per_block
 from tests.checkpoints import ARCHS, build_checkpoint
 from tests.engine_helpers import greedy, make_engine, random_prompts
@@ -31,9 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smollm2:
         report = smollm2_report()
-        print(json.dumps(report, indent=2))
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        emit_report(report, args.json)
         return
     prompts = random_prompts([5, 17, 33, 40, 64, 80, 100, 120, 150, 200, 30, 90], seed=3)
     report = {}
@@ -53,9 +51,7 @@ def main() -> None:
                 "tokens_per_request": MAX_TOKENS,
                 "block_bytes_bf16": bytes_per_block(mc, 16, torch.bfloat16),
                 "block_bytes_fp8": bytes_per_block(mc, 16, torch.float8_e4m3fn)}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    emit_report(report, args.json)
 
 
 TOPICS = ["the moon", "photosynthesis", "the French revolution", "Python lists", "volcanoes", "the heart",

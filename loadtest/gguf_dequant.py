@@ -5,7 +5,6 @@ warm (cache hit) resolve times. `python -m loadtest.gguf_dequant --json loadtest
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -15,6 +14,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+
+from loadtest.report_json import emit_report
 
 
 def torch_q4_1(raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
@@ -70,9 +71,7 @@ def main() -> None:
         t0 = time.perf_counter()
         load_model(resolve_model(path, Path(cache)))
         res["kvmesh_warm_resolve_plus_load_model_s"] = time.perf_counter() - t0
-    print(json.dumps(res, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    emit_report(res, args.json)
 
 
 if __name__ == "__main__":

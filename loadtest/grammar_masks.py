@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from loadtest.report_json import emit_report
+
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 4},
@@ -87,10 +89,7 @@ def main() -> None:
     results["llguidance"]["compile_ms"] = l_compile * 1e3
     report = {"vocab_size": vocab, "tokenizer": "demo byte-level BPE (2,048 learned tokens, padded)",
               "schema": SCHEMA, "engines": results}
-    print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

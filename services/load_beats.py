@@ -81,6 +81,7 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
     push = kv_push or PushStats()
     hist = stats.iteration_tokens
     spec = stats.spec_decode
+    verify = stats.verify_steps
     return LoadBeat(
         worker_id=worker_id, role=role, running=stats.running, waiting=stats.waiting,
         free_blocks=stats.free_blocks, total_blocks=stats.total_blocks, block_size=block_size,
@@ -96,4 +97,7 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         bus_reconnects=bus_reconnects,
         spec_num_drafts=spec.num_drafts if spec else 0, spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-        spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos) if spec else [])
+        spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos) if spec else [],
+        spec_verify_graph_replays=verify.replays if verify else 0,
+        spec_verify_padded_eager=verify.padded_eager if verify else 0,
+        spec_verify_eager=verify.eager if verify else 0)

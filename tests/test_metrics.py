@@ -151,7 +151,8 @@ def test_offload_counters_per_worker(model_dir, tmp_path) -> None:  # noqa: ANN0
 
 
 def test_kv_push_counters_of_a_prefill_worker(model_dir, tmp_path) -> None:  # noqa: ANN001
-    """A prefill worker's pushes: how many, their bytes, and what decode waited after the compute."""
+    """A prefill worker's pushes: how many, their bytes, what decode waited after the compute, and the engine
+    seconds it spent handing the KV out."""
     mesh = Mesh(tmp_path, model_dir)
     try:
         mesh.start_tokenizer()
@@ -165,6 +166,12 @@ def test_kv_push_counters_of_a_prefill_worker(model_dir, tmp_path) -> None:  # n
         text = scrape(mesh)
         assert sample(text, "kv_push_bytes_total", worker=wid) == prefill.kv_push.bytes > 0
         assert 0 < sample(text, "kv_push_wait_seconds_total", worker=wid) < 10
+        # The engine's part of the push (reading the prompt's captured blocks out), as the prefill worker's beat has it.
+        handout = sample(text, "kv_handout_seconds_total", worker=wid, role="prefill")
+        assert 0 < handout < 10
+        assert handout == mesh.gateway.ctx.metrics.prefill_workers.alive()[0].kv_handout_seconds
         assert sample(text, "kv_pushes_total", worker="d0") == 0  # decode workers push nothing
+        assert sample(text, "kv_handout_seconds_total", worker="d0", role="decode") == 0  # nor hand any KV out
+        assert "# TYPE kvmesh:kv_handout_seconds_total counter" in text  # a counter, as the push series
     finally:
         mesh.close()

@@ -211,6 +211,14 @@ def test_a_migrated_request_keeps_one_trace(mesh: UpMesh) -> None:
     admit = mesh.receiver.wait_for(
         lambda spans: next((s for s in spans if s.name == "decode.admit" and s.span_id not in before), None),
         timeout=10, what="decode.admit of the request")
+    # Each process's spans reach the receiver in the order it ended them (one batch processor, one exporter), so
+    # once the worker's decode.remote_prefill is in, so is every span it ended before: it is the last to end
+    # before the first token (after the prefill request's client span, its own child). Killed as soon as
+    # decode.admit came, the worker died with whatever its batch processor had not sent yet: under load the
+    # client span could have gone out and its parent not, a second missing parent besides decode.request.
+    mesh.receiver.wait_for(
+        lambda spans: any(s.name == "decode.remote_prefill" and s.trace_id == admit.trace_id for s in spans),
+        timeout=10, what="decode.remote_prefill of the request")
     os.kill(admit.pid, signal.SIGKILL)
     text = first.choices[0].delta.content or ""
     last = None
@@ -236,8 +244,8 @@ def test_a_migrated_request_keeps_one_trace(mesh: UpMesh) -> None:
     # Parent links: the only parent missing is the dead worker's unfinished decode.request.
     by_id = {s.span_id: s for s in trace}
     orphans = [s for s in trace if s is not root and s.parent_id not in by_id]
-    assert orphans and {s.pid for s in orphans} == {admit.pid}
-    assert len({s.parent_id for s in orphans}) == 1
+    assert orphans and {s.pid for s in orphans} == {admit.pid}, [(s.service, s.name, s.pid) for s in orphans]
+    assert len({s.parent_id for s in orphans}) == 1, [(s.name, s.parent_id) for s in orphans]
     for s in trace:  # every span leads up to the HTTP span, or to the dead worker's lost one
         top = (_ancestors(s, by_id) or [s])[-1]
         assert top is root or top in orphans, f"{s.service} {s.name} hangs off neither"

@@ -378,6 +378,12 @@ def test_mesh_decode_worker_speculates_after_remote_prefill(checkpoints, tmp_pat
         assert sample(metrics, "spec_decode_num_accepted_tokens_per_pos_total", worker="d0", position="0") > 0
         assert sample(metrics, "spec_decode_num_draft_tokens_total", worker="d0") >= sample(
             metrics, "spec_decode_num_accepted_tokens_total", worker="d0")
+        # How the runner ran the verify steps: on CPU capture is off, so through the verify graphs' padded path run
+        # eagerly, or the runner's eager path; never a replay. One request at a time: a verify step per draft.
+        steps = {path: sample(metrics, "spec_decode_verify_steps_total", worker="d0", path=path)
+                 for path in ("graph", "padded_eager", "eager")}
+        assert steps["graph"] == 0 and steps["padded_eager"] + steps["eager"] > 0, steps
+        assert sum(steps.values()) == sample(metrics, "spec_decode_num_drafts_total", worker="d0"), steps
     finally:
         mesh.close()
 

@@ -3,8 +3,9 @@
 The vLLM metric set under the `kvmesh:` prefix. Request-level series are measured here, at the edge the
 client sees, plus the queue/prefill/decode split each worker reports with a request's last chunk.
 Per-worker series (running, waiting, KV usage, preemptions, prefix-cache queries and hits, tokens per
-engine step, cache config) come from the workers' load beats, labelled with `worker` and `role`; workers
-send a beat as soon as those change, so the gauges trail the engine by tens of milliseconds.
+engine step, cache config, offload, KV pushes and handout, speculative decoding) come from the workers' load
+beats, labelled with `worker` and `role`; workers send a beat as soon as those change, so the gauges trail the
+engine by tens of milliseconds.
 """
 from __future__ import annotations
 
@@ -118,6 +119,9 @@ class _WorkerCollector(Collector):
         replay_misses = CounterMetricFamily(f"{PREFIX}stream_replay_misses", "Replays the decode worker could not "
                                             "serve (chunks no longer kept, unknown request): the choice migrated",
                                             labels=labels)
+        handout = CounterMetricFamily(f"{PREFIX}kv_handout_seconds", "Engine seconds a prefill worker spent handing "
+                                      "pushed KV out (reading the captured blocks, or rank-to-rank shard sends): "
+                                      "the part of a push inside its engine steps", labels=labels)
         # vLLM's spec_decode counters (vllm:spec_decode_num_drafts, ...) under the kvmesh prefix.
         drafts = CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Verify steps of a request with drafted "
                                      "tokens (speculative decoding)", labels=labels)
@@ -127,6 +131,10 @@ class _WorkerCollector(Collector):
                                        labels=labels)
         per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this "
                                       "position was accepted", labels=labels + ["position"])
+        verify_steps = CounterMetricFamily(f"{PREFIX}spec_decode_verify_steps", "Engine steps that verified drafts, "
+                                           "by how they ran: graph (a captured CUDA graph replayed), padded_eager "
+                                           "(the graphs' padded path, capture off), eager (the runner's eager path)",
+                                           labels=labels + ["path"])
         alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
                                   labels=["model_name", "role"])
         decode = [w.beat for w in self._router.alive() if w.beat is not None]
@@ -150,6 +158,7 @@ class _WorkerCollector(Collector):
             if b.role == "decode":
                 replays.add_metric(v, b.stream_replays)
                 replay_misses.add_metric(v, b.stream_replay_misses)
+            handout.add_metric(v, b.kv_handout_seconds)
             if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
                 cumulative, acc = [], 0
                 for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
@@ -162,12 +171,16 @@ class _WorkerCollector(Collector):
                 accepted.add_metric(v, b.spec_num_accepted_tokens)
                 for pos, n in enumerate(b.spec_num_accepted_tokens_per_pos):
                     per_pos.add_metric(v + [str(pos)], n)
+            if b.spec_verify_graph_replays or b.spec_verify_padded_eager or b.spec_verify_eager:
+                for path, n in (("graph", b.spec_verify_graph_replays), ("padded_eager", b.spec_verify_padded_eager),
+                                ("eager", b.spec_verify_eager)):
+                    verify_steps.add_metric(v + [path], n)
             config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
         alive.add_metric([self._model, "decode"], len(decode))
         alive.add_metric([self._model, "prefill"], len(prefill))
         yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
-                    pushes, push_bytes, push_wait, replays, replay_misses,
-                    iteration, config, drafts, draft_tokens, accepted, per_pos, alive)
+                    pushes, push_bytes, push_wait, handout, replays, replay_misses, iteration, config, drafts,
+                    draft_tokens, accepted, per_pos, verify_steps, alive)
 
 
 class GatewayMetrics:

@@ -1,12 +1,16 @@
 """A snapshot of an engine's load and cache figures, taken between steps (what load beats publish)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.scheduler import Scheduler
 from shared.engine.spec.stats import SpecDecodeStats
 from shared.engine.step_metrics import CumulativeHistogram
+
+if TYPE_CHECKING:  # the runner's module imports torch and the kernels; a snapshot only copies its counters
+    from shared.engine.verify_graphs import VerifyGraphStats
 
 
 @dataclass(frozen=True)
@@ -22,10 +26,12 @@ class EngineStats:
     iteration_tokens: CumulativeHistogram | None = None  # tokens computed per step (cumulative)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding counters (None: the engine does not speculate)
     kv_handout_seconds: float = 0.0  # handing prefill-only requests' KV out (OutputProcessor.handout_s, cumulative)
+    # How the runner ran its verify steps (graph replays, padded eager, eager; cumulative). None: no speculation.
+    verify_steps: VerifyGraphStats | None = None
 
 
 def engine_stats(scheduler: Scheduler, bm: BlockManager, iteration_tokens: CumulativeHistogram,
-                 spec: SpecDecodeStats | None = None) -> EngineStats:
+                 spec: SpecDecodeStats | None = None, verify: VerifyGraphStats | None = None) -> EngineStats:
     """Copies, not views: the snapshot crosses to the event loop while the engine steps on."""
     return EngineStats(
         running=scheduler.num_running,
@@ -42,4 +48,5 @@ def engine_stats(scheduler: Scheduler, bm: BlockManager, iteration_tokens: Cumul
                                                               spec.num_accepted_tokens,
                                                               list(spec.num_accepted_tokens_per_pos)),
         kv_handout_seconds=scheduler.outputs.handout_s if scheduler.outputs is not None else 0.0,
+        verify_steps=None if verify is None else replace(verify),
     )

@@ -264,7 +264,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         spec = self.speculator.stats if self.speculator else None
-        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens, spec)
+        # The verify-step counters only mean something when the engine speculates (a simulated engine's runner
+        # has none).
+        verify = self.runner.verify_stats if self.speculator else None
+        return engine_stats(self.scheduler, self.block_manager, self.iteration_tokens, spec, verify)
 
     def check_integrity(self) -> None:
         live = self.scheduler.sequences()

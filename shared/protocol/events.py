@@ -77,6 +77,12 @@ class LoadBeat(Message):
     spec_num_draft_tokens: int = Field(default=0, ge=0)
     spec_num_accepted_tokens: int = Field(default=0, ge=0)
     spec_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list)
+    # How the engine ran those verify steps (cumulative; shared/engine/verify_graphs.py): replayed from a captured
+    # CUDA graph, through the graphs' padded path run eagerly (capture off), or on the runner's eager path (no
+    # bucket fits, a prompt chunk in the step, tensor parallel).
+    spec_verify_graph_replays: int = Field(default=0, ge=0)
+    spec_verify_padded_eager: int = Field(default=0, ge=0)
+    spec_verify_eager: int = Field(default=0, ge=0)
     kv_pushes: int = Field(default=0, ge=0)
     kv_push_bytes: int = Field(default=0, ge=0)
     kv_push_wait_seconds: float = Field(default=0.0, ge=0)
