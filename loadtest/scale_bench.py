@@ -80,6 +80,8 @@ class Result:
     prompt: int = 0
     error: str | None = None
     retry_after: float | None = None  # the gateway refused at intake (429/503) and said when to come back
+    t_first: float | None = None  # monotonic clock: when the first token came (None: none came)
+    t_end: float = 0.0  # when the request ended (or was refused, or failed)
 
 
 @dataclass
@@ -124,7 +126,7 @@ async def _stream_lean(conn: LeanConnection, prompt: list[int], osl: int) -> Res
         res.error = f"{type(e).__name__}: {e}"[:200]
         return res
     if first is not None:
-        res.ttft, res.span = first - t0, last - first
+        res.ttft, res.span, res.t_first = first - t0, last - first, first
     return res
 
 
@@ -160,7 +162,7 @@ async def _stream(client, base: str, prompt: list[int], osl: int) -> Result:  # 
         res.error = f"{type(e).__name__}: {e}"[:200]
         return res
     if first is not None:
-        res.ttft, res.span = first - t0, last - first
+        res.ttft, res.span, res.t_first = first - t0, last - first, first
     return res
 
 
@@ -212,10 +214,9 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
     rng = random.Random(seed)
     ramp = ramp_seconds(level.streams, ramp_s)
     limits = httpx.Limits(max_connections=level.streams + 16, max_keepalive_connections=level.streams + 16)
-    before: list[Result] = []  # finished or refused during the ramp and settling: not in the window
+    every: list[Result] = []  # each request's outcome, when it ended: the window is chosen from them afterwards
     samples: list[dict[str, float]] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as http:
-        measuring = asyncio.Event()
         closing = asyncio.Event()
 
         async def stream_loop() -> None:
@@ -226,10 +227,8 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
                     prompt = [rng.randrange(10, vocab - 10) for _ in range(isl)]
                     r = await (_stream_lean(conn, prompt, osl) if conn is not None else
                                _stream(http, mesh.base, prompt, osl))
-                    if measuring.is_set() and not closing.is_set():
-                        level.results.append(r)
-                    elif not measuring.is_set():
-                        before.append(r)
+                    r.t_end = time.monotonic()
+                    every.append(r)
                     if r.error:
                         # Back off as a client would: as long as the gateway's Retry-After says, with jitter
                         # (loadtest/retry.py), else exponential backoff.
@@ -256,7 +255,6 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
         metrics0, gauges0 = _histograms(text0), _gauges(text0)
         varz0, cpu0, t_open = mesh.varz(), _cpu_by_service(mesh, os.getpid()), time.monotonic()
         busy0 = _machine_busy_s()
-        measuring.set()
         # Sample the gateway's in-flight count and input lag through the window (a few /metrics reads).
         while (left := t_open + seconds - time.monotonic()) > 0:
             await asyncio.sleep(min(5.0, left))
@@ -272,6 +270,12 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    # Throughput and the client's figures against the worker's: the requests that ended in the window (the
+    # workers' histograms are filled as requests end). The client's TTFT against the gateway's: the requests
+    # whose first token came in the window (the gateway fills its TTFT histogram at the first token).
+    level.results = [r for r in every if t_open <= r.t_end <= t_close]
+    before = [r for r in every if r.t_end < t_open]  # during the ramp and settling
+    first_in_window = [r.ttft for r in every if r.t_first is not None and t_open <= r.t_first <= t_close]
     ok = [r for r in level.results if not r.error and r.ttft is not None]
     d = {k: metrics1.get(k, 0.0) - metrics0.get(k, 0.0) for k in metrics1}
     n_worker = d.get("request_decode_time_seconds_count", 0.0)
@@ -287,7 +291,11 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
     tokens = sum(r.tokens for r in ok)
     cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / window for k in cpu1}
     per_token = (client_span - worker_span) / max(1, osl - 1) if client_span is not None and worker_span else None
-    worker_tpot = worker_span / max(1, osl - 1) if worker_span is not None else None
+    # The worker's decode time per token after the first, over the tokens its requests generated (a request that
+    # ended early on EOS has fewer than osl): what the gateway's request_time_per_output_token averages too.
+    gaps = d.get("request_generation_tokens_sum", 0.0) - d.get("request_generation_tokens_count", 0.0)
+    worker_tpot = (d.get("request_decode_time_seconds_sum", 0.0) / gaps if gaps > 0 else
+                   worker_span / max(1, osl - 1) if worker_span is not None else None)
 
     def frac(a: float | None, b: float | None) -> float | None:
         return a / b - 1 if a is not None and b else None
@@ -323,6 +331,8 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
         # mesh_added_*: the client's figure against the worker's own clock (the load generator's lag included);
         # gateway_added_*: the gateway's own figure against the worker's (what the mesh adds, no client in it).
         "ttft_s": {"client_mean": client_ttft, "gateway_mean": gateway_ttft, "worker_mean": worker_ttft,
+                   "client_mean_first_token_in_window": sum(first_in_window) / len(first_in_window)
+                   if first_in_window else None,
                    "mesh_added_s": client_ttft - worker_ttft if client_ttft and worker_ttft else None,
                    "mesh_added_fraction": frac(client_ttft, worker_ttft),
                    "gateway_added_s": gateway_ttft - worker_ttft if gateway_ttft and worker_ttft else None,
