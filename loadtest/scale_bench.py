@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-inflight-requests", type=int, default=None,
-                        help="the gateway's bound on requests at once (kvmesh up's flag; default: the gateway's)")
+                        help="the gateway's bound on requests at once (kvmesh up's flag; default: the largest level's "
+                             "streams + 64)")
     parser.add_argument("--skip-prefix", action="store_true", help="leave out the shared-prefix routing runs")
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean",
                         help="the load generator's HTTP client: lean (loadtest/lean_http.py, ~10x less CPU per token) "
@@ -286,6 +287,14 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
     gateway_ttft = d.get("time_to_first_token_seconds_sum", 0.0) / n_gw if n_gw else None
     n_tpot = d.get("request_time_per_output_token_seconds_count", 0.0)
     gateway_tpot = d.get("request_time_per_output_token_seconds_sum", 0.0) / n_tpot if n_tpot else None
+    # The gateway's TTFT over the requests that ended in the window, as the worker's figures are: its arrival ->
+    # last chunk less its first -> last chunk (e2e - tpot x (tokens - 1), exact when every request has as many
+    # tokens). Its TTFT histogram is filled at the first token instead: another set of requests, and while the
+    # queues still grow or shrink a different mean.
+    n_e2e, n_gen = d.get("e2e_request_latency_seconds_count", 0.0), d.get("request_generation_tokens_count", 0.0)
+    gateway_ttft_ended = (d.get("e2e_request_latency_seconds_sum", 0.0) / n_e2e - gateway_tpot *
+                          (d.get("request_generation_tokens_sum", 0.0) / n_gen - 1)
+                          if n_e2e and n_gen and gateway_tpot is not None else None)
     client_ttft = sum(r.ttft for r in ok) / len(ok) if ok else None
     client_span = sum(r.span for r in ok) / len(ok) if ok else None
     tokens = sum(r.tokens for r in ok)
@@ -330,13 +339,16 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
         # gateway_mean: HTTP arrival at the gateway -> first chunk out of it (what the client adds is the rest).
         # mesh_added_*: the client's figure against the worker's own clock (the load generator's lag included);
         # gateway_added_*: the gateway's own figure against the worker's (what the mesh adds, no client in it).
-        "ttft_s": {"client_mean": client_ttft, "gateway_mean": gateway_ttft, "worker_mean": worker_ttft,
+        "ttft_s": {"client_mean": client_ttft, "gateway_mean": gateway_ttft_ended, "worker_mean": worker_ttft,
+                   # The same requests at the client and the gateway: those whose first token came in the window.
+                   "gateway_mean_first_token_in_window": gateway_ttft,
                    "client_mean_first_token_in_window": sum(first_in_window) / len(first_in_window)
                    if first_in_window else None,
                    "mesh_added_s": client_ttft - worker_ttft if client_ttft and worker_ttft else None,
                    "mesh_added_fraction": frac(client_ttft, worker_ttft),
-                   "gateway_added_s": gateway_ttft - worker_ttft if gateway_ttft and worker_ttft else None,
-                   "gateway_added_fraction": frac(gateway_ttft, worker_ttft)},
+                   "gateway_added_s": gateway_ttft_ended - worker_ttft
+                   if gateway_ttft_ended is not None and worker_ttft else None,
+                   "gateway_added_fraction": frac(gateway_ttft_ended, worker_ttft)},
         "per_output_token_s": {"client_mean": client_span / max(1, osl - 1) if client_span is not None else None,
                                "gateway_mean": gateway_tpot, "worker_mean": worker_tpot,
                                "mesh_added_s": per_token,
@@ -413,11 +425,16 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvmesh-scale-bench-"))
     model = build_sim_model(work / "model")
     vocab = min(json.loads((model / "config.json").read_text())["vocab_size"], 2000)
-    gateway = [] if args.max_inflight_requests is None else ["--max-inflight-requests", str(args.max_inflight_requests)]
+    specs = [_level_spec(x, args) for x in args.levels.split(",")]
+    # The gateway's bound on requests at once (default 1,024) would refuse half of 2,000 streams before its input
+    # lag had a say: by default the bench lets in every stream of its largest level.
+    inflight = args.max_inflight_requests if args.max_inflight_requests is not None else \
+        max(n for n, _, _, _ in specs) + 64
+    gateway = ["--max-inflight-requests", str(inflight)]
     common = ["--sim-speed", f"{args.speed:g}", *gateway]
     out: dict = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
+    out["config"]["max_inflight_requests"] = inflight
     levels: list[dict] = []
-    specs = [_level_spec(x, args) for x in args.levels.split(",")]
     out["stopped_cleanly"] = True
     for speed in dict.fromkeys(sp for _, sp, _, _ in specs):  # one mesh per speed, in the order given
         t_up = time.monotonic()

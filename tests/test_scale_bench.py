@@ -99,4 +99,6 @@ def test_a_level_ramps_settles_and_counts_refusals_apart(mesh) -> None:  # noqa:
         assert fig["worker_mean"] > 0 and fig["gateway_mean"] > 0 and fig["client_mean"] > 0
         # The gateway sees the first token no earlier than the worker made it, and the client no earlier still.
         assert fig["gateway_mean"] >= fig["worker_mean"] * 0.95 and fig["gateway_added_fraction"] is not None
-    assert lv["ttft_s"]["client_mean"] >= lv["ttft_s"]["gateway_mean"]
+    ttft = lv["ttft_s"]
+    assert ttft["client_mean"] >= ttft["gateway_mean"] * 0.95
+    assert ttft["client_mean_first_token_in_window"] >= ttft["gateway_mean_first_token_in_window"] * 0.95
