@@ -257,3 +257,80 @@ class LeanConnection:
                 self.writer.close()
         self.writer = self.reader = None
         self.buf.clear()
+
+
+class _Stream:
+    """What `bench serve`'s reader uses of an httpx streaming response (loadtest/serve/client.py)."""
+
+    def __init__(self, resp: LeanResponse) -> None:
+        self._resp = resp
+        self.status_code = resp.status
+        self.headers = resp.headers
+        self._body = b""
+
+    async def aread(self) -> bytes:
+        self._body = await self._resp.read()
+        return self._body
+
+    def json(self) -> object:
+        return json.loads(self._body)
+
+    async def aiter_lines(self) -> AsyncIterator[str]:
+        pending = b""
+        async for piece in self._resp._body():
+            pending += piece
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                yield line.rstrip(b"\r").decode()
+        if pending:
+            yield pending.rstrip(b"\r").decode()
+
+
+class LeanClient:
+    """A pool of lean connections with the one call `bench serve` makes of httpx (`stream(...)` as an async context
+    manager), for plain http:// targets: an idle connection is reused, a busy one never shared."""
+
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        self.timeout_s = timeout_s
+        self._idle: dict[str, list[LeanConnection]] = {}
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, url: str, json: object = None,  # noqa: A002 - httpx's name
+                     headers: Mapping[str, str] | None = None) -> AsyncIterator[_Stream]:
+        u = urlsplit(url)
+        base = f"{u.scheme}://{u.netloc}"
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        idle = self._idle.setdefault(base, [])
+        conn = idle.pop() if idle else LeanConnection(base, self.timeout_s)
+        body = b"" if json is None else _json_bytes(json)
+        hdrs = {**({"Content-Type": "application/json"} if json is not None else {}), **(headers or {})}
+        resp = await conn.request(method, path, body, hdrs)
+        try:
+            yield _Stream(resp)
+        except BaseException:
+            conn.close()
+            raise
+        if not resp._done:
+            # The reader stopped at `data: [DONE]`; the chunked body's end is usually in the same read.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(resp.read(), 1.0)
+        if resp._done and conn.writer is not None:
+            idle.append(conn)  # read to its end on a connection kept open: reusable
+        else:
+            conn.close()
+
+    async def __aenter__(self) -> LeanClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        for conns in self._idle.values():
+            for c in conns:
+                c.close()
+        self._idle.clear()
+
+
+def _json_bytes(payload: object) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()

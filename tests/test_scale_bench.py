@@ -102,3 +102,33 @@ def test_a_level_ramps_settles_and_counts_refusals_apart(mesh) -> None:  # noqa:
     ttft = lv["ttft_s"]
     assert ttft["client_mean"] >= ttft["gateway_mean"] * 0.95
     assert ttft["client_mean_first_token_in_window"] >= ttft["gateway_mean_first_token_in_window"] * 0.95
+
+
+def test_bench_serve_with_the_lean_client_measures_what_httpx_does(mesh, tmp_path, capsys) -> None:  # noqa: ANN001
+    """`bench serve --http-client lean` (opt-in; httpx stays the default): the same requests, the same token
+    counts from usage and per-chunk timings as with httpx, streamed and plain JSON."""
+    from shared.cli import main
+
+    docs = {}
+    for client in ("httpx", "lean"):
+        for stream in (True, False):
+            out = tmp_path / f"{client}-{stream}.json"
+            rc = main(["bench", "serve", "--base-url", mesh.base, "--model", "sim", "--endpoint", "completions",
+                       "--prompt-kind", "ids", "--vocab-size", "1500", "--num-prompts", "4", "--input-len", "30",
+                       "--output-len", "6", "--max-concurrency", "2", "--eos-mode", "ignore_eos", "--num-warmups",
+                       "1", "--no-progress", "--time-limit", "120", "--request-timeout", "60", "--http-client", client,
+                       "--json", str(out), *([] if stream else ["--no-stream"])])
+            text = capsys.readouterr()
+            assert rc == 0, text.out + text.err
+            docs[client, stream] = json.loads(out.read_text())["runs"][0]
+    for stream in (True, False):
+        for client in ("httpx", "lean"):
+            s, reqs = docs[client, stream]["summary"], docs[client, stream]["requests"]
+            assert s["completed"] == 4 and s["failed"] == 0 and s["total_output_tokens"] == 24
+            assert all(r["output_tokens_source"] == "usage" and r["finish_reason"] == "length" for r in reqs)
+            if stream:
+                assert all(r["stream_chunks"] >= 1 and 0 < r["ttft"] <= r["e2e"] for r in reqs)
+                assert all(len(r["itl"]) == r["stream_chunks"] - 1 for r in reqs)
+        # The same requests both ways: the same prompts in, the same counts out.
+        assert [r["input_tokens"] for r in docs["httpx", stream]["requests"]] == \
+            [r["input_tokens"] for r in docs["lean", stream]["requests"]]
