@@ -61,15 +61,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the gateway's bound on requests at once (kvmesh up's flag; default: the largest level's "
                              "streams + 64)")
     parser.add_argument("--skip-prefix", action="store_true", help="leave out the shared-prefix routing runs")
-    parser.add_argument("--client", choices=("lean", "httpx"), default="lean",
+    parser.add_argument("--client", type=_clients, default=["lean"],
                         help="the load generator's HTTP client: lean (loadtest/lean_http.py, ~10x less CPU per token) "
-                             "or httpx (what the bench used before session 35)")
+                             "or httpx (what the bench used before session 35); a comma list is taken level by level "
+                             "in turn (httpx,lean with four equal levels: an interleaved A/B on one mesh)")
     parser.add_argument("--ramp-s", type=float, default=None,
                         help="streams start evenly over this many seconds (default: 5 s per 500 streams, at least 5): "
                              "a closed loop's intake rate is streams / request time, and starting them all at once "
                              "asks the gateway for that many requests in one burst")
     parser.add_argument("--settle-s", type=float, default=5.0,
                         help="after the ramp, seconds before the measured window opens (steady state)")
+
+
+def _clients(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",")]
+    if not names or any(n not in ("lean", "httpx") for n in names):
+        raise argparse.ArgumentTypeError(f"--client: lean or httpx, comma separated, not {text!r}")
+    return names
 
 
 @dataclass
@@ -432,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
         max(n for n, _, _, _ in specs) + 64
     gateway = ["--max-inflight-requests", str(inflight)]
     common = ["--sim-speed", f"{args.speed:g}", *gateway]
-    out: dict = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
+    out: dict = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list))}}
     out["config"]["max_inflight_requests"] = inflight
     levels: list[dict] = []
     out["stopped_cleanly"] = True
@@ -449,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
                 if sp != speed:
                     continue
                 lv = asyncio.run(run_level(mesh, Level(n), args.isl, osl, seconds, args.seed + i, vocab,
-                                           args.client, args.ramp_s, args.settle_s))
+                                           args.client[i % len(args.client)], args.ramp_s, args.settle_s))
                 lv["sim_speed"] = speed
                 levels.append(lv)
                 print(f"[bench scale] {n} streams at speed {speed:g}: {json.dumps(lv)}", flush=True)

@@ -40,9 +40,10 @@ class WaitTicker:
         self._handle: asyncio.TimerHandle | None = None
 
     async def wait(self, future: asyncio.Future[None], check: Check, timeout: float) -> None:
-        """Until `future` is done (the caller's inbox got a message), `check` raised (its exception), or `timeout`
-        seconds passed (returns, the future left undone). `check` runs on the ticker's clock once the wait has
-        lasted `interval`, and then each tick."""
+        """Until `future` is done: the caller's inbox got a message, `check` raised (the future fails with its
+        exception, raised here), or `timeout` passed (the tick resolves it; the caller finds its deadline passed:
+        up to one interval late). `check` runs on the ticker's clock once the wait has lasted `interval`, then
+        each tick."""
         now = time.monotonic()
         key = id(future)
         self._waits[key] = _Wait(future, check, now, now + timeout)
@@ -69,10 +70,6 @@ class WaitTicker:
                     w.future.set_exception(e)
         if self._waits:
             self._handle = asyncio.get_running_loop().call_later(self._interval, self._tick)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waits)
 
 
 _TICKERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[float, WaitTicker]] = weakref.WeakKeyDictionary()
