@@ -4,11 +4,15 @@ load, on this machine.
 One real `kvmesh up --engine sim` (nats-server on its locked-down bus, gateway, tokenizer, the workers packed
 --per-process to an OS process: services/sim_pack.py). Measured:
 - idle: each process's memory (RSS, PSS) and CPU over --idle-s, per simulated worker;
-- per concurrency level (closed loop: N streams each sending its next request when one ends, for --level-s):
+- per concurrency level (closed loop: N streams each sending its next request when one ends; they start evenly over
+  --ramp-s, settle for --settle-s, then --level-s are measured; the load generator is loadtest/lean_http.py, so
+  its own CPU is not what saturates):
   requests/s and tokens/s through the gateway, NATS messages/s (nats-server's /varz), CPU per service (cores),
   and what the mesh adds beyond the engine: the client's TTFT against the worker's own queue + first step time,
   and the client's first-to-last token span against the worker's own decode time (both from the gateway's
-  worker-timing histograms, which the workers fill from their engine's clock);
+  worker-timing histograms, which the workers fill from their engine's clock), and the same from the gateway's
+  own clock (TTFT and time per output token at the gateway), so the client's lag is not charged to the mesh;
+  refusals (429 + Retry-After, retried) counted apart from failures;
 - KV-aware routing's prefix hits against round robin on a shared-prefix workload (groups of requests sharing a
   long system prefix), the same requests for both, a fresh mesh each.
 
