@@ -4,11 +4,15 @@ load, on this machine.
 One real `kvmesh up --engine sim` (nats-server on its locked-down bus, gateway, tokenizer, the workers packed
 --per-process to an OS process: services/sim_pack.py). Measured:
 - idle: each process's memory (RSS, PSS) and CPU over --idle-s, per simulated worker;
-- per concurrency level (closed loop: N streams each sending its next request when one ends, for --level-s):
+- per concurrency level (closed loop: N streams each sending its next request when one ends; they start evenly over
+  --ramp-s, settle for --settle-s, then --level-s are measured; the load generator is loadtest/lean_http.py, so
+  its own CPU is not what saturates):
   requests/s and tokens/s through the gateway, NATS messages/s (nats-server's /varz), CPU per service (cores),
   and what the mesh adds beyond the engine: the client's TTFT against the worker's own queue + first step time,
   and the client's first-to-last token span against the worker's own decode time (both from the gateway's
-  worker-timing histograms, which the workers fill from their engine's clock);
+  worker-timing histograms, which the workers fill from their engine's clock), and the same from the gateway's
+  own clock (TTFT and time per output token at the gateway), so the client's lag is not charged to the mesh;
+  refusals (429 + Retry-After, retried) counted apart from failures;
 - KV-aware routing's prefix hits against round robin on a shared-prefix workload (groups of requests sharing a
   long system prefix), the same requests for both, a fresh mesh each.
 
@@ -28,12 +32,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.lean_http import LeanConnection
 from loadtest.retry import advised_s, retry_delay_s
 from loadtest.sim_mesh import SimMesh, cpu_seconds, memory_mib
 
-RAMP_S = 5.0  # every stream of a level has started within this
 HIST = re.compile(r'^kvmesh:(request_queue_time_seconds|request_prefill_time_seconds|request_decode_time_seconds|'
-                  r'request_generation_tokens|time_to_first_token_seconds|e2e_request_latency_seconds)_(sum|count)\{[^}]*\} (\S+)')
+                  r'request_generation_tokens|time_to_first_token_seconds|e2e_request_latency_seconds|'
+                  r'request_time_per_output_token_seconds)_(sum|count)\{[^}]*\} (\S+)')
+GAUGES = re.compile(r'^kvmesh:(gateway_requests_in_flight|gateway_input_lag_seconds)\{[^}]*\} (\S+)')
+REFUSED = re.compile(r'^kvmesh:gateway_requests_rejected_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +62,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-inflight-requests", type=int, default=None,
-                        help="the gateway's bound on requests at once (kvmesh up's flag; default: the gateway's)")
+                        help="the gateway's bound on requests at once (kvmesh up's flag; default: the largest level's "
+                             "streams + 64)")
     parser.add_argument("--skip-prefix", action="store_true", help="leave out the shared-prefix routing runs")
+    parser.add_argument("--client", type=_clients, default=["lean"],
+                        help="the load generator's HTTP client: lean (loadtest/lean_http.py, ~10x less CPU per token) "
+                             "or httpx (what the bench used before session 35); a comma list is taken level by level "
+                             "in turn (httpx,lean with four equal levels: an interleaved A/B on one mesh)")
+    parser.add_argument("--ramp-s", type=float, default=None,
+                        help="streams start evenly over this many seconds (default: 5 s per 500 streams, at least 5): "
+                             "a closed loop's intake rate is streams / request time, and starting them all at once "
+                             "asks the gateway for that many requests in one burst")
+    parser.add_argument("--settle-s", type=float, default=5.0,
+                        help="after the ramp, seconds before the measured window opens (steady state)")
+
+
+def _clients(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",")]
+    if not names or any(n not in ("lean", "httpx") for n in names):
+        raise argparse.ArgumentTypeError(f"--client: lean or httpx, comma separated, not {text!r}")
+    return names
 
 
 @dataclass
@@ -68,12 +93,54 @@ class Result:
     prompt: int = 0
     error: str | None = None
     retry_after: float | None = None  # the gateway refused at intake (429/503) and said when to come back
+    t_first: float | None = None  # monotonic clock: when the first token came (None: none came)
+    t_end: float = 0.0  # when the request ended (or was refused, or failed)
 
 
 @dataclass
 class Level:
     streams: int
     results: list[Result] = field(default_factory=list)
+
+
+async def _stream_lean(conn: LeanConnection, prompt: list[int], osl: int) -> Result:
+    """_stream on the lean client (loadtest/lean_http.py): the same request and the same figures."""
+    body = {"model": "sim", "prompt": prompt, "max_tokens": osl, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    res, t0 = Result(), time.monotonic()
+    first = last = None
+    try:
+        r = await conn.post_json("/v1/completions", body)
+        if r.status != 200:
+            text = (await r.read()).decode(errors="replace")
+            res.error = f"HTTP {r.status}: {text[:160]}"
+            if r.status in (429, 503):
+                res.retry_after = advised_s(r.headers)
+            return res
+        async for batch in r.sse_data():
+            now = time.monotonic()  # one socket read: every event in it arrived now
+            for data in batch:
+                if data == "[DONE]":
+                    continue
+                msg = json.loads(data)
+                if "error" in msg:
+                    res.error = str(msg["error"])[:200]
+                    conn.close()
+                    return res
+                if msg.get("usage"):
+                    u = msg["usage"]
+                    res.tokens, res.prompt = u["completion_tokens"], u["prompt_tokens"]
+                    res.cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                if msg.get("choices"):
+                    first = first or now
+                    last = now
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, never fatal
+        conn.close()
+        res.error = f"{type(e).__name__}: {e}"[:200]
+        return res
+    if first is not None:
+        res.ttft, res.span, res.t_first = first - t0, last - first, first
+    return res
 
 
 async def _stream(client, base: str, prompt: list[int], osl: int) -> Result:  # noqa: ANN001
@@ -108,7 +175,7 @@ async def _stream(client, base: str, prompt: list[int], osl: int) -> Result:  # 
         res.error = f"{type(e).__name__}: {e}"[:200]
         return res
     if first is not None:
-        res.ttft, res.span = first - t0, last - first
+        res.ttft, res.span, res.t_first = first - t0, last - first, first
     return res
 
 
@@ -137,56 +204,91 @@ def _cpu_by_service(mesh: SimMesh, client_pid: int) -> dict[str, float]:
     return out
 
 
-async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: float, seed: int, vocab: int) -> dict:
+def _gauges(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if m := GAUGES.search(line):
+            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+        elif m := REFUSED.search(line):
+            out[f"refused_{m[1]}"] = out.get(f"refused_{m[1]}", 0.0) + float(m[2])
+    return out
+
+
+def ramp_seconds(streams: int, ramp_s: float | None) -> float:
+    """Default ramp: 5 s per 500 streams (at least 5 s), so the intake rate while streams start stays near the
+    closed loop's steady rate (streams / request time: ~10 s a request at the bench's default speed and length)."""
+    return ramp_s if ramp_s is not None else max(5.0, 5.0 * streams / 500)
+
+
+async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: float, seed: int, vocab: int,
+                    client: str = "lean", ramp_s: float | None = None, settle_s: float = 5.0) -> dict:
     import httpx
 
     rng = random.Random(seed)
+    ramp = ramp_seconds(level.streams, ramp_s)
     limits = httpx.Limits(max_connections=level.streams + 16, max_keepalive_connections=level.streams + 16)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
-        # Ramp: every stream's first request is out before the window opens.
-        metrics0 = varz0 = cpu0 = None
-        t_open = t_close = 0.0
-        measuring = asyncio.Event()
+    every: list[Result] = []  # each request's outcome, when it ended: the window is chosen from them afterwards
+    samples: list[dict[str, float]] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as http:
         closing = asyncio.Event()
 
         async def stream_loop() -> None:
             failures = 0
-            while not closing.is_set():
-                prompt = [rng.randrange(10, vocab - 10) for _ in range(isl)]
-                r = await _stream(client, mesh.base, prompt, osl)
-                if measuring.is_set() and not closing.is_set():
-                    level.results.append(r)
-                if r.error:
-                    # Back off as a client would: as long as the gateway's Retry-After says, with jitter
-                    # (loadtest/retry.py), else exponential backoff.
-                    await asyncio.sleep(retry_delay_s(r.retry_after, failures, rng))
-                    failures += 1
-                else:
-                    failures = 0
+            conn = LeanConnection(mesh.base) if client == "lean" else None
+            try:
+                while not closing.is_set():
+                    prompt = [rng.randrange(10, vocab - 10) for _ in range(isl)]
+                    r = await (_stream_lean(conn, prompt, osl) if conn is not None else
+                               _stream(http, mesh.base, prompt, osl))
+                    r.t_end = time.monotonic()
+                    every.append(r)
+                    if r.error:
+                        # Back off as a client would: as long as the gateway's Retry-After says, with jitter
+                        # (loadtest/retry.py), else exponential backoff.
+                        await asyncio.sleep(retry_delay_s(r.retry_after, failures, rng))
+                        failures += 1
+                    else:
+                        failures = 0
+            finally:
+                if conn is not None:
+                    conn.close()
 
-        # Ramp over RAMP_S of wall time, as many at a time as the clock says: one stream per short sleep took
-        # minutes at 2,000 streams once the client's own loop was busy with the first ones (each sleep lasts a turn).
+        # Ramp over `ramp` s of wall time, as many at a time as the clock says (one stream per short sleep took
+        # minutes at 2,000 streams once the client's own loop was busy with the first ones: each sleep lasts a
+        # turn), then settle, then measure: the window sees the closed loop's steady state, not the start-up storm.
         tasks: list[asyncio.Task] = []
         t_ramp = time.monotonic()
         while len(tasks) < level.streams:
-            due = min(level.streams, int(level.streams * (time.monotonic() - t_ramp) / RAMP_S) + 1)
+            due = min(level.streams, int(level.streams * (time.monotonic() - t_ramp) / ramp) + 1)
             tasks += [asyncio.create_task(stream_loop()) for _ in range(due - len(tasks))]
             await asyncio.sleep(0.01)
-        await asyncio.sleep(3.0)
-        metrics0 = _histograms((await client.get(f"{mesh.base}/metrics")).text)
+        ramp_took = time.monotonic() - t_ramp
+        await asyncio.sleep(settle_s)
+        text0 = (await http.get(f"{mesh.base}/metrics")).text
+        metrics0, gauges0 = _histograms(text0), _gauges(text0)
         varz0, cpu0, t_open = mesh.varz(), _cpu_by_service(mesh, os.getpid()), time.monotonic()
         busy0 = _machine_busy_s()
-        measuring.set()
-        await asyncio.sleep(seconds)
+        # Sample the gateway's in-flight count and input lag through the window (a few /metrics reads, 10 s apart).
+        while (left := t_open + seconds - time.monotonic()) > 0:
+            await asyncio.sleep(min(10.0, left))  # a /metrics render costs the gateway ~0.1 s of CPU
+            if t_open + seconds - time.monotonic() > 1.0:
+                samples.append(_gauges((await http.get(f"{mesh.base}/metrics")).text))
         closing.set()
         t_close = time.monotonic()
         varz1, cpu1, busy1 = mesh.varz(), _cpu_by_service(mesh, os.getpid()), _machine_busy_s()
-        metrics1 = _histograms((await client.get(f"{mesh.base}/metrics")).text)
+        text1 = (await http.get(f"{mesh.base}/metrics")).text
+        metrics1, gauges1 = _histograms(text1), _gauges(text1)
         window = t_close - t_open
         await asyncio.wait(tasks, timeout=120)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    # Throughput and the client's figures against the worker's: the requests that ended in the window (the
+    # workers' histograms are filled as requests end). The client's TTFT against the gateway's: the requests
+    # whose first token came in the window (the gateway fills its TTFT histogram at the first token).
+    level.results = [r for r in every if t_open <= r.t_end <= t_close]
+    before = [r for r in every if r.t_end < t_open]  # during the ramp and settling
+    first_in_window = [r.ttft for r in every if r.t_first is not None and t_open <= r.t_first <= t_close]
     ok = [r for r in level.results if not r.error and r.ttft is not None]
     d = {k: metrics1.get(k, 0.0) - metrics0.get(k, 0.0) for k in metrics1}
     n_worker = d.get("request_decode_time_seconds_count", 0.0)
@@ -195,17 +297,45 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
     worker_span = d.get("request_decode_time_seconds_sum", 0) / n_worker if n_worker else None
     n_gw = d.get("time_to_first_token_seconds_count", 0.0)
     gateway_ttft = d.get("time_to_first_token_seconds_sum", 0.0) / n_gw if n_gw else None
+    n_tpot = d.get("request_time_per_output_token_seconds_count", 0.0)
+    gateway_tpot = d.get("request_time_per_output_token_seconds_sum", 0.0) / n_tpot if n_tpot else None
+    # The gateway's TTFT over the requests that ended in the window, as the worker's figures are: its arrival ->
+    # last chunk less its first -> last chunk (e2e - tpot x (tokens - 1), exact when every request has as many
+    # tokens). Its TTFT histogram is filled at the first token instead: another set of requests, and while the
+    # queues still grow or shrink a different mean.
+    n_e2e, n_gen = d.get("e2e_request_latency_seconds_count", 0.0), d.get("request_generation_tokens_count", 0.0)
+    gateway_ttft_ended = (d.get("e2e_request_latency_seconds_sum", 0.0) / n_e2e - gateway_tpot *
+                          (d.get("request_generation_tokens_sum", 0.0) / n_gen - 1)
+                          if n_e2e and n_gen and gateway_tpot is not None else None)
     client_ttft = sum(r.ttft for r in ok) / len(ok) if ok else None
     client_span = sum(r.span for r in ok) / len(ok) if ok else None
     tokens = sum(r.tokens for r in ok)
     cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / window for k in cpu1}
     per_token = (client_span - worker_span) / max(1, osl - 1) if client_span is not None and worker_span else None
+    # The worker's decode time per token after the first, over the tokens its requests generated (a request that
+    # ended early on EOS has fewer than osl): what the gateway's request_time_per_output_token averages too.
+    gaps = d.get("request_generation_tokens_sum", 0.0) - d.get("request_generation_tokens_count", 0.0)
+    worker_tpot = (d.get("request_decode_time_seconds_sum", 0.0) / gaps if gaps > 0 else
+                   worker_span / max(1, osl - 1) if worker_span is not None else None)
+
+    def frac(a: float | None, b: float | None) -> float | None:
+        return a / b - 1 if a is not None and b else None
+
+    refused = [r for r in level.results if r.error and r.retry_after is not None]
     return {
-        "streams": level.streams, "window_s": window, "finished": len(ok),
-        "errors": len(level.results) - len(ok),
+        "streams": level.streams, "client": client, "ramp_s": ramp_took, "settle_s": settle_s, "window_s": window,
+        "finished": len(ok), "errors": len(level.results) - len(ok),
         # Of the errors: refused at intake with Retry-After (the gateway's admission bound), nothing started.
-        "refused": sum(1 for r in level.results if r.error and r.retry_after is not None),
+        "refused": len(refused),
+        "refused_by_reason_at_gateway": {k[8:]: gauges1.get(k, 0.0) - gauges0.get(k, 0.0)
+                                         for k in gauges1 if k.startswith("refused_")},
         "failed_after_admission": sum(1 for r in level.results if r.error and r.retry_after is None),
+        # Before the window (ramp and settling): how many the start-up refused, not counted above.
+        "before_window": {"finished": sum(1 for r in before if not r.error),
+                          "refused": sum(1 for r in before if r.error and r.retry_after is not None),
+                          "failed": sum(1 for r in before if r.error and r.retry_after is None)},
+        "gateway_in_flight": [s.get("gateway_requests_in_flight") for s in samples],
+        "gateway_input_lag_s": [round(s.get("gateway_input_lag_seconds", 0.0), 3) for s in samples],
         "error_examples": sorted({r.error for r in level.results if r.error})[:3],
         "requests_per_s": len(ok) / window, "output_tokens_per_s": tokens / window,
         "nats_msgs_per_s": {"in": (varz1.get("in_msgs", 0) - varz0.get("in_msgs", 0)) / window,
@@ -213,17 +343,31 @@ async def run_level(mesh: SimMesh, level: Level, isl: int, osl: int, seconds: fl
         "nats_bytes_per_s": {"in": (varz1.get("in_bytes", 0) - varz0.get("in_bytes", 0)) / window,
                              "out": (varz1.get("out_bytes", 0) - varz0.get("out_bytes", 0)) / window},
         "cpu_cores_by_service": {k: round(v, 3) for k, v in sorted(cores.items())},
+        # The load generator's CPU per token it received: what the client costs, apart from the mesh.
+        "client_cpu_ms_per_token": 1000 * cores.get("client", 0.0) * window / tokens if tokens else None,
+        "gateway_cpu_ms_per_token": 1000 * cores.get("gateway", 0.0) * window / tokens if tokens else None,
         # The whole machine's busy cores in the window: the mesh and the client, plus everyone else's work.
         "machine_busy_cores": (busy1 - busy0) / window, "machine_cores": os.cpu_count(),
         # gateway_mean: HTTP arrival at the gateway -> first chunk out of it (what the client adds is the rest).
-        "ttft_s": {"client_mean": client_ttft, "gateway_mean": gateway_ttft, "worker_mean": worker_ttft,
+        # mesh_added_*: the client's figure against the worker's own clock (the load generator's lag included);
+        # gateway_added_*: the gateway's own figure against the worker's (what the mesh adds, no client in it).
+        "ttft_s": {"client_mean": client_ttft, "gateway_mean": gateway_ttft_ended, "worker_mean": worker_ttft,
+                   # The same requests at the client and the gateway: those whose first token came in the window.
+                   "gateway_mean_first_token_in_window": gateway_ttft,
+                   "client_mean_first_token_in_window": sum(first_in_window) / len(first_in_window)
+                   if first_in_window else None,
                    "mesh_added_s": client_ttft - worker_ttft if client_ttft and worker_ttft else None,
-                   "mesh_added_fraction": client_ttft / worker_ttft - 1 if client_ttft and worker_ttft else None},
+                   "mesh_added_fraction": frac(client_ttft, worker_ttft),
+                   "gateway_added_s": gateway_ttft_ended - worker_ttft
+                   if gateway_ttft_ended is not None and worker_ttft else None,
+                   "gateway_added_fraction": frac(gateway_ttft_ended, worker_ttft)},
         "per_output_token_s": {"client_mean": client_span / max(1, osl - 1) if client_span is not None else None,
-                               "worker_mean": worker_span / max(1, osl - 1) if worker_span is not None else None,
+                               "gateway_mean": gateway_tpot, "worker_mean": worker_tpot,
                                "mesh_added_s": per_token,
-                               "mesh_added_fraction": client_span / worker_span - 1
-                               if client_span is not None and worker_span else None},
+                               "mesh_added_fraction": frac(client_span, worker_span),
+                               "gateway_added_s": gateway_tpot - worker_tpot
+                               if gateway_tpot is not None and worker_tpot is not None else None,
+                               "gateway_added_fraction": frac(gateway_tpot, worker_tpot)},
     }
 
 
@@ -280,6 +424,8 @@ def _saturated(levels: list[dict]) -> list[dict]:
         out.append({"streams": lv["streams"], "busiest": name, "cores": cores[name],
                     "mesh_and_client_cores": sum(cores.values()), "machine_busy_cores": lv["machine_busy_cores"],
                     "per_token_added_fraction": lv["per_output_token_s"]["mesh_added_fraction"],
+                    "per_token_added_fraction_at_gateway": lv["per_output_token_s"]["gateway_added_fraction"],
+                    "ttft_added_fraction_at_gateway": lv["ttft_s"]["gateway_added_fraction"],
                     "errors": lv["errors"], "refused": lv["refused"]})
     return out
 
@@ -291,11 +437,16 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvmesh-scale-bench-"))
     model = build_sim_model(work / "model")
     vocab = min(json.loads((model / "config.json").read_text())["vocab_size"], 2000)
-    gateway = [] if args.max_inflight_requests is None else ["--max-inflight-requests", str(args.max_inflight_requests)]
-    common = ["--sim-speed", f"{args.speed:g}", *gateway]
-    out: dict = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
-    levels: list[dict] = []
     specs = [_level_spec(x, args) for x in args.levels.split(",")]
+    # The gateway's bound on requests at once (default 1,024) would refuse half of 2,000 streams before its input
+    # lag had a say: by default the bench lets in every stream of its largest level.
+    inflight = args.max_inflight_requests if args.max_inflight_requests is not None else \
+        max(n for n, _, _, _ in specs) + 64
+    gateway = ["--max-inflight-requests", str(inflight)]
+    common = ["--sim-speed", f"{args.speed:g}", *gateway]
+    out: dict = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list))}}
+    out["config"]["max_inflight_requests"] = inflight
+    levels: list[dict] = []
     out["stopped_cleanly"] = True
     for speed in dict.fromkeys(sp for _, sp, _, _ in specs):  # one mesh per speed, in the order given
         t_up = time.monotonic()
@@ -309,7 +460,8 @@ def run(args: argparse.Namespace) -> int:
             for i, (n, sp, osl, seconds) in enumerate(specs):
                 if sp != speed:
                     continue
-                lv = asyncio.run(run_level(mesh, Level(n), args.isl, osl, seconds, args.seed + i, vocab))
+                lv = asyncio.run(run_level(mesh, Level(n), args.isl, osl, seconds, args.seed + i, vocab,
+                                           args.client[i % len(args.client)], args.ramp_s, args.settle_s))
                 lv["sim_speed"] = speed
                 levels.append(lv)
                 print(f"[bench scale] {n} streams at speed {speed:g}: {json.dumps(lv)}", flush=True)

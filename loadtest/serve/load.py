@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import httpx
+
+from loadtest.lean_http import LeanClient
 from tqdm import tqdm
 
 from .arrivals import arrival_offsets
@@ -33,6 +35,8 @@ class LoadConfig:
     # A refused request (429, or 503 with Retry-After) is sent again up to this many times, after the server's
     # Retry-After with jitter (loadtest/retry.py); 0: a refusal is a failed request.
     retries: int = 0
+    # "lean" (loadtest/lean_http.py) for plain http:// targets; "httpx" (the default) for everything.
+    http_client: str = "httpx"
 
 
 @dataclass
@@ -47,7 +51,11 @@ class LevelRun:
     hit_time_limit: bool
 
 
-def _client(cfg: LoadConfig) -> httpx.AsyncClient:
+def _client(cfg: LoadConfig, ep: Endpoint) -> httpx.AsyncClient:
+    if cfg.http_client == "lean" and ep.url.startswith("http://"):
+        # loadtest/lean_http.py: ~10x less of the load generator's CPU per streamed token than httpx, for runs of
+        # thousands of streams where the client would otherwise be the busiest process on the machine.
+        return LeanClient(cfg.request_timeout)  # type: ignore[return-value]
     # trust_env=False: a benchmark must not silently go through a proxy from the environment.
     limits = httpx.Limits(max_connections=cfg.max_concurrency or 1000, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.request_timeout, connect=min(10.0, cfg.request_timeout))
@@ -58,7 +66,7 @@ async def resolve_eos(ep: Endpoint, requested: str, cfg: LoadConfig) -> tuple[En
     """requested is "auto" or an EosMode value; auto asks the server what it accepts."""
     if requested != "auto":
         return replace(ep, eos_mode=EosMode(requested)), EosProbe(EosMode(requested), "set by --eos-mode")
-    async with _client(cfg) as client:
+    async with _client(replace(cfg, http_client="httpx"), ep) as client:  # one probe: httpx's full API
         probe = await probe_eos_mode(client, ep)
     return replace(ep, eos_mode=probe.mode), probe
 
@@ -130,7 +138,7 @@ async def run_level(ep: Endpoint, workload: Workload, cfg: LoadConfig, deadline:
                     after_warmup: Callable[[], Awaitable[None]] | None = None) -> LevelRun:
     """Send the whole workload once. Stops at `deadline` (a time.perf_counter() value) no matter what.
     after_warmup: awaited between the warm-up and the measured requests (server counters read before the run)."""
-    async with _client(cfg) as client:
+    async with _client(cfg, ep) as client:
         await _warm_up(client, ep, workload, cfg, deadline)
         if after_warmup is not None:
             await after_warmup()

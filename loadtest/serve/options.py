@@ -57,6 +57,9 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-warmups", type=int, default=2, help="unmeasured requests before each level")
     g.add_argument("--time-limit", type=float, default=900.0, help="seconds for the whole command; then it stops")
     g.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    g.add_argument("--http-client", choices=["httpx", "lean"], default="httpx",
+                   help="lean: a minimal streaming HTTP/1.1 client (loadtest/lean_http.py, plain http:// only) that "
+                        "costs ~10x less CPU per token than httpx, for thousands of streams on one machine")
     g.add_argument("--retries", type=int, default=0, metavar="N",
                    help="send a refused request (429, or 503 with Retry-After) again up to N times, after the "
                         "server's Retry-After plus up to 25%% jitter (none given: exponential backoff); default 0: "
@@ -121,7 +124,7 @@ def build_endpoint(args: argparse.Namespace, base_url: str, model: str) -> Endpo
 
 def build_load(args: argparse.Namespace, max_concurrency: int | None) -> LoadConfig:
     return LoadConfig(args.request_rate, args.burstiness, max_concurrency, args.num_warmups, args.seed,
-                      args.request_timeout, args.progress, args.retries)
+                      args.request_timeout, args.progress, args.retries, getattr(args, "http_client", "httpx"))
 
 
 def describe_target(ep: Endpoint) -> dict:

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 from nats.aio.msg import Msg
+
+from shared.bus.wait_ticker import WaitTicker
 
 
 class Inbox:
@@ -46,6 +49,19 @@ class Inbox:
             await waiter
         finally:
             timer.cancel()
+            self._waiter = None
+        return bool(self.msgs)
+
+
+    async def wait_watched(self, ticker: WaitTicker, check: Callable[[], None], timeout: float) -> bool:
+        """As wait, with `check` called on the loop's shared ticker while it waits (shared/bus/wait_ticker.py): no
+        timer of its own, and no wake-up of the reader unless a message came, the check raised or time is up."""
+        if self.msgs:
+            return True
+        self._waiter = waiter = asyncio.get_running_loop().create_future()
+        try:
+            await ticker.wait(waiter, check, timeout)
+        finally:
             self._waiter = None
         return bool(self.msgs)
 

@@ -28,6 +28,7 @@ from shared.bus import slow_consumer
 from shared.bus.errors import BusError, BusTimeout, MessagesDroppedError, NoRespondersError, RemoteError, StreamGapError
 from shared.bus.limits import DEFAULT_LIMITS, BusLimits
 from shared.bus.error_reply import ErrorReply
+from shared.bus import wait_ticker
 from shared.bus.inbox import Inbox
 
 M = TypeVar("M", bound=wire.Message)
@@ -194,10 +195,13 @@ class ReplyStream(Generic[M]):
                 # wait its whole idle timeout checks `dropped` while it waits (services/gateway/choice.py).
                 raise MessagesDroppedError(f"stream from {self._target!r}: this receiver fell behind and messages "
                                            f"were dropped (slow consumer) after item {self._seq}")
-            wait = remaining if self._watch is None else min(remaining, self._watch_interval)
+            # A watched wait on an inbox is checked by the loop's shared ticker (no wake-up of its own: _next_msg);
+            # otherwise it wakes every watch interval to check.
+            ticked = self._watch is not None and self._inbox is not None
+            wait = remaining if self._watch is None or ticked else min(remaining, self._watch_interval)
             msg = await self._next_msg(wait)
             if msg is None:
-                if self._watch is not None:
+                if self._watch is not None and not ticked:
                     self._watch()
                 continue
             hdrs = msg.headers or {}
@@ -223,9 +227,18 @@ class ReplyStream(Generic[M]):
         if not inbox.msgs:
             if self._conn_closed():
                 raise nats.errors.ConnectionClosedError
-            if not await inbox.wait(wait):
+            if self._watch is not None:
+                if not await inbox.wait_watched(wait_ticker.ticker(self._watch_interval), self._watched, wait):
+                    return None
+            elif not await inbox.wait(wait):
                 return None
         return inbox.msgs.popleft()
+
+    def _watched(self) -> None:
+        """The watch, and the closed connection a wait notices (on the ticker's clock while it waits)."""
+        if self._conn_closed():
+            raise nats.errors.ConnectionClosedError
+        self._watch()  # type: ignore[misc]
 
     def _raise_remote(self, err: ErrorReply) -> None:
         raise RemoteError(err.code, err.message, self._target)
