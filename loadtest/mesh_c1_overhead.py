@@ -20,7 +20,8 @@ machine slows every arm alike; only same-run ratios mean anything):
                 (after one warm-up request); TTFT = request sent to the first content chunk; ms/token = mean gap
                 between later chunks; with the CPU time each mesh process spent per output token (/proc)
   mesh-<name>   `kvmesh up` with extra flags (MESH_ARMS)
-  *-passive, *-spin, *-1t   the same with OpenMP's wait policy passive, a short spin (GOMP_SPINCOUNT) or one thread
+  *-passive, *-spin, *-spin1k, *-1t   the same with OpenMP's wait policy passive, a short spin (GOMP_SPINCOUNT 20000
+                or 1000) or one thread (`kvmesh up` makes CPU engine workers passive unless one of these is set)
   ARM@before    the arm run from --before-tree (`git archive REV | tar -x -C DIR`): a before/after A/B
 --spans exports the mesh's OTel spans to an in-process OTLP receiver and breaks each mesh request's TTFT down by hop.
 """
@@ -50,12 +51,14 @@ MESH_ARMS: dict[str, list[str]] = {
     "mesh-passive": [],
     "mesh-spin": [],
     "mesh-1t": [],
+    "mesh-spin1k": [],
 }
 # Environment of an arm (every process of the mesh, or the engine arm's process): OpenMP's wait policy.
 ARM_ENV: dict[str, dict[str, str]] = {
     "mesh-passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "engine-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "mesh-spin": {"GOMP_SPINCOUNT": "20000"}, "engine-spin": {"GOMP_SPINCOUNT": "20000"},
     "mesh-1t": {"OMP_NUM_THREADS": "1"}, "engine-1t": {"OMP_NUM_THREADS": "1"},
+    "mesh-spin1k": {"GOMP_SPINCOUNT": "1000"}, "engine-spin1k": {"GOMP_SPINCOUNT": "1000"},
 }
 
 ENGINE_CHILD = r"""
@@ -323,7 +326,7 @@ def main() -> None:
     ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS, help="output tokens a request")
     ap.add_argument("--arms", default="engine,mesh")
     ap.add_argument("--spans", action="store_true")
-    ap.add_argument("--port", type=int, default=8031)
+    ap.add_argument("--port", type=int, default=8031, help="the first mesh's port; every later mesh takes the next")
     ap.add_argument("--before-tree", default=None,
                     help="a checkout of the code before a change (`git archive REV | tar -x -C DIR`): arms named "
                          "ARM@before run from it, the others from the current directory")
@@ -341,6 +344,7 @@ def main() -> None:
         from tests.otlp_receiver import OtlpReceiver
 
         receiver = OtlpReceiver(event_times=True).__enter__()
+    mesh_runs = 0
     for rnd in range(args.rounds):
         for arm in arms:
             load = os.getloadavg()[0]
@@ -350,8 +354,10 @@ def main() -> None:
             if name.startswith("engine"):
                 r = run_engine(gguf, args.requests, ARM_ENV.get(name, {}), tree, conc, args.waves)
             else:
-                r = run_mesh(gguf, MESH_ARMS[name], args.requests, args.port, receiver.url if receiver else None,
-                             ARM_ENV.get(name, {}), tree, conc, args.waves)
+                # A port of its own for every mesh: the last one's gateway may still hold its port for a moment.
+                mesh_runs += 1
+                r = run_mesh(gguf, MESH_ARMS[name], args.requests, args.port + mesh_runs - 1,
+                             receiver.url if receiver else None, ARM_ENV.get(name, {}), tree, conc, args.waves)
             r["env"], r["tree"] = ARM_ENV.get(name, {}), tree
             r["loadavg_1m_before"] = load
             r["summary"] = summary(r["requests"])
