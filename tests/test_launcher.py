@@ -361,10 +361,6 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
         assert {"nats-0", "nats-1", "nats-2", "kvstore-0", "tokenizer-0", "prefill-0", "decode-0",
                 "gateway-0"} <= set(pids)
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
-        # CPU engine workers' OpenMP teams wait passively (shared/launcher/openmp.py); the other services are left be.
-        omp = {name: _environ(pids[name]).get("OMP_WAIT_POLICY") for name in ("decode-0", "prefill-0", "gateway-0")}
-        assert omp == {"decode-0": "PASSIVE", "prefill-0": "PASSIVE", "gateway-0": None}, omp
-        assert any("OMP_WAIT_POLICY=PASSIVE" in line for line in out.lines)
 
         import openai
 
@@ -409,11 +405,6 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _environ(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)
 
 
 def _alive(pid: int) -> bool:

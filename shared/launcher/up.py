@@ -24,7 +24,6 @@ from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_fro
 from shared.launcher.cpu_layout import cpu_default_layout
 from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import LocalNats, identity_passwords
-from shared.launcher.openmp import shared_cores_env
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
 from shared.engine.sim_profile import ProfileError
@@ -386,15 +385,8 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
             extra["KVMESH_GRACE_S"] = str(drain_grace)  # a drained worker's requests move on after this
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
-        if service in ENGINE_SERVICES and not opts.devices and opts.engine != "sim":
-            # The engine's OpenMP team shares the cores with the mesh's other processes (openmp.py).
-            extra.update(shared_cores_env(os.environ))
         return {**env, **extra}
 
-    if not opts.devices and opts.engine != "sim" and (omp := shared_cores_env(os.environ)):
-        emit(f"[kvmesh] engine workers on CPU: {' '.join(f'{k}={v}' for k, v in omp.items())} (their OpenMP threads "
-             "sleep between parallel regions instead of spinning on the cores the other services need; "
-             "OMP_WAIT_POLICY or GOMP_SPINCOUNT in this environment chooses otherwise)")
     services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service))]
     if cluster:
         services = [replace(p, env={**p.env, **_bus_env(cluster[0], p)}) for p in services]
