@@ -176,9 +176,13 @@ WORKER_SERIES = ("kvmesh:request_decode_time_seconds_sum", "kvmesh:request_prefi
 def scrape(base: str) -> dict[str, float]:
     import urllib.request
 
+    return worker_series(urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())
+
+
+def worker_series(text: str) -> dict[str, float]:
+    """WORKER_SERIES from a /metrics page, summed over models (and decode workers, for the per-worker ones)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
