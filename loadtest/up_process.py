@@ -33,11 +33,13 @@ def kvmesh_up(gguf: Path, port: int, model_name: str, extra: list[str], log_path
             if any(UP_LINE in x for x in lines):
                 break
             time.sleep(0.5)
+        lines = log_path.read_text().splitlines()  # what an up that exited at once said
         if not any(UP_LINE in x for x in lines):
-            raise RuntimeError("kvmesh up did not come up:\n" + "\n".join(lines[-30:]))
+            raise RuntimeError(f"kvmesh up did not come up (exit {proc.poll()}):\n" + "\n".join(lines[-30:]))
         yield proc, log_path
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):  # an up that exited at once may have left no process
+            os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
