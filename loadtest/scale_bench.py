@@ -103,80 +103,83 @@ class Level:
     results: list[Result] = field(default_factory=list)
 
 
+def _request_body(prompt: list[int], osl: int) -> dict:
+    return {"model": "sim", "prompt": prompt, "max_tokens": osl, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+@dataclass
+class _Events:
+    """What a streamed completion's SSE events say, the same for both clients."""
+
+    res: Result
+    t0: float
+    first: float | None = None
+    last: float | None = None
+
+    def on(self, msg: dict, now: float) -> bool:
+        """Takes one event (arrived at `now`); False: it was an error event and the stream is over."""
+        res = self.res
+        if "error" in msg:
+            res.error = str(msg["error"])[:200]
+            return False
+        if msg.get("usage"):
+            u = msg["usage"]
+            res.tokens, res.prompt = u["completion_tokens"], u["prompt_tokens"]
+            res.cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        if msg.get("choices"):
+            self.first = self.first or now
+            self.last = now
+        return True
+
+    def done(self) -> Result:
+        if self.first is not None and self.last is not None:
+            self.res.ttft, self.res.span, self.res.t_first = self.first - self.t0, self.last - self.first, self.first
+        return self.res
+
+
+def _refused(res: Result, status: int, text: str, headers) -> Result:  # noqa: ANN001
+    res.error = f"HTTP {status}: {text[:160]}"
+    if status in (429, 503):
+        res.retry_after = advised_s(headers)
+    return res
+
+
 async def _stream_lean(conn: LeanConnection, prompt: list[int], osl: int) -> Result:
     """_stream on the lean client (loadtest/lean_http.py): the same request and the same figures."""
-    body = {"model": "sim", "prompt": prompt, "max_tokens": osl, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    res, t0 = Result(), time.monotonic()
-    first = last = None
+    ev = _Events(Result(), time.monotonic())
     try:
-        r = await conn.post_json("/v1/completions", body)
+        r = await conn.post_json("/v1/completions", _request_body(prompt, osl))
         if r.status != 200:
-            text = (await r.read()).decode(errors="replace")
-            res.error = f"HTTP {r.status}: {text[:160]}"
-            if r.status in (429, 503):
-                res.retry_after = advised_s(r.headers)
-            return res
+            return _refused(ev.res, r.status, (await r.read()).decode(errors="replace"), r.headers)
         async for batch in r.sse_data():
             now = time.monotonic()  # one socket read: every event in it arrived now
             for data in batch:
-                if data == "[DONE]":
-                    continue
-                msg = json.loads(data)
-                if "error" in msg:
-                    res.error = str(msg["error"])[:200]
+                if data != "[DONE]" and not ev.on(json.loads(data), now):
                     conn.close()
-                    return res
-                if msg.get("usage"):
-                    u = msg["usage"]
-                    res.tokens, res.prompt = u["completion_tokens"], u["prompt_tokens"]
-                    res.cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                if msg.get("choices"):
-                    first = first or now
-                    last = now
+                    return ev.res
     except Exception as e:  # noqa: BLE001 - a failed request is counted, never fatal
         conn.close()
-        res.error = f"{type(e).__name__}: {e}"[:200]
-        return res
-    if first is not None:
-        res.ttft, res.span, res.t_first = first - t0, last - first, first
-    return res
+        ev.res.error = f"{type(e).__name__}: {e}"[:200]
+        return ev.res
+    return ev.done()
 
 
 async def _stream(client, base: str, prompt: list[int], osl: int) -> Result:  # noqa: ANN001
-    body = {"model": "sim", "prompt": prompt, "max_tokens": osl, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    res, t0 = Result(), time.monotonic()
-    first = last = None
+    ev = _Events(Result(), time.monotonic())
     try:
-        async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{base}/v1/completions", json=_request_body(prompt, osl)) as r:
             if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {body[:160]}"
-                if r.status_code in (429, 503):
-                    res.retry_after = advised_s(r.headers)
-                return res
+                return _refused(ev.res, r.status_code, (await r.aread()).decode(errors="replace"), r.headers)
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                msg = json.loads(line[6:])
-                if "error" in msg:
-                    res.error = str(msg["error"])[:200]
-                    return res
-                if msg.get("usage"):
-                    u = msg["usage"]
-                    res.tokens, res.prompt = u["completion_tokens"], u["prompt_tokens"]
-                    res.cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                if msg.get("choices"):
-                    now = time.monotonic()
-                    first = first or now
-                    last = now
+                if not ev.on(json.loads(line[6:]), time.monotonic()):
+                    return ev.res
     except Exception as e:  # noqa: BLE001 - a failed request is counted, never fatal
-        res.error = f"{type(e).__name__}: {e}"[:200]
-        return res
-    if first is not None:
-        res.ttft, res.span, res.t_first = first - t0, last - first, first
-    return res
+        ev.res.error = f"{type(e).__name__}: {e}"[:200]
+        return ev.res
+    return ev.done()
 
 
 def _machine_busy_s() -> float:
