@@ -73,10 +73,10 @@ def _stage_sources(build_dir: Path) -> list[str]:
     src = build_dir / "src"
     src.mkdir(exist_ok=True)
     for p in _all_files():
-        dst = src / p.name
-        if not dst.exists() or dst.read_bytes() != p.read_bytes():
+        dst, data = src / p.name, p.read_bytes()
+        if not dst.exists() or dst.read_bytes() != data:
             tmp = dst.with_suffix(dst.suffix + f".{os.getpid()}.tmp")
-            tmp.write_bytes(p.read_bytes())
+            tmp.write_bytes(data)
             os.replace(tmp, dst)  # atomic: a concurrent reader sees the old file or the new, never half
     return [str(src / p.name) for p in sources()]
 

@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import httpx
+from tqdm import tqdm
 
 from loadtest.lean_http import LeanClient
-from tqdm import tqdm
 
 from .arrivals import arrival_offsets
 from loadtest.retry import retry_delay_s

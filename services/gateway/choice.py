@@ -127,18 +127,24 @@ class Choice:
             except bus.NoRespondersError:
                 raise unavailable("no decode worker is available", code="no_decode_worker") from None
 
-    async def _send(self, subject: str) -> TokenChunk:
-        self._reconnects = self.ctx.nc.stats["reconnects"]
-        self._reconnected_at = None
+    async def _request(self, subject: str, msg: GenerateRequest | ReplayRequest, sender: str | None
+                       ) -> bus.ReplyStream[TokenChunk]:
+        """Sends msg and reads the TokenChunks of its reply stream from now on, watched (_check_worker). sender:
+        only that worker's chunks count (shared/bus/sender.py); None: whoever answers."""
+        self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
         self._worker_reconnects = self.ctx.router.bus_reconnects(self.worker_id) if self.worker_id else None
         with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
-            # Routed to one worker: only its chunks count (shared/bus/sender.py).
-            sender = None if subject == subjects.DECODE_GENERATE else subjects.worker_from_subject(subject)
-            stream = await bus.request_stream(self.ctx.nc, subject, self._req, timeout=self.ctx.config.stream_idle_timeout_s,
+            stream = await bus.request_stream(self.ctx.nc, subject, msg, timeout=self.ctx.config.stream_idle_timeout_s,
                                               expect=TokenChunk, sender=sender, limits=self.ctx.stream_limits)
-        self.sent = True
         self._stream = stream
         stream.watch(self._check_worker, WATCH_INTERVAL_S)
+        return stream
+
+    async def _send(self, subject: str) -> TokenChunk:
+        # Routed to one worker: only its chunks count.
+        sender = None if subject == subjects.DECODE_GENERATE else subjects.worker_from_subject(subject)
+        stream = await self._request(subject, self._req, sender)
+        self.sent = True
         try:
             return self._arrived(await stream.__anext__())
         except StopAsyncIteration:
@@ -267,18 +273,11 @@ class Choice:
         if self._stream is not None:
             await self._stream.aclose()
         from_seq = self._next_seq
-        self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
-        self._worker_reconnects = self.ctx.router.bus_reconnects(worker_id)
         req = ReplayRequest(request_id=self.request_id, from_seq=from_seq)
         try:
-            with trace.use_span(self.span, end_on_exit=False):
-                stream = await bus.request_stream(self.ctx.nc, subjects.decode_replay(worker_id), req,
-                                                  timeout=self.ctx.config.stream_idle_timeout_s, expect=TokenChunk,
-                                                  sender=worker_id, limits=self.ctx.stream_limits)
+            stream = await self._request(subjects.decode_replay(worker_id), req, worker_id)
         except bus.BusError:
             return None
-        self._stream = stream
-        stream.watch(self._check_worker, WATCH_INTERVAL_S)
         try:
             chunk = await stream.__anext__()
         except StopAsyncIteration:

@@ -52,7 +52,6 @@ class Inbox:
             self._waiter = None
         return bool(self.msgs)
 
-
     async def wait_watched(self, ticker: WaitTicker, check: Callable[[], None], timeout: float) -> bool:
         """As wait, with `check` called on the loop's shared ticker while it waits (shared/bus/wait_ticker.py): no
         timer of its own, and no wake-up of the reader unless a message came, the check raised or time is up."""

@@ -43,10 +43,9 @@ class StreamReply:
             raise BusError("cannot stream a reply: the request has no reply subject")
         self.subject = subject
         self._nc = nc
-        self._ctx = ctx if ctx is not None else otel_context.get_current()
         # The stream's trace context never changes: inject it once, not for every item (the propagators' inject
         # was the largest single cost of a decode worker's per-token send).
-        self._trace = H.with_trace(None, self._ctx)
+        self._trace = H.with_trace(None, ctx if ctx is not None else otel_context.get_current())
         self._lock = asyncio.Lock()
         self._seq = 0
         self._closed = False
