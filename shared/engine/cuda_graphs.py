@@ -23,6 +23,7 @@ import torch
 
 from kernels import AttentionMetadata
 from shared.engine.block_tables import BlockTables
+from shared.engine.graph_capture import capture_kwargs
 from shared.engine.sequence import Sequence
 from shared.engine.staging import StagingRing, copy_stream_for
 from shared.models.llama import LlamaFamilyForCausalLM
@@ -106,7 +107,7 @@ class DecodeGraphs:
             self._forward(bs)  # warm-up: compiles the Triton kernels, settles cuBLAS workspaces
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, **capture_kwargs(pool)):
                 self.outputs[bs] = self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
