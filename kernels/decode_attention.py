@@ -13,13 +13,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8_bytes import indexable
 from kernels.store_kv import FP8_DTYPE
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """[len(block_ids) * block_size, kv_heads, head_dim]: whole blocks copied at once (much faster on
-    CPU than gathering slot by slot)."""
-    return cache.view(cache.shape[0], -1).index_select(0, block_ids.long()).view(-1, *cache.shape[2:])
+    CPU than gathering slot by slot); an FP8 cache's as bytes (kernels/fp8_bytes.py)."""
+    rows = indexable(cache).view(cache.shape[0], -1).index_select(0, block_ids.long())
+    return rows.view(cache.dtype).view(-1, *cache.shape[2:])
 
 
 def dequant(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fp8_bytes import indexable
 from kernels.triton_support import recording, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -51,11 +52,10 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     kf = k_cache.view(-1, *k_cache.shape[2:])
     vf = v_cache.view(-1, *v_cache.shape[2:])
     if k_cache.dtype == FP8_DTYPE:
-        # index_copy_ has no float8 kernel on CPU: copy the bytes.
-        k, v = quantize_fp8(k, k_scale).view(torch.uint8), quantize_fp8(v, v_scale).view(torch.uint8)
-        kf, vf = kf.view(torch.uint8), vf.view(torch.uint8)
-    kf.index_copy_(0, kept.slots, k.to(kf.dtype))
-    vf.index_copy_(0, kept.slots, v.to(vf.dtype))
+        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    # FP8 as bytes (kernels/fp8_bytes.py).
+    indexable(kf).index_copy_(0, kept.slots, indexable(k.to(kf.dtype)))
+    indexable(vf).index_copy_(0, kept.slots, indexable(v.to(vf.dtype)))
 
 
 @torch.library.custom_op("kvmesh::store_kv_cpu", mutates_args=("k_cache", "v_cache"), device_types="cpu")

@@ -6,7 +6,7 @@ import torch
 
 from shared.engine.errors import MemoryBudgetError
 from shared.engine.kv_cache import bytes_per_block
-from shared.engine.memory_budget import GIB, MemoryProfile, plan_kv_pool
+from shared.engine.memory_budget import GIB, MemoryProfile, plan_kv_pool, step_peak
 from shared.engine.profile_run import profile_run
 from shared.kv_blocks import KVBlocks
 from tests.engine_helpers import greedy, make_engine, random_prompts
@@ -29,6 +29,39 @@ def test_the_pool_is_the_budget_of_total_memory_minus_everything_else():
     # Two workers splitting one GPU: the second starts with the first's share gone and still fits.
     second = plan_kv_pool(_profile(free_at_start=79 * GIB - 36 * GIB), 0.45, per_block, min_blocks=100)
     assert second.budget_bytes == int(H100 * 0.45) and second.num_blocks > 0
+
+
+def test_the_step_term_is_the_reserved_peak_above_the_weights_less_the_temporary_cache():
+    weights, temp, activations, slack = int(1.2 * GIB), 512 << 20, 3 * GIB, 700 << 20
+    peak_allocated = weights + temp + activations
+    assert step_peak(weights, temp, peak_allocated, peak_allocated + slack) == activations + slack
+    assert step_peak(weights, temp, peak_allocated, peak_allocated) == activations  # an allocator with no slack
+    assert step_peak(weights, temp, weights + temp, weights) == 0  # never below nothing
+
+
+def test_a_pool_sized_from_the_reserved_peak_keeps_the_workers_reserved_peak_in_its_budget():
+    """Two workers at 0.4 each on one GPU: each one's reserved peak plus its memory outside torch must stay within
+    its 0.4. Sized from the allocated peak, the pool leaves the reserved peak over by the allocator's slack."""
+    weights, temp, activations, slack = int(1.2 * GIB), 512 << 20, 3 * GIB, 700 << 20
+    non_torch, graphs, per_block = GIB // 2, 256 << 20, 1 << 20
+    peak_allocated = weights + temp + activations
+    peak_reserved = peak_allocated + slack
+
+    def serving_reserved(num_blocks: int) -> int:
+        # What the allocator holds while serving: the weights' and a step's segments as profiled (less the
+        # temporary cache, which the real pool replaces), the pool, the graphs' pool.
+        return peak_reserved - temp + num_blocks * per_block + graphs
+
+    def plan(step: int):  # noqa: ANN202 - a KVPoolPlan
+        profile = _profile(total_bytes=H100, free_at_start=H100, weights_bytes=weights, peak_activation_bytes=step,
+                           non_torch_bytes=non_torch, graph_reserve_bytes=graphs)
+        return plan_kv_pool(profile, 0.4, per_block, min_blocks=100)
+
+    new = plan(step_peak(weights, temp, peak_allocated, peak_reserved))
+    assert serving_reserved(new.num_blocks) + non_torch <= new.budget_bytes == int(H100 * 0.4)
+    old = plan(activations)  # the allocated peak alone
+    assert serving_reserved(old.num_blocks) + non_torch > old.budget_bytes
+    assert old.num_blocks - new.num_blocks == slack // per_block
 
 
 def test_a_budget_taken_by_another_process_fails_at_start_with_the_numbers():
@@ -84,10 +117,12 @@ def test_fp8_blocks_round_trip_and_refuse_other_dtypes(checkpoints):
 
 
 class FakeMemory:
-    """A device allocator in numbers: each tensor handed to track() counts while it is alive."""
+    """A device allocator in numbers: each tensor handed to track() counts while it is alive; the allocator holds
+    `slack` bytes more than that at its peak (its rounding and free parts of segments)."""
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, slack: int = 0) -> None:
         self.now = self.high = start
+        self.slack = slack
 
     def track(self, t: torch.Tensor) -> torch.Tensor:
         import weakref
@@ -113,11 +148,15 @@ class FakeMemory:
     def peak(self) -> int:
         return self.high
 
+    def peak_reserved(self) -> int:
+        return self.high + self.slack
 
-def _profile_with_fake_memory(monkeypatch, engine, activation_bytes: int, tokens: int, seqs: int) -> tuple[int, dict]:
+
+def _profile_with_fake_memory(monkeypatch, engine, activation_bytes: int, tokens: int, seqs: int,
+                              slack: int = 0) -> tuple[int, dict]:
     import shared.engine.model_runner as mr
 
-    mem = FakeMemory(start=123_456)
+    mem = FakeMemory(start=123_456, slack=slack)
     seen = {"logit_rows": [], "temp": 0}
     real_alloc = mr.allocate_kv_cache
 
@@ -158,6 +197,14 @@ def test_profile_counts_the_temporary_cache_once_and_the_forward_in_full(monkeyp
     # Above "before" (taken before the temporary cache): the cache itself, then the activations and the sampled
     # rows' logits. Subtracting the cache twice (the "before" read after it was allocated) would lose seen["temp"].
     assert peak == act + 8 * vocab * 4
+
+
+def test_profile_counts_what_the_allocator_reserves_beyond_its_tensors(monkeypatch, checkpoints):
+    engine = make_engine(checkpoints["qwen3"])
+    vocab = engine.model_config.vocab_size
+    act, slack = 50 << 20, 7 << 20
+    peak, _ = _profile_with_fake_memory(monkeypatch, engine, act, tokens=96, seqs=8, slack=slack)
+    assert peak == act + 8 * vocab * 4 + slack
 
 
 def test_prompt_logprobs_of_a_full_chunk_are_in_the_profile_in_slices(monkeypatch, checkpoints):

@@ -8,10 +8,10 @@ then padding rows that write nowhere (slot -1) and attend to one token of block 
 ignored. The decode kernel's launch grid depends on shapes only, and the block-table width is fixed at
 the blocks of max_model_len, so a graph stays valid as contexts grow.
 
-All inputs of a step travel in one host-to-device copy of a [4, max_bs] int32 block (ids, positions,
-slots, context lengths) plus one copy of the used part of the block tables (gathered from rows kept across
-steps: shared/engine/block_tables.py). With capture off (CPU, or
-tests) the same static path runs eagerly, so it is testable without a GPU.
+All inputs of a step travel in one host-to-device copy of a [4, row_words(max_bs)] int32 block (ids,
+positions, slots, context lengths) plus one copy of the used part of the block tables (gathered from rows
+kept across steps: shared/engine/block_tables.py). With capture off (CPU, or tests) the same static path
+runs eagerly, so it is testable without a GPU.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch
 
 from kernels import AttentionMetadata
 from shared.engine.block_tables import BlockTables
+from shared.engine.graph_capture import capture_kwargs
 from shared.engine.sequence import Sequence
 from shared.engine.staging import StagingRing, copy_stream_for
 from shared.models.llama import LlamaFamilyForCausalLM
@@ -31,10 +32,20 @@ log = logging.getLogger(__name__)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, 32, then every 16 up to max_num_seqs (vLLM's spacing), max_num_seqs included."""
-    sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, max_num_seqs + 16, 16))
-    out = sorted({min(s, max_num_seqs) for s in sizes})
-    return out
+    """The grid 1, 2, 4, 8, 16, 24, 32, then every 16 (vLLM's spacing), cut at max_num_seqs: every grid size
+    below it, then max_num_seqs itself in place of the first grid size at or above it. So the list ends exactly
+    at max_num_seqs, adds no bucket beside the grid's (17 gives 1, 2, 4, 8, 16, 17: as many graphs as 24 would),
+    and only the last gap can be narrower than the grid's step."""
+    grid = [1, 2, 4, 8, 16, 24, 32] + list(range(48, max_num_seqs + 16, 16))
+    return [s for s in grid if s < max_num_seqs] + [max_num_seqs]
+
+
+def row_words(max_bs: int) -> int:
+    """Words per row of a step's staged int32 block: max_bs rounded up to a multiple of 4, so every row starts on
+    a 16-byte boundary. Triton specialises pointer arguments on 16-byte alignment: rows (positions, slots,
+    context lengths) starting off it would compile and capture other variants of the kernels reading them than
+    the ones warm-up compiled, whenever max_num_seqs is not a multiple of 4."""
+    return -(-max_bs // 4) * 4
 
 
 class DecodeGraphs:
@@ -57,10 +68,11 @@ class DecodeGraphs:
         # Rows: ids, positions, slots, context lengths; one copy per step. Two host sets used in turn, each
         # rewritten only after its last copy ran (shared/engine/staging.py).
         self.stream = copy_stream_for(device)
-        self.staging = StagingRing([(torch.zeros(4, self.max_bs, dtype=torch.int32, pin_memory=pinned),
+        words = row_words(self.max_bs)
+        self.staging = StagingRing([(torch.zeros(4, words, dtype=torch.int32, pin_memory=pinned),
                                      torch.zeros(self.max_bs * self.width, dtype=torch.int32, pin_memory=pinned))
                                     for _ in range(2 if self.stream is not None else 1)], self.stream)
-        self.vec = torch.zeros(4, self.max_bs, dtype=torch.int32, device=device)
+        self.vec = torch.zeros(4, words, dtype=torch.int32, device=device)  # columns past max_bs: never read
         self.tables = torch.zeros(self.max_bs, self.width, dtype=torch.int32, device=device)
         empty = torch.zeros(1, dtype=torch.int32, device=device)
         self._no_prefill = (empty, empty[:0], torch.zeros(0, 0, dtype=torch.int32, device=device))
@@ -106,7 +118,7 @@ class DecodeGraphs:
             self._forward(bs)  # warm-up: compiles the Triton kernels, settles cuBLAS workspaces
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, **capture_kwargs(pool)):
                 self.outputs[bs] = self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = graph

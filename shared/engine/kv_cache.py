@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.fp8_bytes import indexable
 from shared.block_hash import BlockHash, root_hash
 from shared.config import EngineConfig
 from shared.engine.errors import MemoryBudgetError
@@ -56,9 +57,9 @@ def gather_blocks(caches: KVCaches, block_ids: Seq[int]) -> tuple[torch.Tensor, 
     # copy of every byte; 2.5 against 4.5 ms for a 2,048-token prompt's 33.6 MB on the CPU machine).
     k = caches[0][0].new_empty((len(caches), len(ids), *caches[0][0].shape[1:]))
     v = torch.empty_like(k)
-    for i, (kc, vc) in enumerate(caches):
-        torch.index_select(kc, 0, ids, out=k[i])
-        torch.index_select(vc, 0, ids, out=v[i])
+    for i, (kc, vc) in enumerate(caches):  # FP8 as bytes (kernels/fp8_bytes.py): the views write into k and v
+        torch.index_select(indexable(kc), 0, ids, out=indexable(k[i]))
+        torch.index_select(indexable(vc), 0, ids, out=indexable(v[i]))
     return k, v
 
 
@@ -84,10 +85,8 @@ def write_blocks(caches: KVCaches, block_ids: Seq[int], k: torch.Tensor, v: torc
 
 
 def _copy_blocks(cache: torch.Tensor, ids: torch.Tensor, src: torch.Tensor) -> None:
-    if cache.element_size() == 1:  # FP8: copied as bytes (CPU has no index_copy_ for float8)
-        cache.view(torch.uint8).index_copy_(0, ids, src.to(cache.device).view(torch.uint8))
-    else:
-        cache.index_copy_(0, ids, src.to(cache.device, cache.dtype))
+    # FP8 as bytes (kernels/fp8_bytes.py); write_blocks refused a conversion to or from FP8 before this.
+    indexable(cache).index_copy_(0, ids, indexable(src.to(cache.device, cache.dtype)))
 
 
 def engine_root(c: EngineConfig, kv: torch.dtype) -> BlockHash:

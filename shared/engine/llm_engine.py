@@ -15,6 +15,7 @@ import torch
 from shared.config import EngineConfig
 from shared.engine.block_manager import BlockManager
 from shared.engine.cpu_compile import compile_cpu_decode
+from shared.engine.cuda_device import use_device
 from shared.engine.engine_stats import EngineStats, engine_stats
 from shared.engine.grammar import GrammarBackend
 from shared.engine.kv_cache import engine_root, kv_dtype
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = c = config
+        use_device(c.device)  # this thread's current device: Triton launches and new streams go there
         # Taken before the weights load: the memory budget needs what was free before this worker.
         start = snapshot(c.device) if c.device.startswith("cuda") else None
         # Rank 0 of a tensor-parallel engine: start the follower ranks (a bad degree fails before any starts).

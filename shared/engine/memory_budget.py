@@ -3,9 +3,10 @@
 The worker's budget is `gpu_memory_utilization` x the device's *total* memory, so two workers on one
 GPU can split it (0.45 + 0.45) instead of the first one taking most of what is free. From the budget
 come off: the weights, the peak of a profiling forward at max_num_batched_tokens (activations, logits,
-the sampler's working set), the memory this process holds outside torch's allocator (CUDA context,
-cuBLAS workspaces) and a reserve for CUDA graphs. What remains is the KV pool. The arithmetic is a pure
-function (`plan_kv_pool`), tested with numbers; `measure` fills it in on a real device.
+the sampler's working set) in the allocator's reserved bytes (`step_peak`), the memory this process holds
+outside torch's allocator (CUDA context, cuBLAS workspaces) and a reserve for CUDA graphs. What remains is the
+KV pool. The arithmetic is pure functions (`step_peak`, `plan_kv_pool`), tested with numbers;
+shared/engine/kv_pool_size.py fills them in on a real device.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class MemoryProfile:
     total_bytes: int  # the device's total memory
     free_at_start: int  # free when this worker started (other processes hold the rest)
     weights_bytes: int
-    peak_activation_bytes: int  # profiled peak above the weights
+    peak_activation_bytes: int  # the profiled step's reserved peak above the weights (step_peak)
     non_torch_bytes: int  # this process's memory outside torch's allocator, grown since start
     graph_reserve_bytes: int
 
@@ -37,7 +38,7 @@ class KVPoolPlan:
     num_blocks: int
 
     def describe(self, p: MemoryProfile) -> str:
-        return (f"budget {_gib(self.budget_bytes)} = weights {_gib(p.weights_bytes)} + activations "
+        return (f"budget {_gib(self.budget_bytes)} = weights {_gib(p.weights_bytes)} + step peak (reserved) "
                 f"{_gib(p.peak_activation_bytes)} + non-torch {_gib(p.non_torch_bytes)} + graphs "
                 f"{_gib(p.graph_reserve_bytes)} + KV {_gib(self.kv_bytes)} ({self.num_blocks} blocks)")
 
@@ -46,8 +47,26 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def step_peak(allocated_before: int, temp_cache_bytes: int, peak_allocated: int, peak_reserved: int) -> int:
+    """The profiled step's term in the budget: the allocator's *reserved* peak during the step, above what was
+    allocated before it (the weights, counted on their own) and less the temporary KV cache it ran on (the real
+    pool, counted on its own, replaces it).
+
+    Reserved, not allocated: a worker is held to its budget by what the allocator holds from the device
+    (torch.cuda.max_memory_reserved), and that exceeds the allocated peak by the allocator's slack: sizes rounded
+    up to its blocks and segments, segments split and partly free. A pool sized from the allocated peak leaves
+    the reserved peak above the budget by that slack. Counted this way the term also holds the weights' own
+    rounding and the temporary cache's segment rounding, which stands in for the real pool's (the same number of
+    tensors, each rounded up the same way)."""
+    return max(max(peak_allocated, peak_reserved) - allocated_before - temp_cache_bytes, 0)
+
+
 def plan_kv_pool(p: MemoryProfile, utilization: float, bytes_per_block: int, min_blocks: int) -> KVPoolPlan:
-    """The KV pool that fits the budget, or MemoryBudgetError saying what does not fit and what to change."""
+    """The KV pool that fits the budget, or MemoryBudgetError saying what does not fit and what to change.
+
+    The rule: budget = utilization x total memory = weights + the step's reserved peak (step_peak) + non-torch
+    memory + the graphs' reserve + the KV pool, so the worker's reserved peak (weights, pool, graphs and a
+    step's working set, all through the allocator) plus its memory outside torch stays within the budget."""
     budget = int(p.total_bytes * utilization)
     # The budget must have been free when this worker started (its own CUDA context excepted):
     # otherwise another process holds part of it and the pool would run out at the first long prompt.

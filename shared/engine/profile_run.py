@@ -4,13 +4,15 @@ the sampler with every filter on. On CUDA it returns the peak memory the step ne
 allocated before it (the memory budget's activation term); anywhere it also serves as a warm-up. A draft
 model (speculative decoding) is profiled the same way (profile_draft) at its largest forward. It runs on
 a temporary KV cache the runner swaps in for it (ModelRunner.temporary_kv_cache), allocated after the
-"before" reading and subtracted once from the peak."""
+"before" reading and subtracted once from the peak. The peak is the allocator's reserved peak
+(memory_budget.step_peak): what the worker's budget is checked against."""
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
 
+from shared.engine.memory_budget import step_peak
 from shared.engine.model_runner import ModelRunner
 from shared.engine.prompt_logprobs import record_prompt_logprobs
 from shared.engine.sampler import Sampler, sampling_probs
@@ -29,6 +31,8 @@ class MemoryCounter(Protocol):
 
     def peak(self) -> int: ...
 
+    def peak_reserved(self) -> int: ...
+
 
 class CudaMemory:
     def __init__(self, device: str) -> None:
@@ -41,10 +45,15 @@ class CudaMemory:
         return torch.cuda.memory_allocated(self.device)
 
     def reset_peak(self) -> None:
+        # Free cached blocks first (the loader's, say): the reserved peak then counts what the step holds.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
 
 
 def dummy_prompts(block_size: int, tokens: int, max_model_len: int, params: SamplingParams
@@ -66,7 +75,8 @@ def dummy_prompts(block_size: int, tokens: int, max_model_len: int, params: Samp
 
 def profile_run(runner: ModelRunner, sampler: Sampler, kv_dtype: torch.dtype, max_num_batched_tokens: int,
                 max_num_seqs: int, max_model_len: int, memory: MemoryCounter | None = None) -> int:
-    """Peak bytes of one worst-case step above the memory allocated before it (0 without a counter: off CUDA)."""
+    """Reserved peak bytes of one worst-case step above the memory allocated before it (memory_budget.step_peak;
+    0 without a counter: off CUDA)."""
     bs, device = runner.block_size, runner.device
     if memory is None and device.startswith("cuda"):
         memory = CudaMemory(device)
@@ -96,7 +106,7 @@ def profile_run(runner: ModelRunner, sampler: Sampler, kv_dtype: torch.dtype, ma
             if memory is None:
                 return 0
             memory.sync()
-            return max(memory.peak() - before - temp_cache, 0)
+            return step_peak(before, temp_cache, memory.peak(), memory.peak_reserved())
     finally:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -128,7 +138,7 @@ def profile_draft(runner: ModelRunner, kv_dtype: torch.dtype, max_num_batched_to
             if memory is None:
                 return 0
             memory.sync()
-            return max(memory.peak() - before - temp_cache, 0)
+            return step_peak(before, temp_cache, memory.peak(), memory.peak_reserved())
     finally:
         if runner.device.startswith("cuda"):
             torch.cuda.empty_cache()

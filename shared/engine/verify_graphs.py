@@ -29,6 +29,7 @@ import torch
 
 from kernels import AttentionMetadata
 from shared.engine.block_tables import BlockTables
+from shared.engine.graph_capture import capture_kwargs
 from shared.engine.sequence import Sequence
 from shared.engine.staging import StagingRing, copy_stream_for
 from shared.engine.verify_buckets import VerifyGraphPlan
@@ -129,7 +130,7 @@ class VerifyGraphs:
             self._forward(*shape)  # warm-up: compiles this query length's Triton variants
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, **capture_kwargs(pool)):
                 self.outputs[shape] = self._forward(*shape)
             pool = graph.pool()
             self.graphs[shape] = graph

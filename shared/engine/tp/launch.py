@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,11 +66,21 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(**raw)
 
 
+def process_group_kwargs(rank: int, size: int, init_method: str, device: str) -> dict[str, Any]:
+    """init_process_group's arguments for rank `rank` of an engine on `device` (the engine's, rank 0's). With NCCL
+    the group is bound to the rank's own GPU (device_id): its communicator is made for that GPU at once, rather
+    than for whatever device is current when the first collective runs, and barriers know their device."""
+    kwargs: dict[str, Any] = dict(backend=backend_for(device), init_method=init_method, rank=rank, world_size=size,
+                                  timeout=datetime.timedelta(seconds=COMPUTE_TIMEOUT_S))
+    if "nccl" in kwargs["backend"]:
+        kwargs["device_id"] = torch.device(rank_device(device, rank))
+    return kwargs
+
+
 def join_groups(rank: int, size: int, init_method: str, device: str) -> tuple[TPGroup, TPChannel]:
     """Join the process group (the compute group: the model's collectives and payloads) and make the control
-    group; every rank calls this in the same order."""
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=COMPUTE_TIMEOUT_S))
+    group; every rank calls this in the same order, on its compute thread with its GPU current."""
+    dist.init_process_group(**process_group_kwargs(rank, size, init_method, device))
     control = dist.new_group(list(range(size)), timeout=CONTROL_TIMEOUT, backend="gloo")
     compute = dist.group.WORLD
     return TPGroup(rank, size, compute), TPChannel(control, compute, device)

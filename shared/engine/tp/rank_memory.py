@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engine.memory_budget import DeviceSnapshot, MemoryProfile, snapshot
+from shared.engine.memory_budget import DeviceSnapshot, MemoryProfile, snapshot, step_peak
 
 FIELDS = 5  # total, free at start, weights, peak activations, non-torch
 
@@ -26,7 +26,7 @@ class RankMemory:
     weights: int = 0
     before: int = 0  # allocated when the temporary cache came in (weights and what else lives on)
     temp_cache: int = 0
-    peak: int = 0  # activations above before + the temporary cache
+    peak: int = 0  # the step's reserved peak above before + the temporary cache (step_peak)
 
     @property
     def on_cuda(self) -> bool:
@@ -43,13 +43,15 @@ class RankMemory:
     def profile_started(self, temp_cache_bytes: int, before: int) -> None:
         self.before, self.temp_cache = before, temp_cache_bytes
         if self.on_cuda:
+            torch.cuda.empty_cache()  # as profile_run.CudaMemory: the reserved peak counts what the step holds
             torch.cuda.reset_peak_memory_stats(torch.device(self.device))
 
     def profile_ended(self) -> None:
         if self.on_cuda:
             dev = torch.device(self.device)
             torch.cuda.synchronize(dev)
-            self.peak = max(torch.cuda.max_memory_allocated(dev) - self.before - self.temp_cache, 0)
+            self.peak = step_peak(self.before, self.temp_cache, torch.cuda.max_memory_allocated(dev),
+                                  torch.cuda.max_memory_reserved(dev))
             torch.cuda.empty_cache()
 
     def allocated(self) -> int:

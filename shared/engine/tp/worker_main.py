@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from shared.engine.cuda_device import use_device
 from shared.engine.model_runner import ModelRunner
 from shared.engine.tp.follower import follow
 from shared.engine.tp.rank_memory import RankMemory
@@ -49,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     c = config_from_json(args.config)
     device = rank_device(c.device, args.rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+    use_device(device)
     memory = RankMemory.at_start(device)  # before the weights: the memory profile's start (CUDA only)
     tp, channel = join_groups(args.rank, args.size, args.init, c.device)
     model, _ = load_model(c.model, dtype=c.dtype, device=device, load_format=c.load_format, seed=c.seed,
