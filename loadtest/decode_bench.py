@@ -66,7 +66,9 @@ def _fill(engine, batch: int, context_len: int, steps: int, vocab: int, seed: in
 
     rng = random.Random(seed)
     ids = [f"b{batch}-{i}" for i in range(batch)]
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    # The first requests decode while the last ones still prefill: they must not finish before the timed steps.
+    prefill_steps = -(-batch * context_len // engine.config.max_num_batched_tokens) + 1
+    params = SamplingParams(max_tokens=steps + prefill_steps + 2, temperature=0.0, ignore_eos=True)
     for rid in ids:
         engine.add_request(rid, random_tokens(rng, context_len - 1, vocab), params)
     # Until every request has its first token, steps contain prefill chunks; after that only decodes.

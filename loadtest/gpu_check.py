@@ -80,14 +80,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one engine of the two-workers step
 
 
-def step_caps(names: list[str], smoke: bool) -> dict[str, float]:
-    return {name: (sc if smoke else gc) for name, gc, sc in STEPS if name in names}
+def step_plan(only: set[str], skip: set[str], smoke: bool) -> list[tuple[str, int]]:
+    """(step, cap) in run order."""
+    return [(name, sc if smoke else gc) for name, gc, sc in STEPS if (not only or name in only) and name not in skip]
 
 
 @dataclass
 class StepResult:
     name: str
-    status: str  # ok | failed | timeout (ran past its cap) | cut (the total budget or a signal ended it) | skipped
+    # ok | failed | timeout (ran past its cap) | killed by SIG... (from outside) | cut (the total budget or a signal
+    # to the driver ended it) | skipped (no time left)
+    status: str
     seconds: float
     budget: float
     note: str = ""
@@ -188,7 +191,8 @@ def _run_one(args, name: str, limit: float, out: Path, env: dict) -> tuple[str, 
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
         try:
             rc = proc.wait(timeout=limit)
-            status = "ok" if rc == 0 else "failed"
+            # Killed by a signal from outside (the OOM killer, a user): a failure, named as such.
+            status = "ok" if rc == 0 else "failed" if rc > 0 else f"killed by {signal.Signals(-rc).name}"
         except subprocess.TimeoutExpired:
             status = "timeout"
         except Interrupted:
@@ -204,7 +208,7 @@ def _step_data(out: Path, name: str, status: str) -> dict:
     data = json.loads(path.read_text()) if path.exists() else {}
     if not data:
         cases = steps.read_cases(out, name)
-        data = {"step": name, "ok": False, "cut": status in ("timeout", "cut"), "cases_kept": len(cases),
+        data = {"step": name, "ok": False, "cut": status != "failed", "cases_kept": len(cases),
                 "error": f"{status}: no result written ({len(cases)} finished cases in {name}.jsonl; see {name}.log)"}
         path.write_text(json.dumps(data, indent=2))
     return data
@@ -223,8 +227,7 @@ def drive(args) -> int:
             print(f"gpu-check: no real SmolLM2 for the greedy step: {why}", file=sys.stderr, flush=True)
     only = {s for s in args.only.split(",") if s}
     skip = {s for s in args.skip.split(",") if s}
-    names = [name for name, _, _ in STEPS if (not only or name in only) and name not in skip]
-    caps = step_caps(names, args.smoke)
+    plan = step_plan(only, skip, args.smoke)
     env = _step_env(args)
     triton_cache = None
     if "TRITON_CACHE_DIR" not in env:  # this run's own cache: the kernels step counts what it compiled
@@ -235,9 +238,9 @@ def drive(args) -> int:
     cut = interrupted = None
     handlers = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for i, name in enumerate(names):
+        for i, (name, cap) in enumerate(plan):
             left = total - (time.perf_counter() - started)
-            limit = min(caps[name], left)
+            limit = min(cap, left)
             if limit < 1:
                 results.append(StepResult(name, "skipped", 0.0, 0.0, "no time left in the total budget"))
                 continue
@@ -250,10 +253,12 @@ def drive(args) -> int:
                 data = _step_data(out, name, status)
                 results.append(StepResult(name, status, round(seconds, 1), round(limit), f"ended by {e}: {_note(data)}"))
                 results += [StepResult(n, "skipped", 0.0, 0.0, f"not run: the check was ended by {e}")
-                            for n in names[i + 1:]]
+                            for n, _ in plan[i + 1:]]
                 break
-            if status == "timeout" and limit < caps[name]:
+            if status == "timeout" and limit < cap:
                 status, cut = "cut", name  # the total budget ended it, not its own cap
+            elif status.startswith("killed"):
+                cut = name
             data = _step_data(out, name, status)
             results.append(StepResult(name, status, round(seconds, 1), round(limit), _note(data)))
             print(f"gpu-check: {name} {status} in {seconds:.0f} s {_note(data)}", file=sys.stderr, flush=True)
@@ -273,7 +278,7 @@ def drive(args) -> int:
             tar.add(out, arcname=out.name or "gpu-check")
     if triton_cache:
         subprocess.run(["rm", "-rf", triton_cache], check=False)
-    bad = [f"{r.name}={r.status}" for r in results if r.status in ("failed", "timeout")]
+    bad = [f"{r.name}={r.status}" for r in results if r.status not in ("ok", "cut", "skipped")]
     unrun = [f"{r.name}={r.status}" for r in results if r.status in ("cut", "skipped")]
     print(f"gpu-check: {ok}/{len(results)} steps ok in {seconds:.0f} s" + (f"; not ok: {', '.join(bad)}" if bad else "")
           + (f"; not run to the end: {', '.join(unrun)}" if unrun else "")

@@ -1,14 +1,21 @@
 """`make gpu-check`'s script (loadtest/gpu_check.py) in its CPU smoke mode: each step in its own process under
-a budget, a JSON file per step, a summary line; a failing or overrunning step does not stop the next."""
+one total budget, every finished case appended at once, a summary and one archive even when a step is cut; a
+failing or overrunning step does not stop the next."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 
 import pytest
 
 import loadtest.gpu_check as gc
+from loadtest import gpu_check_steps as steps
+from loadtest.gpu_kernel_cases import kernel_cases
 
 
 def _run(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -23,19 +30,21 @@ def test_smoke_steps_write_json_and_a_summary_line(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert [s["name"] for s in summary["steps"]] == ["env", "kernels", "decode"]
     assert proc.stdout.strip().splitlines()[-1].startswith("gpu-check: 3/3 steps ok")
-    kernels = json.loads((tmp_path / "kernels.json").read_text())
-    assert {c["kernel"] for c in kernels["cases"]} >= {"rms_norm", "rotary", "store_kv", "qk_rope_store", "silu_mul",
+    kernels = steps.read_cases(tmp_path, "kernels")
+    assert len(kernels) == json.loads((tmp_path / "kernels.json").read_text())["cases_planned"]
+    assert {c["kernel"] for c in kernels} >= {"rms_norm", "rotary", "store_kv", "qk_rope_store", "silu_mul",
                                                        "decode_attention", "extend_attention", "token_bitmask"}
-    assert any(c["dtype"] == "fp8" for c in kernels["cases"])
+    assert any(c["kv"] == "fp8" for c in kernels)
     decode = json.loads((tmp_path / "decode.json").read_text())
     assert decode["command"].startswith("kvmesh bench decode") and decode["result"]
 
 
 @pytest.mark.slow
 def test_every_step_in_smoke_mode(tmp_path):
-    proc, summary = _run(tmp_path)
+    proc, summary = _run(tmp_path, "--total-budget", "900")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert summary["passed"] == len(gc.STEPS)
+    assert set(summary) >= {"kernels", "greedy", "graphs", "memory", "speed"}
     greedy = json.loads((tmp_path / "greedy.json").read_text())
     assert set(greedy["archs"]) == {"llama", "mistral", "qwen2", "qwen3", "smollm2"}
     assert "skipped" in greedy["archs"]["smollm2"], "no real SmolLM2 here: skipped with a message"
@@ -103,3 +112,104 @@ def test_spec_step_in_smoke_mode(tmp_path):
     a, b = spec["identical_to_off"].split("/")
     assert a == b and int(b) > 0
     assert set(spec["result"]["methods"]) == {"off", "ngram", "suffix", "draft_model"}
+
+
+def test_the_total_budget_cuts_the_last_steps_not_the_run(tmp_path):
+    """The total budget runs out in the kernels step (the interpreter needs longer): the driver SIGKILLs the step's
+    process group, the cases it finished are what its JSON says, the summary names the cut step, one archive
+    holds everything, and a step cut by the budget is no failure."""
+    out, archive = tmp_path / "gc", tmp_path / "gc.tgz"
+    proc = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--device", "cpu", "--smoke", "--out", str(out),
+                           "--only", "env,kernels,greedy", "--total-budget", "20", "--archive", str(archive)],
+                          capture_output=True, text=True, timeout=300)
+    summary = json.loads((out / "summary.json").read_text())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert summary["cut"] == "kernels" and summary["seconds"] < 30
+    assert [s["status"] for s in summary["steps"]] == ["ok", "cut", "skipped"]
+    kept = steps.read_cases(out, "kernels")
+    assert json.loads((out / "kernels.json").read_text())["cases_kept"] == len(kept) == summary["kernels"]["cases"]
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    assert {"gc/summary.json", "gc/kernels.log", "gc/env.json", "gc/kernels.json"} <= set(names)
+    assert "not run to the end: kernels=cut, greedy=skipped" in proc.stdout
+
+
+def _step_pid(driver: int) -> int | None:
+    out = subprocess.run(["pgrep", "-P", str(driver)], capture_output=True, text=True).stdout.split()
+    return int(out[0]) if out else None
+
+
+def test_a_step_sigkilled_mid_way_keeps_its_finished_cases(tmp_path):
+    """SIGKILL to a running step (and all it started): the cases it finished stay, the summary says which step was
+    cut and how, the next step still runs, and the archive is written."""
+    out, archive = tmp_path / "gc", tmp_path / "gc.tgz"
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.gpu_check", "--device", "cpu", "--smoke", "--out",
+                             str(out), "--only", "kernels,greedy", "--archive", str(archive)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(steps.read_cases(out, "kernels")) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    step = _step_pid(proc.pid)
+    assert step is not None
+    os.killpg(step, signal.SIGKILL)  # the step runs in its own process group: its shards go too
+    stdout, stderr = proc.communicate(timeout=120)
+    summary = json.loads((out / "summary.json").read_text())
+    assert proc.returncode == 1, stdout + stderr[-2000:]
+    assert summary["cut"] == "kernels"
+    assert [s["status"] for s in summary["steps"]] == ["killed by SIGKILL", "ok"]
+    kept = steps.read_cases(out, "kernels")
+    assert len(kept) >= 2 and all(c["ok"] for c in kept)
+    assert json.loads((out / "kernels.json").read_text())["cases_kept"] == len(kept)
+    with tarfile.open(archive) as tar:
+        assert "gc/kernels.jsonl" in tar.getnames()
+
+
+def test_sigterm_ends_the_running_step_and_still_writes_the_summary(tmp_path):
+    """`timeout` sends SIGTERM: the running step and everything it started are killed, the summary says so and
+    the archive is written."""
+    out, archive = tmp_path / "gc", tmp_path / "gc.tgz"
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.gpu_check", "--device", "cpu", "--smoke", "--out",
+                             str(out), "--only", "kernels,greedy", "--archive", str(archive)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not steps.read_cases(out, "kernels") and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    summary = json.loads((out / "summary.json").read_text())
+    assert proc.returncode == 1
+    assert summary["cut"] == "kernels" and summary["interrupted_by"] == "SIGTERM"
+    assert [s["status"] for s in summary["steps"]] == ["cut", "skipped"]
+    assert archive.exists() and steps.read_cases(out, "kernels")
+    shards = subprocess.run(["pgrep", "-f", f"--out {out} --shard"], capture_output=True, text=True).stdout
+    assert not shards.strip(), "the kernels step's shard processes outlived it"
+
+
+def test_kernel_cases_are_the_same_in_every_process_and_shards_split_them():
+    a = kernel_cases("cpu", smoke=False, fp8=True)
+    b = kernel_cases("cpu", smoke=False, fp8=True)
+    assert [c.key for c in a] == [c.key for c in b] and len({c.key for c in a}) == len(a)
+    shards = [a[i::3] for i in range(3)]
+    assert sorted(c.key for s in shards for c in s) == sorted(c.key for c in a)
+    assert {c.dtype for c in a} == {"bfloat16", "float16", "float32"} and any(c.kv == "fp8" for c in a)
+    assert not any(c.kv == "fp8" for c in kernel_cases("cpu", smoke=False, fp8=False))
+
+
+def test_a_case_builds_the_same_inputs_from_its_name():
+    case = next(c for c in kernel_cases("cpu", smoke=True, fp8=True) if c.kernel == "rms_norm")
+    got1, want1, _ = case.run()
+    got2, want2, _ = case.run()
+    assert (want1 == want2).all() and (got1 == got2).all()
+
+
+def test_bf16_divergence_is_judged_by_the_margin_at_the_first_differing_token():
+    from shared.token_logprobs import TokenLogprobs
+
+    def run(ids, tops):
+        return ids, [TokenLogprobs(t, top[0][1], top) for t, top in zip(ids, tops)]
+    tops = [[(5, -1.0), (6, -1.02)], [(7, -0.5), (8, -3.0)]]
+    ref = run([5, 7], tops)
+    assert steps.divergence_margins([ref], [run([5, 7], tops)]) == []
+    assert steps.divergence_margins([ref], [run([6, 9], tops)]) == [pytest.approx(0.02)]  # a near-tie
+    assert steps.divergence_margins([ref], [run([5, 8], tops)]) == [pytest.approx(2.5)]  # a real difference
+    assert steps.divergence_margins([ref], [run([5, 1], tops)]) == [float("inf")]  # not even in the top list
