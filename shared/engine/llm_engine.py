@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 from shared.config import EngineConfig
+from shared.engine.async_step import AsyncSteps, async_wanted
 from shared.engine.block_manager import BlockManager
 from shared.engine.cpu_compile import compile_cpu_decode
 from shared.engine.graph_capture import capture_graphs
@@ -92,6 +93,9 @@ class LLMEngine:
         self.iteration_tokens = CumulativeHistogram()
         # Speculative decoding (shared/engine/spec/): drafts before scheduling, a verify inside the step.
         self.speculator = Speculator(spec, self.max_model_len, draft, self.sampler) if spec else None
+        # Async scheduling (shared/engine/async_step.py): None when the config, a speculator or ranks rule it out.
+        self.overlap = AsyncSteps(self.scheduler, self.runner, self.sampler, self.tiers, self.iteration_tokens.observe
+                                  ) if async_wanted(c) else None
         self._grammar: GrammarBackend | None = None
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
                  c.block_size, self.dtype, self.kv_dtype)
@@ -203,6 +207,8 @@ class LLMEngine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None and (outs := self.overlap.step()) is not None:
+            return outs  # scheduled and built the next step while this one computed
         if self.speculator is not None:
             self.speculator.propose(s for _, s in self.scheduler.running)
         plan = self.scheduler.schedule()
