@@ -280,9 +280,10 @@ class ModelRunner:
                 ) -> torch.Tensor:
         """Run one step; return logits (model dtype), on the device, for the given rows (plan row numbering)."""
         if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
+            if fed is None:
+                return self.model.compute_logits(self.graphs.run(plan))
             bs, n, _ = self.graphs.stage(plan)
-            if fed:  # a decode graph's rows are in plan order
-                feed(self.graphs.vec[0], *self.buffers.upload([fed.rows, fed.src]), fed.tokens)
+            feed(self.graphs.vec[0], *self.buffers.upload([fed.rows, fed.src]), fed.tokens)  # rows in plan order
             return self.model.compute_logits(self.graphs.replay(bs, n))
         verify = self.verify_graphs
         if verify is not None:
