@@ -60,11 +60,9 @@ class Launched:
 
 def allows_async(seq: Sequence, captures_kv: bool) -> bool:
     """Whether seq can run a step ahead of its last token reaching the host: nothing it needs reads that token on
-    the host before the next step (a grammar, penalties, bad words), and it computes no prompt logprobs and hands
-    out no prompt KV (both read the step's results on the host)."""
-    p = seq.params
-    return (seq.matcher is None and not p.uses_penalties and not p.bad_words_ids and p.prompt_logprobs is None
-            and not captures_kv and not seq.spec_token_ids)
+    the host before the next step (a grammar, penalties, bad words, drafts), and it computes no prompt logprobs
+    and hands out no prompt KV (both read the step's results on the host)."""
+    return seq.samples_ahead and seq.matcher is None and not captures_kv and not seq.spec_token_ids
 
 
 class AsyncSteps:
