@@ -228,3 +228,10 @@ def test_the_config_and_the_flag():
     assert engine_config_from_args(p.parse_args(base)).async_scheduling is None
     assert engine_config_from_args(p.parse_args(base + ["--async-scheduling"])).async_scheduling is True
     assert engine_config_from_args(p.parse_args(base + ["--no-async-scheduling"])).async_scheduling is False
+
+    from shared.launcher.spec import MeshOptions, mesh_services
+
+    def decode_args(**kw):
+        return {s.service: s.args for s in mesh_services(MeshOptions(model="m", **kw))}["decode"]
+    assert "--no-async-scheduling" in decode_args(async_scheduling=False)
+    assert not any("async-scheduling" in a for a in decode_args())
