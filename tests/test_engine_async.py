@@ -77,6 +77,16 @@ def test_stops_and_lengths_mid_batch_match_the_sync_engine(checkpoints):
     assert_all_free(engine)
 
 
+def test_requests_reaching_max_model_len(checkpoints):
+    """The row computed past a request that reached the model's length stays inside the pool and the rotary table."""
+    ckpt = checkpoints["qwen3"]
+    prompts = random_prompts([30, 47, 12], seed=11)
+    sync, outs, engine = _both(ckpt, prompts, greedy(40, None), max_model_len=48)
+    assert _tokens(outs) == _tokens(sync)
+    assert [o.finish_reason for o in outs][:2] == ["length", "length"]
+    assert_all_free(engine)
+
+
 def test_the_extra_token_never_reaches_block_hashes(checkpoints):
     """Prompt + output end on a block boundary: the token sampled past the end must not complete a block."""
     ckpt = checkpoints["qwen2"]
