@@ -36,6 +36,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="fp8: KV cache in float8_e4m3fn with a per-tensor scale (half the memory of bf16)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule and build the next step while the current one computes (default: on for "
+                             "CUDA devices, off on CPU); steps with structured outputs, penalties, bad words, prompt "
+                             "logprobs or speculative decoding stay synchronous")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -99,7 +103,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         cpu_weight_packing=getattr(args, "cpu_weight_packing", True),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
-                        cpu_compile=getattr(args, "cpu_compile", "off"))
+                        cpu_compile=getattr(args, "cpu_compile", "off"),
+                        async_scheduling=getattr(args, "async_scheduling", None))
 
 
 def engine_factory_from_args(args: argparse.Namespace):  # noqa: ANN201 - Callable[[EngineConfig], LLMEngine]

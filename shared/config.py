@@ -64,6 +64,9 @@ class EngineConfig:
     # project's loaded 2-core CPU, loadtest/results/cpu_compile_ab_1thread.json), "auto" (when serving bf16 on
     # a CPU with a C++ compiler), "on".
     cpu_compile: str = "off"
+    # Schedule and build step n+1 while step n computes (shared/engine/async_step.py): None is on for CUDA devices
+    # and off on CPU (where torch runs synchronously, so there is nothing to overlap); True also on CPU.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):

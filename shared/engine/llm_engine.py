@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 from shared.config import EngineConfig
+from shared.engine.async_step import AsyncSteps, async_wanted
 from shared.engine.block_manager import BlockManager
 from shared.engine.cpu_compile import compile_cpu_decode
 from shared.engine.cuda_device import use_device
@@ -26,16 +27,14 @@ from shared.engine.offline import generate
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.kv_blocks import KVBlocks
-from shared.engine.prompt_logprobs import record_prompt_logprobs
 from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from shared.engine.sequence import Sequence
 from shared.engine.spec.draft_model import DraftModel
-from shared.engine.spec.grammar_drafts import draft_bitmask
 from shared.engine.spec.speculator import Speculator
-from shared.engine.verify_buckets import verify_plan_for
+from shared.engine.startup_graphs import capture_graphs
 from shared.engine.step_metrics import CumulativeHistogram
-from shared.engine.step_rows import step_rows
+from shared.engine.sync_step import run_plan
 from shared.engine.tp.driver_runner import runner_for
 from shared.engine.tp.launch import TPWorkers, start_tensor_parallel
 from shared.models.loader import load_model
@@ -82,7 +81,7 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
         if c.device.startswith("cuda") and not c.enforce_eager:
-            self._capture_graphs(c, draft)
+            capture_graphs(self.runner, c, self.max_model_len, draft, self.tp is None)
         # (bucket, seconds of its first step) of the CPU decode graphs compiled at start; [] when eager.
         self.cpu_compile_seconds = compile_cpu_decode(self.runner, self.model, c, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, c.block_size, engine_root(c, self.kv_dtype),
@@ -94,22 +93,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.long_prefill_token_threshold, outputs)
         self.iteration_tokens = CumulativeHistogram()
-        # Speculative decoding (shared/engine/spec/): drafts before scheduling, a verify inside the step.
-        self.speculator = Speculator(spec, self.max_model_len, draft, self.sampler) if spec else None
+        self.speculator = Speculator(spec, self.max_model_len, draft, self.sampler) if spec else None  # drafts, verifies
+        # Async scheduling (shared/engine/async_step.py): None when the config, a speculator or ranks rule it out.
+        self.overlap = AsyncSteps(self.scheduler, self.runner, self.sampler, self.tiers, self.iteration_tokens.observe
+                                  ) if async_wanted(c) else None
         self._grammar: GrammarBackend | None = None
         log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
                  c.block_size, self.dtype, self.kv_dtype)
-
-    def _capture_graphs(self, c: EngineConfig, draft: DraftModel | None) -> None:
-        """CUDA graphs, all in one memory pool: decode steps per batch bucket, then (speculative decoding) verify
-        steps per (requests, draft length) bucket and the draft model's one-token steps."""
-        graphs = self.runner.use_decode_graphs(self.max_model_len, c.max_num_seqs)
-        pool = graphs.pool
-        verify = verify_plan_for(c, self.max_model_len)
-        if verify is not None and self.tp is None:  # tensor parallel: verify steps stay eager (docs/architecture.md)
-            pool = self.runner.use_verify_graphs(verify).pool
-        if draft is not None:
-            draft.use_decode_graphs(pool=pool)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -218,6 +208,8 @@ class LLMEngine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None and (outs := self.overlap.step()) is not None:
+            return outs  # scheduled and built the next step while this one computed
         if self.speculator is not None:
             self.speculator.propose(s for _, s in self.scheduler.running)
         plan = self.scheduler.schedule()
@@ -229,29 +221,7 @@ class LLMEngine:
             self.tiers.finish_spills()
 
     def _step(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        if plan.is_empty:
-            return []
-        self.iteration_tokens.observe(plan.num_batched_tokens)
-        r = step_rows(plan.scheduled)  # logits rows: the sampling ones, then the verifying ones
-        if r.prompt_rows:
-            logits, hidden = self.runner.execute_rows(plan.scheduled, r.rows + r.spec_rows, [i for i, _, _ in r.prompt_rows])
-            record_prompt_logprobs(self.runner.prompt_logits, hidden, r.prompt_rows)
-        else:  # decode graphs where the plan allows
-            logits = self.runner.execute(plan.scheduled, r.rows + r.spec_rows)
-        # On CUDA the forward is still running here: the grammar masks are filled on the host meanwhile.
-        matchers = [s.matcher if s.reasoning_over else None for s in r.sampling]  # none while a model still reasons
-        bitmask = self.grammar().token_bitmask(matchers) if any(m is not None for m in matchers) else None
-        samples = self.sampler.sample(logits[: len(r.rows)], r.sampling, token_bitmask=bitmask) if r.rows else []
-        sampled = [(seq, token, lp) for seq, (token, lp) in zip(r.sampling, samples)]
-        verified = []
-        if r.drafts:
-            # The grammar's mask at every drafted position: only structured requests touch xgrammar.
-            spec_mask = draft_bitmask(lambda n: self.grammar().allocate(n), r.drafts)
-            verified = self.speculator.verify(self.sampler, logits[len(r.rows) :], r.drafts, spec_mask)
-        outs = self.scheduler.update_from_output(plan, sampled, time.time(), verified)
-        if self.speculator is not None:
-            self.speculator.observe_finished(r.sampling + [s for s, _ in r.drafts])
-        return outs
+        return run_plan(self, plan)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,16 @@ from shared.sampling_params import SamplingParams
 
 ALIGN = 4  # int32 elements: 16 bytes
 log = logging.getLogger(__name__)
+
+
+class FedTokens(NamedTuple):
+    """Input ids a step reads on the device, not from the host: the previous step's samples, whose host copy is
+    still on its way (async scheduling, shared/engine/async_step.py). The one-token row of plan index rows[i]
+    takes tokens[src[i]]; the host holds a placeholder there."""
+
+    rows: list[int]
+    src: list[int]
+    tokens: torch.Tensor
 
 
 class StepBuffers:
@@ -170,7 +181,7 @@ class ModelRunner:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def build(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]
+    def build(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], fed: FedTokens | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
         """Inputs of one step: (ids, positions, metadata, rows to sample, plan order of the step's rows).
 
@@ -220,9 +231,12 @@ class ModelRunner:
                 dw = max(dw, nblk)
         # Entries of a row past its sequence's blocks are never read (each kernel stops at its context length).
         rows = [new_row[r] for r in sample_rows]
-        (ids_t, pos_t, slot_t, qs_t, pctx_t, dctx_t, rows_t, ptab_t, dtab_t) = self.buffers.upload(
+        fed_rows = [new_row[old_start[i]] for i in fed.rows] if fed else []
+        (ids_t, pos_t, slot_t, qs_t, pctx_t, dctx_t, rows_t, ptab_t, dtab_t, fed_t, src_t) = self.buffers.upload(
             [ids, positions, slots, qstart if pctx else [0], pctx, dctx, rows, tables.gather(prows, pw),
-             tables.gather(drows, dw)])
+             tables.gather(drows, dw), fed_rows, fed.src if fed else []])
+        if fed:
+            feed(ids_t, fed_t, src_t, fed.tokens)
         meta = AttentionMetadata(
             slot_mapping=slot_t, num_prefill_tokens=qstart[-1], prefill_query_start=qs_t,
             prefill_context_lens=pctx_t, prefill_block_tables=ptab_t,
@@ -262,29 +276,34 @@ class ModelRunner:
                 log.exception("tuning the prefill attention tiles failed; keeping the default tiles")
 
     @torch.inference_mode()
-    def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int]) -> torch.Tensor:
+    def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], fed: FedTokens | None = None
+                ) -> torch.Tensor:
         """Run one step; return logits (model dtype), on the device, for the given rows (plan row numbering)."""
         if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
-            return self.model.compute_logits(self.graphs.run(plan))
+            if fed is None:
+                return self.model.compute_logits(self.graphs.run(plan))
+            bs, n, _ = self.graphs.stage(plan)
+            feed(self.graphs.vec[0], *self.buffers.upload([fed.rows, fed.src]), fed.tokens)  # rows in plan order
+            return self.model.compute_logits(self.graphs.replay(bs, n))
         verify = self.verify_graphs
         if verify is not None:
             shape = verify.bucket(plan)
             if shape is not None:
                 return self.model.compute_logits(verify.run(plan, sample_rows, shape))
-        return self.execute_rows(plan, sample_rows, [])[0]
+        return self.execute_rows(plan, sample_rows, [], fed)[0]
 
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of hidden rows execute_rows returned (prompt logprobs compute them in slices)."""
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def execute_rows(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], hidden_rows: list[int],
+                     fed: FedTokens | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one (eager) step: logits (model dtype) of sample_rows and the hidden states of hidden_rows (whose
         logits the caller computes in slices: prompt logprobs), both on the device, plan row numbering."""
         if is_verify(plan):
             self.verify_stats.eager += 1
-        ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows)
+        ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows, fed)
         if self.native is not None and self.native.can_run(meta, self.kv_caches):
             hidden = self.native(ids, positions, meta, self.kv_caches)
         else:
@@ -293,3 +312,7 @@ class ModelRunner:
         n = len(sample_rows)
         return self.model.compute_logits(hidden[rows[:n]]), hidden[rows[n:]]
 
+
+def feed(ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> None:
+    """ids[rows] = tokens[src], on the device: no host round trip, nothing waits."""
+    ids[rows.long()] = tokens[src.long()].to(ids.dtype)

@@ -18,6 +18,7 @@ import torch
 
 from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.outputs import TokenLogprobs
+from shared.engine.sampled_ids import SampledIds
 from shared.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 
@@ -162,16 +163,21 @@ class Sampler:
         if seq.params.seed is not None and not seq.params.greedy:
             torch.empty(vocab_size, device=self.device).exponential_(generator=self._own_generator(seq))
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], token_bitmask: torch.Tensor | None = None
                ) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [len(seqs), vocab] on the sampler's device (modified in place). token_bitmask: int32
         [len(seqs), ceil(vocab / 32)] in xgrammar's layout (structured outputs; rows of -1 are free)."""
+        return self.sample_on_device(logits, seqs, token_bitmask).result()
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], token_bitmask: torch.Tensor | None = None
+                         ) -> SampledIds:
+        """What sample returns, still on the device: nothing here waits for it."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits must be [{len(seqs)}, vocab], got {tuple(logits.shape)}")
         if token_bitmask is None and all(s.plain_greedy and s.num_output_tokens >= s.min_tokens for s in seqs):
             # Greedy rows need no float32 copy of the vocabulary: the argmax of the model-dtype logits is the same.
-            return [(t, None) for t in logits.argmax(-1).tolist()]
+            return SampledIds(logits.argmax(-1), None, None, [])
         params = [s.params for s in seqs]
         top_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logits = logits.float()
@@ -183,7 +189,7 @@ class Sampler:
             tokens = logits.argmax(-1)
         else:
             tokens = self._sample_processed(logits, seqs)
-        return self._to_host(tokens, raw, top_n, params)
+        return SampledIds(tokens, raw, top_n, params)
 
     # --- processing -------------------------------------------------------------------------------
 
@@ -252,21 +258,4 @@ class Sampler:
     @staticmethod
     def _to_host(tokens: torch.Tensor, raw: torch.Tensor | None, top_n: int | None,
                  params: list[SamplingParams]) -> list[tuple[int, TokenLogprobs | None]]:
-        if raw is None:
-            return [(t, None) for t in tokens.tolist()]
-        # One transfer: ids are exact in float32 (vocabularies are far below 2**24).
-        cols = [tokens.float().unsqueeze(1), raw.gather(1, tokens.unsqueeze(1))]
-        if top_n:
-            vals, idx = torch.topk(raw, top_n, dim=-1)
-            cols += [vals, idx.float()]
-        packed = torch.cat(cols, 1).tolist()
-        out: list[tuple[int, TokenLogprobs | None]] = []
-        for row, p in zip(packed, params):
-            tok = int(row[0])
-            if p.logprobs is None:
-                out.append((tok, None))
-                continue
-            n = p.logprobs
-            top = [(int(i), v) for v, i in zip(row[2 : 2 + n], row[2 + top_n : 2 + top_n + n])] if n else []
-            out.append((tok, TokenLogprobs(tok, row[1], top)))
-        return out
+        return SampledIds(tokens, raw, top_n, params).result()

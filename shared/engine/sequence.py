@@ -40,6 +40,9 @@ class Sequence:
                              and not params.logit_bias and params.allowed_token_ids is None
                              and not params.bad_words_ids)
         self.min_tokens = params.min_tokens
+        # Whether sampling reads none of the output's tokens on the host and the step no prompt logits, so async
+        # scheduling (shared/engine/async_step.py) may run a step before the last token is there; read every step.
+        self.samples_ahead = not params.uses_penalties and not params.bad_words_ids and params.prompt_logprobs is None
         self.priority = priority
         self.arrival_order = next(_arrivals)  # FIFO tie-break that survives preemption
         self.arrival_time = time.time() if arrival_time is None else arrival_time

@@ -101,6 +101,7 @@ class SimEngine(LLMEngine):
             raise ConfigError("--speculative-config: the simulated engine (--engine sim) has no model to verify drafts "
                               "with; leave it out")
         self.speculator = None
+        self.overlap = None  # a simulated step has no device to overlap with
         self.tp = None  # one process, no ranks: shutdown() has no followers to stop
         self.cost = cost
         self.model_config = mc = load_model_config(c.model)  # the config alone: no weights

@@ -49,6 +49,7 @@ class MeshOptions:
     kv_cache_dtype: str | None = None  # None: the workers' default (auto)
     host_kv_bytes: int = 0  # each engine worker's host tier (0: none)
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: the workers' default (on for CUDA devices)
     max_model_len: int | None = None  # None: the workers' default (the checkpoint's); set by the GPU plan
     quantization: str | None = None  # engine workers' weight-only quantization on CPU (int8, int4)
     tool_call_parser: str | None = None  # the gateway's tool-call format (None: from the chat template)
@@ -273,6 +274,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--host-kv-bytes", str(opts.host_kv_bytes)]
         if opts.enforce_eager:
             args += ["--enforce-eager"]
+        if opts.async_scheduling is not None:
+            args += ["--async-scheduling" if opts.async_scheduling else "--no-async-scheduling"]
         if opts.max_model_len:
             args += ["--max-model-len", str(opts.max_model_len)]
         if opts.max_num_seqs:

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each engine worker keeps KV blocks evicted from its device pool in this much host "
                              "memory (default 0: none; on GPUs a few GiB saves recomputing evicted prefixes)")
     parser.add_argument("--enforce-eager", action="store_true", help="engine workers run without CUDA graphs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="engine workers schedule the next step while the current one computes (default: on "
+                             "for GPUs, off on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="engine workers' context length (default: the model's, lowered by the GPU plan if it "
                              "cannot fit)")
@@ -177,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
+            async_scheduling=args.async_scheduling,
             quantization=args.quantization, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
             engine=args.engine, speculative_config=_speculative_config(args.speculative_config),
