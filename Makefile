@@ -8,7 +8,7 @@ PORT ?= 8000
 # instead of the multi-GB CUDA one; GPU users install kvmesh with their own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv run test test-slow bench bench-gpu gpu-check gpu-wheels clean
+.PHONY: venv run test test-slow docs bench bench-gpu gpu-check gpu-wheels clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m slow
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on any broken link or anchor.
+docs: $(VENV)/.installed
+	$(BIN)/python -m mkdocs build --strict
 
 bench: $(VENV)/.installed
 	$(BIN)/kvmesh bench offline --json loadtest/results/offline.json
@@ -64,4 +68,4 @@ gpu-wheels: $(VENV)/.installed
 	$(BIN)/python -m loadtest.gpu_wheels --python-version $(GPU_PYTHON) --dest .whl
 
 clean:
-	rm -rf $(VENV) .models .pytest_cache
+	rm -rf $(VENV) .models .pytest_cache site

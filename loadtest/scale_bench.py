@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-prefix", action="store_true", help="leave out the shared-prefix routing runs")
     parser.add_argument("--client", type=_clients, default=["lean"],
                         help="the load generator's HTTP client: lean (loadtest/lean_http.py, ~10x less CPU per token) "
-                             "or httpx (what the bench used before session 35); a comma list is taken level by level "
+                             "or httpx (the bench's earlier client); a comma list is taken level by level "
                              "in turn (httpx,lean with four equal levels: an interleaved A/B on one mesh)")
     parser.add_argument("--ramp-s", type=float, default=None,
                         help="streams start evenly over this many seconds (default: 5 s per 500 streams, at least 5): "

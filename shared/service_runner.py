@@ -131,15 +131,21 @@ async def _drain_connection(nc: Client) -> None:
         log.warning("NATS drain did not finish cleanly", exc_info=True)
 
 
+def service_parser(name: str, add_arguments) -> argparse.ArgumentParser:
+    """The flags of `kvmesh serve <name>`: the common ones, then the service's (also read by
+    docs/gen_cli_reference.py, so the CLI reference is this parser)."""
+    parser = argparse.ArgumentParser(prog=f"kvmesh serve {name}")
+    add_common_arguments(parser)
+    add_arguments(parser)
+    return parser
+
+
 def main_for(name: str, add_arguments, build, argv: list[str] | None = None) -> int:
     """Entry point shared by `python -m services.<name>` and `kvmesh serve <name>`.
 
     add_arguments(parser) adds the service's flags; build(args) returns the Service.
     """
-    parser = argparse.ArgumentParser(prog=f"kvmesh serve {name}")
-    add_common_arguments(parser)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = service_parser(name, add_arguments).parse_args(argv)
     if getattr(args, "model", None):  # a .gguf (or a directory holding one) -> its cached checkpoint dir
         from shared.models.model_source import resolve_model
 

@@ -93,7 +93,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.long_prefill_token_threshold, outputs)
         self.iteration_tokens = CumulativeHistogram()
-        self.speculator = Speculator(spec, self.max_model_len, draft, self.sampler) if spec else None  # drafts, verifies
+        self.speculator = Speculator(spec, self.max_model_len, draft, self.sampler) if spec else None
         # Async scheduling (shared/engine/async_step.py): None when the config, a speculator or ranks rule it out.
         self.overlap = AsyncSteps(self.scheduler, self.runner, self.sampler, self.tiers, self.iteration_tokens.observe
                                   ) if async_wanted(c) else None
