@@ -66,15 +66,25 @@ def _fill(engine, batch: int, context_len: int, steps: int, vocab: int, seed: in
 
     rng = random.Random(seed)
     ids = [f"b{batch}-{i}" for i in range(batch)]
-    # The first requests decode while the last ones still prefill: they must not finish before the timed steps.
-    prefill_steps = -(-batch * context_len // engine.config.max_num_batched_tokens) + 1
-    params = SamplingParams(max_tokens=steps + prefill_steps + 2, temperature=0.0, ignore_eos=True)
+    # The first requests decode while the last ones still prefill: each may run to max_model_len (which leaves
+    # room for the prefill steps, see fill_steps), never to a max_tokens below it.
+    params = SamplingParams(max_tokens=engine.max_model_len - context_len + 1, temperature=0.0, ignore_eos=True)
     for rid in ids:
         engine.add_request(rid, random_tokens(rng, context_len - 1, vocab), params)
     # Until every request has its first token, steps contain prefill chunks; after that only decodes.
-    while any(engine.scheduler.requests[r].num_output_tokens == 0 for r in ids):
+    while any(r in engine.scheduler.requests and engine.scheduler.requests[r].num_output_tokens == 0 for r in ids):
         engine.step()
+    gone = [r for r in ids if r not in engine.scheduler.requests]
+    if gone:
+        raise RuntimeError(f"{len(gone)} of {batch} requests finished before the timed steps (max_model_len "
+                           f"{engine.max_model_len} too short for context {context_len} and the prefill steps)")
     return ids
+
+
+def fill_steps(batch: int, context_len: int, max_num_batched_tokens: int) -> int:
+    """Steps until the last of `batch` prompts of context_len tokens has its first token (decodes of the earlier
+    ones share each step's token budget), with a margin."""
+    return 2 * -(-batch * context_len // max_num_batched_tokens) + 4
 
 
 def _profile(engine, steps: int) -> dict:
@@ -168,10 +178,12 @@ def run(args: argparse.Namespace) -> int:
         shape = read_shape(model)
         dtype = args.dtype if args.dtype != "auto" else (
             checkpoint_dtype(model) if args.device.startswith("cuda") else "float32")
+        batched_tokens = max(2048, args.context_len)
         engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=args.device, load_format="auto" if has_weights(model) else "dummy",
-            max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.context_len),
-            max_model_len=args.context_len + args.steps + args.profile_steps + 8,
+            max_num_seqs=max(batches), max_num_batched_tokens=batched_tokens,
+            max_model_len=args.context_len + args.steps + args.profile_steps + 8
+            + fill_steps(max(batches), args.context_len, batched_tokens),
             kv_cache_bytes=None if args.device.startswith("cuda") else 1 << 30,
             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
             enforce_eager=args.enforce_eager))

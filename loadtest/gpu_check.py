@@ -53,7 +53,7 @@ from loadtest.gpu_check_steps import spec_verdict  # noqa: F401 - re-exported fo
 # that the total budget ends, or leaves no time for, is reported as cut or skipped (the order chose it last).
 STEPS: list[tuple[str, int, int]] = [
     ("env", 30, 30), ("kernels", 150, 90), ("greedy", 120, 60), ("graphs", 90, 60), ("spec", 150, 90),
-    ("two-workers", 120, 60), ("decode", 90, 60), ("offline", 150, 60), ("kv-transfer", 60, 60), ("tiers", 60, 60),
+    ("two-workers", 120, 60), ("decode", 90, 60), ("offline", 150, 60), ("kv-transfer", 120, 60), ("tiers", 90, 60),
     ("tp", 60, 60),
 ]
 TOTAL_BUDGET = 520

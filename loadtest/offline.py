@@ -266,12 +266,13 @@ def run(args: argparse.Namespace) -> int:
         kv_bytes = args.kv_cache_bytes or (runs["kvmesh"].details["kv_cache_bytes"] if "kvmesh" in runs else None)
         runs |= run_hf(model, wl, args, which, kv_bytes, skipped) if which else {}
         same_weights = has_weights(model)
+        dtype = resolved_dtype(model, args)  # reads the checkpoint: inside, before a temporary one is removed
     summary = summarize(runs)
     report = summary | {
         "tok_s_definition": TOK_S_DEFINITION,
         "workload": wl.description,
         "model": shape | {"dir": args.model or "(temp dir, seed 0)", "shape": args.shape,
-                          "dtype": resolved_dtype(model, args), "same_weights_for_all": same_weights},
+                          "dtype": dtype, "same_weights_for_all": same_weights},
         "preset": args.preset,
         "machine": machine,
         "runs": {name: run.to_json() for name, run in runs.items()},

@@ -63,19 +63,20 @@ def test_a_failing_or_overrunning_step_does_not_stop_the_others(tmp_path, monkey
                                                     f"no-such-step=failed, env=timeout; JSON in {tmp_path}")
 
 
-def test_smollm2_travels_in_two_pieces_and_is_checked(tmp_path):
+def test_smollm2_travels_in_pieces_and_is_checked(tmp_path):
     """loadtest/gpu_stage.py: the GGUF split here, stashed there call by call, joined with its SHA-256 checked."""
     from loadtest import gpu_stage
 
     src = tmp_path / "model.gguf"
-    src.write_bytes(bytes(range(256)) * 5000)
-    parts = gpu_stage.split(src, tmp_path / ".gpu", first_mib=1)  # 1 MiB, then the other 0.2 MiB
-    assert [p.parent.name for p in parts] == ["1", "2"]
+    src.write_bytes(bytes(range(256)) * 9000)  # 2.2 MiB: three pieces of 1 MiB at most
+    parts = gpu_stage.split(src, tmp_path / ".gpu", part_mib=1)
+    assert [p.parent.name for p in parts] == ["1", "2", "3"]
     stage = tmp_path / "stage"
-    gpu_stage.stash(tmp_path / ".gpu" / "2", stage)
-    with pytest.raises(ValueError, match="handed back"):  # the first call's piece is missing
-        gpu_stage.assemble(stage)
+    gpu_stage.stash(tmp_path / ".gpu" / "3", stage)
     gpu_stage.stash(tmp_path / ".gpu" / "1", stage)
+    with pytest.raises(ValueError, match="handed back"):  # the second call's piece is missing
+        gpu_stage.assemble(stage)
+    gpu_stage.stash(tmp_path / ".gpu" / "2", stage)
     (stage / "smollm2.part1").write_bytes(b"x" + (stage / "smollm2.part1").read_bytes()[1:])
     with pytest.raises(ValueError, match="SHA-256"):
         gpu_stage.assemble(stage)
