@@ -28,7 +28,7 @@ from shared.engine.spec.draft_model import DraftModel
 from shared.engine.startup_graphs import capture_graphs
 from shared.engine.sync_step import run_plan
 from shared.engine.tp.driver_runner import runner_for
-from shared.engine.tp.launch import TPWorkers, start_tensor_parallel
+from shared.engine.tp.launch import COMPUTE_FOLLOWER, TPWorkers, start_tensor_parallel
 from shared.models.loader import load_model
 from shared.sampling_params import SamplingParams
 
@@ -42,13 +42,14 @@ class ModelExecutor:
     """The real model: loads the weights (after starting the follower ranks of a tensor-parallel engine),
     sizes and allocates the KV pool, compiles and captures what the device runs."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, follower_main: str = COMPUTE_FOLLOWER) -> None:
+        """follower_main: the module a tensor-parallel engine's follower ranks run (shared/engine/tp/launch.py)."""
         c = config
         use_device(c.device)  # this thread's current device: Triton launches and new streams go there
         # Taken before the weights load: the memory budget needs what was free before this worker.
         start = snapshot(c.device) if c.device.startswith("cuda") else None
         # Rank 0 of a tensor-parallel engine: start the follower ranks (a bad degree fails before any starts).
-        self.tp: TPWorkers | None = start_tensor_parallel(c) if c.tensor_parallel_size > 1 else None
+        self.tp: TPWorkers | None = start_tensor_parallel(c, follower_main) if c.tensor_parallel_size > 1 else None
         try:
             self._build(c, start)
         except BaseException:
