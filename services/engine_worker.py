@@ -21,7 +21,7 @@ from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.offload import Offloader
 from shared.kv_transport import MeshKVTransport, NatsKVTransport
 from shared.kv_transport.outgoing import PushStats
-from shared.kvstore_client import KVStoreClient
+from services.kvstore_client import KVStoreClient
 from shared.engine.block_events import BlockEvent, BlocksStored
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 from shared.protocol.generate import RequestTimings
