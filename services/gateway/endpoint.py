@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 
-from services.gateway.admission import admit
+from services.gateway.overload import admit
 from services.gateway.context import GatewayContext
 from services.gateway.errors import unavailable
 from services.gateway.beam_search import BeamGeneration
