@@ -63,7 +63,7 @@ def collect() -> list[tuple[str, argparse.ArgumentParser]]:
     """(command line, parser) for every kvmesh command, in the order the reference lists them."""
     sys.path.insert(0, str(ROOT))
     from shared.cli import build_parser
-    from shared.launcher.spec import SERVICES
+    from shared.launcher.process_spec import SERVICES
     from shared.service_runner import service_parser
 
     out: list[tuple[str, argparse.ArgumentParser]] = []

@@ -7,6 +7,7 @@ import asyncio
 import os
 import socket
 from collections.abc import Callable
+from functools import partial
 
 from nats.aio.client import Client
 
@@ -14,19 +15,27 @@ from shared import bus
 from shared.config import EngineConfig
 from shared.engine.commands import EvictAll, Stats
 from shared.engine.engine_thread import EngineThread
+from shared.engine.executor import ModelExecutor
 from shared.engine.kv_lookup import KVLookup
 from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.offload import Offloader
 from shared.kv_transport import MeshKVTransport, NatsKVTransport
 from shared.kv_transport.outgoing import PushStats
-from shared.kvstore_client import KVStoreClient
+from services.kvstore_client import KVStoreClient
 from shared.engine.block_events import BlockEvent, BlocksStored
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 from shared.protocol.generate import RequestTimings
 from shared.service_runner import Service
+from services import tp_rank
 from services.load_beats import LoadBeats, load_beat
 
 STATS_WAIT_S = 0.2  # how long a beat waits for the engine to be between steps
+
+
+def mesh_engine(config: EngineConfig) -> LLMEngine:
+    """The real engine of a mesh worker: its follower ranks (tensor parallelism) get the data plane that moves
+    KV rank to rank (services/tp_rank.py)."""
+    return LLMEngine(config, partial(ModelExecutor, follower_main=tp_rank.__name__))
 
 
 class EngineWorker(Service):
@@ -67,7 +76,7 @@ class EngineWorker(Service):
         self.beats = LoadBeats(self.beat_interval_s, self._load_snapshot, self._publish_load)
 
     def _build_engine(self) -> LLMEngine:
-        engine = (self.engine_factory or LLMEngine)(self.engine_config)
+        engine = (self.engine_factory or mesh_engine)(self.engine_config)
         if self.use_kvstore and engine.config.offload_policy == "eviction":
             engine.tiers.offload_by_eviction()
         return engine

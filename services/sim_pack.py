@@ -25,7 +25,7 @@ import os
 import sys
 
 from shared.engine.errors import EXIT_CONFIG, ConfigError, MemoryBudgetError
-from shared.launcher.spec import PACK_IDENTITIES_ENV as IDENTITIES_ENV
+from shared.launcher.process_spec import PACK_IDENTITIES_ENV as IDENTITIES_ENV
 from shared.service_runner import Hosted, add_common_arguments, run_services
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.shapes import SHAPES, build_shape_checkpoint
 from shared.launcher.cpu_layout import CPU_LAYOUT_NOTE
-from shared.launcher.spec import NEVER_REMOTE
+from shared.launcher.process_spec import NEVER_REMOTE
 
 
 @pytest.fixture(scope="module")

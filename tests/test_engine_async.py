@@ -239,7 +239,7 @@ def test_the_config_and_the_flag():
     assert engine_config_from_args(p.parse_args(base + ["--async-scheduling"])).async_scheduling is True
     assert engine_config_from_args(p.parse_args(base + ["--no-async-scheduling"])).async_scheduling is False
 
-    from shared.launcher.spec import MeshOptions, mesh_services
+    from shared.launcher.process_spec import MeshOptions, mesh_services
 
     def decode_args(**kw):
         return {s.service: s.args for s in mesh_services(MeshOptions(model="m", **kw))}["decode"]

@@ -13,7 +13,7 @@ from shared.engine.errors import EXIT_CONFIG, MemoryBudgetError
 from shared.engine.memory_budget import GIB, MemoryProfile, plan_kv_pool
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, parameter_count, parse_gpu_memory, plan_mesh,
                                       worker_needs)
-from shared.launcher.spec import MeshOptions, placement
+from shared.launcher.process_spec import MeshOptions, placement
 from shared.models.model_config import load_model_config
 
 GB = 10**9

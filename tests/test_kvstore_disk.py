@@ -21,7 +21,7 @@ from services.kvstore.service import KVStoreService
 from services.kvstore.tiered import TieredStore
 from shared.bus.natsd import NatsServer
 from shared.kv_blocks import KVBlocks
-from shared.kvstore_client import KVStoreClient
+from services.kvstore_client import KVStoreClient
 from shared.protocol.kvstore import StoredBlock
 from shared.wire import tensor_to_wire
 from shared import bus

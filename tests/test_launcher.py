@@ -20,7 +20,7 @@ import yaml
 from shared.bus.natsd import NatsServer, free_port
 from shared.launcher import healthcheck
 from shared.launcher.readiness import wait_healthy
-from shared.launcher.spec import NEVER_REMOTE, SERVICE_ENV, SERVICES, MeshOptions, ProcessSpec, mesh_services
+from shared.launcher.process_spec import NEVER_REMOTE, SERVICE_ENV, SERVICES, MeshOptions, ProcessSpec, mesh_services
 from shared.launcher.supervisor import Backoff, Supervisor
 from shared.launcher.up import READY
 
@@ -420,7 +420,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_up_passes_the_gateway_parsers_only_when_asked() -> None:
-    from shared.launcher.spec import MeshOptions, mesh_services
+    from shared.launcher.process_spec import MeshOptions, mesh_services
 
     def gateway_args(**kw) -> str:  # noqa: ANN003
         return " ".join(next(s.args for s in mesh_services(MeshOptions(**kw)) if s.service == "gateway"))

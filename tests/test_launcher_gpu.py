@@ -13,7 +13,7 @@ import yaml
 from shared.bus.natsd import NatsServer
 from shared.engine.errors import EXIT_CONFIG
 from shared.launcher.gpus import parse_devices
-from shared.launcher.spec import MeshOptions, ProcessSpec, mesh_services, placement
+from shared.launcher.process_spec import MeshOptions, ProcessSpec, mesh_services, placement
 from shared.launcher.supervisor import Backoff, Supervisor
 
 ROOT = Path(__file__).resolve().parents[1]

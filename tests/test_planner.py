@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from shared.cli import main
 from shared.engine.sim_profile import DEFAULT_PROFILE, CostModel, load_profile
-from shared.launcher.spec import ProcessSpec
+from shared.launcher.process_spec import ProcessSpec
 from shared.launcher.supervisor import Supervisor
 from shared.planner.config import PlannerConfig, PlannerConfigError, RoleLimits
 from shared.planner.endpoint import PlannerEndpoint

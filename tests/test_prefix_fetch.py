@@ -6,7 +6,7 @@ import asyncio
 import torch
 
 from shared.kv_blocks import KVBlocks
-from shared.prefix_fetch import PrefixFetches
+from shared.engine.prefix_fetch import PrefixFetches
 
 
 def _store(n_blocks: int) -> dict[bytes, int]:

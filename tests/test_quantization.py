@@ -132,7 +132,7 @@ def test_the_worker_flag_reaches_the_engine_config() -> None:
 
 
 def test_kvmesh_up_passes_quantization_to_the_engine_workers_only() -> None:
-    from shared.launcher.spec import MeshOptions, mesh_services
+    from shared.launcher.process_spec import MeshOptions, mesh_services
 
     args = {s.service: " ".join(s.args) for s in mesh_services(MeshOptions(quantization="int4"))}
     assert all("--quantization int4" in args[s] for s in ("prefill", "decode"))

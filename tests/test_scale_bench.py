@@ -24,7 +24,7 @@ def sim_model(tmp_path_factory):  # noqa: ANN001, ANN201
 
 @pytest.fixture(scope="module")
 def mesh(sim_model):  # noqa: ANN001, ANN201
-    # At most 3 requests at once: the fourth is refused with a 429 (services/gateway/admission.py).
+    # At most 3 requests at once: the fourth is refused with a 429 (services/gateway/overload.py).
     with SimMesh(sim_model, decode=2, prefill=1, per_process=3,
                  extra=["--sim-speed", "0.05", "--max-inflight-requests", "3"]) as m:
         yield m

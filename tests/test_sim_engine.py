@@ -83,7 +83,7 @@ def test_sim_engine_generates_the_documented_tokens_and_keeps_the_prefix_cache(m
         assert out.finish_reason == "length"
     # The second copy of the 100-token prompt found its first 6 blocks in the (real) prefix cache.
     assert engine.stats().prefix_cache_hits >= 96
-    assert engine.num_steps >= 9 and engine.busy_s >= 9 * 0.002
+    assert engine.executor.num_steps >= 9 and engine.executor.busy_s >= 9 * 0.002
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == 64
 

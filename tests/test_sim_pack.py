@@ -14,7 +14,7 @@ import pytest
 from loadtest.sim_mesh import SimMesh
 from loadtest.sim_model import build_sim_model
 from shared.engine.sim_engine import expected_tokens
-from shared.launcher.spec import MeshOptions, mesh_services
+from shared.launcher.process_spec import MeshOptions, mesh_services
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def test_engine_and_launcher_flags_carry_it():
     import argparse
 
     from services.engine_args import add_engine_arguments, engine_config_from_args
-    from shared.launcher.spec import MeshOptions, mesh_services
+    from shared.launcher.process_spec import MeshOptions, mesh_services
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)

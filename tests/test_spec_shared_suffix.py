@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from shared import bus, subjects
-from shared.launcher.spec import MeshOptions, mesh_services
+from shared.launcher.process_spec import MeshOptions, mesh_services
 from shared.protocol.suffix import SharedOutput, SuffixOutputs
 from shared.sampling_params import SamplingParams
 from shared.spec_config import SpeculativeConfig

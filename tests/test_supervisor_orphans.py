@@ -12,7 +12,7 @@ from tests.test_launcher import _alive
 
 SCRIPT = """
 import asyncio, sys
-from shared.launcher.spec import ProcessSpec
+from shared.launcher.process_spec import ProcessSpec
 from shared.launcher.supervisor import Supervisor
 
 async def main():

@@ -66,7 +66,7 @@ def test_blocks_a_tp2_worker_offloads_serve_a_tp1_worker(nats_server, checkpoint
 
 
 def test_up_spec_passes_each_roles_degree() -> None:
-    from shared.launcher.spec import MeshOptions, mesh_services
+    from shared.launcher.process_spec import MeshOptions, mesh_services
 
     args = {s.service: " ".join(s.args) for s in mesh_services(MeshOptions(model="m", prefill_tp=1, decode_tp=2))}
     assert "--tensor-parallel-size 2" in args["decode"] and "--tensor-parallel-size" not in args["prefill"]

@@ -15,7 +15,7 @@ from shared.engine.errors import MemoryBudgetError
 from shared.engine.kv_pool_size import plan_rank_pools
 from shared.engine.memory_budget import GIB, MemoryProfile, plan_kv_pool
 from shared.launcher.gpu_plan import NCCL_BYTES, WORKER_DEFAULTS, PlanError, plan_mesh, worker_needs
-from shared.launcher.spec import MeshOptions, mesh_services, placement
+from shared.launcher.process_spec import MeshOptions, mesh_services, placement
 from shared.models.model_config import load_model_config
 
 GB = 10**9

@@ -32,7 +32,7 @@ TOP_BYTES = 70
 @dataclass(frozen=True)
 class ReplayLimits:
     # Per stream: a gateway reconnect takes a few seconds (nats-py's reconnect wait, then RECONNECT_GRACE_S of
-    # silence in services/gateway/choice.py); 1024 one-token chunks are seconds of decoding at the fastest.
+    # silence in services/gateway/token_stream.py); 1024 one-token chunks are seconds of decoding at the fastest.
     max_chunks: int = 1024
     max_bytes: int = 1 << 20
     total_bytes: int = 64 << 20  # across every stream of the worker

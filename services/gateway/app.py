@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response
 
-from services.gateway.admission import admit_early
+from services.gateway.overload import admit_early
 from services.gateway.intake import Intake, default_body_limit
 from services.gateway.context import GatewayContext
 from services.gateway.endpoint import serve_generation

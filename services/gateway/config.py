@@ -12,7 +12,7 @@ class GatewayConfig:
     served_model_name: str
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (tests)
-    # Generation requests served at once; past it a new one gets a fast 429 (services/gateway/admission.py).
+    # Generation requests served at once; past it a new one gets a fast 429 (services/gateway/overload.py).
     # 0: no bound. 1,024 streams at ~1 token/10 ms each already ask ~0.5 of a core of the gateway.
     max_inflight_requests: int = 1024
     # ... and while its own NATS input lags more than this (services/gateway/input_lag.py), whatever the count:

@@ -11,19 +11,18 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
-from services.gateway.admission import admit
+from services.gateway.overload import admit
 from services.gateway.context import GatewayContext
 from services.gateway.errors import unavailable
 from services.gateway.beam_search import BeamGeneration
-from services.gateway.generation import Generation, as_api_error
+from services.gateway.generation import Generation
 from services.gateway.prepare import Prepared
 from services.gateway.formatters import Formatter, usage
+from services.gateway.request_scope import RequestScope
 from services.gateway.schemas import ChatCompletionRequest, _Common
 from services.gateway.streaming import stream_events
 
@@ -53,8 +52,7 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
         span.set_attribute("gen_ai.request.seed", body.seed)
     if body.max_tokens is not None:
         span.set_attribute("gen_ai.request.max_tokens", body.max_tokens)
-    ctx.begin()
-    gen: Generation | BeamGeneration | None = None
+    scope = RequestScope(ctx, span)
     streaming = False
     try:
         if ctx.draining:
@@ -68,9 +66,9 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
             span.set_attribute("kvmesh.request_id", prepared.request_id)
             span.set_attribute("gen_ai.response.model", prepared.model)
             span.set_attribute("gen_ai.response.id", prepared.request_id)
-            nonlocal gen
             # use_beam_search: the search runs here, step by step (services/gateway/beam_search.py).
             gen = (BeamGeneration if prepared.beam is not None else Generation)(ctx, prepared, span, arrival)
+            scope.gen = gen
             await gen.open()
             return gen
 
@@ -86,8 +84,9 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
         if p.reasoning is not None and getattr(body, "separate_reasoning", True):
             fmt.reason(p.reasoning)
         if body.stream:
-            streaming = True  # from here the SSE generator owns the span and the in-flight count
-            return StreamingResponse(stream_events(ctx, opened, fmt, body.include_usage, body.continuous_usage), media_type="text/event-stream",
+            streaming = True  # from here the SSE body owns the request's scope
+            return StreamingResponse(stream_events(scope, opened, fmt, body.include_usage, body.continuous_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def collect() -> JSONResponse:
@@ -97,33 +96,16 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
 
         return await _unless_disconnected(request, collect())
     except ClientGone:
-        if gen is not None:
-            gen.abort("client disconnected")
-        span.set_attribute("error.type", "cancelled")
-        span.set_status(Status(StatusCode.ERROR, "client disconnected"))
-        span.add_event("cancelled", {"reason": "client disconnected"})
+        scope.client_gone()
         return Response(status_code=CLIENT_CLOSED)
     except Exception as e:  # noqa: BLE001 - every failure is an OpenAI error object
-        err = as_api_error(e)
-        if gen is not None:
-            gen.abort("error")
-        ctx.metrics.error(err.status)
-        span.record_exception(e)
-        span.set_status(Status(StatusCode.ERROR, err.message))
-        span.set_attribute("error.type", err.code or type(e).__name__)
-        return err.response()
+        return scope.failed(e).response()
     except BaseException:
-        if gen is not None:
-            gen.abort("request cancelled")
+        scope.abort("request cancelled")
         raise
     finally:
         if not streaming:
-            if gen is not None:
-                with anyio.CancelScope(shield=True):
-                    await gen.close()
-                gen.finish()
-            span.end()
-            ctx.end()
+            await scope.close()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -1,5 +1,5 @@
 """What every HTTP request passes before any of it is parsed: the API key, admission (a fast 429 past the
-gateway's bound on requests at once: services/gateway/admission.py), then a bound on the body.
+gateway's bound on requests at once: services/gateway/overload.py), then a bound on the body.
 
 An ASGI middleware, so a wrong key is a 401 without reading the body, and a body larger than the limit
 is a 413 as soon as its size is known (Content-Length) or its bytes pass the limit (chunked uploads),

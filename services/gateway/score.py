@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
-from services.gateway.admission import admit
+from services.gateway.overload import admit
 from services.gateway.context import GatewayContext
 from services.gateway.errors import bad_request
 from services.gateway.generation import Generation

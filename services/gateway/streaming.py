@@ -7,14 +7,13 @@ holding the OpenAI error object, followed by [DONE] as usual.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-import anyio
-from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
-from services.gateway.context import GatewayContext
+from opentelemetry import trace
+
 from services.gateway.choice import IDLE, Delta
-from services.gateway.generation import Generation, as_api_error
+from services.gateway.generation import Generation
 from services.gateway.formatters import Formatter, usage
+from services.gateway.request_scope import RequestScope
 from services.gateway.schemas import dump
 
 
@@ -26,9 +25,9 @@ CHUNK_EVENTS = 16
 MAX_COALESCED = 64
 
 
-async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, include_usage: bool,
+async def stream_events(scope: RequestScope, gen: Generation, fmt: Formatter, include_usage: bool,
                         continuous_usage: bool = False) -> AsyncIterator[str]:
-    """The SSE body of an opened generation. Owns the request from here: ends its span and in-flight count.
+    """The SSE body of an opened generation. Owns the request's scope from here, and closes it at the end.
 
     Chunks that are ready together (the gateway fell behind a stream, or a worker sent several at once) go out in
     one write: the body is yielded whenever the next delta would need a wait (Generation.deltas' IDLE marks), so
@@ -39,7 +38,7 @@ async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, in
     chunks that carry tokens or a finish reason, and for the finishing one (attributes: kvmesh.stream.chunks, all
     of them, and kvmesh.stream.writes, the writes they took), so a trace shows when chunks left.
     """
-    stream_span = ctx.tracer.start_span("stream", context=trace.set_span_in_context(gen.span))
+    stream_span = scope.ctx.tracer.start_span("stream", context=trace.set_span_in_context(gen.span))
     sent = writes = 0
     held: list[str] = []
     try:
@@ -75,12 +74,7 @@ async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, in
             if include_usage:
                 held.append(fmt.sse(fmt.usage_chunk(usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))))
         except Exception as e:  # noqa: BLE001 - every failure becomes an error chunk
-            err = as_api_error(e)
-            ctx.metrics.error(err.status)
-            gen.span.record_exception(e)
-            gen.span.set_status(Status(StatusCode.ERROR, err.message))
-            gen.span.set_attribute("error.type", err.code or type(e).__name__)
-            gen.abort("error")
+            err = scope.failed(e)
             held.append(fmt.sse(fmt.error_chunk(err.body())))
         held.append(fmt.done)
         writes += 1
@@ -88,17 +82,9 @@ async def stream_events(ctx: GatewayContext, gen: Generation, fmt: Formatter, in
         held.clear()
     except BaseException:
         # Cancelled or closed by the server: the client went away mid-stream.
-        gen.abort("client disconnected")
-        for s in (gen.span, stream_span):
-            s.set_attribute("error.type", "cancelled")  # OTel's error.type: why the operation did not complete
-            s.set_status(Status(StatusCode.ERROR, "client disconnected"))
-        gen.span.add_event("cancelled", {"reason": "client disconnected"})
+        scope.client_gone(stream_span)
         raise
     finally:
         stream_span.set_attributes({"kvmesh.stream.chunks": sent, "kvmesh.stream.writes": writes})
         stream_span.end()
-        with anyio.CancelScope(shield=True):
-            await gen.close()
-        gen.finish()
-        gen.span.end()
-        ctx.end()
+        await scope.close()

@@ -119,7 +119,7 @@ class ReplyStream(Generic[M]):
     def watch(self, check: Callable[[], None], interval: float) -> None:
         """Calls `check` every `interval` seconds while this stream waits for a message, from the waiting task;
         what it raises ends the stream. (The gateway checks that the worker still beats: services/gateway/
-        choice.py. A watcher task beside every wait cost a task and a timer per streamed token.)"""
+        token_stream.py. A watcher task beside every wait cost a task and a timer per streamed token.)"""
         self._watch, self._watch_interval = check, interval
 
     @property
@@ -194,7 +194,7 @@ class ReplyStream(Generic[M]):
                 raise BusTimeout(self._target, self._idle_timeout)
             if self.dropped:
                 # Checked per message. Dropped messages may include the end marker, so a caller that must not
-                # wait its whole idle timeout checks `dropped` while it waits (services/gateway/choice.py).
+                # wait its whole idle timeout checks `dropped` while it waits (services/gateway/token_stream.py).
                 raise MessagesDroppedError(f"stream from {self._target!r}: this receiver fell behind and messages "
                                            f"were dropped (slow consumer) after item {self._seq}")
             # A watched wait on an inbox is checked by the loop's shared ticker (no wake-up of its own: _next_msg);

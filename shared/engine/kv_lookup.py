@@ -2,7 +2,7 @@
 
 The device step is the block manager's (Reserve matched the prefix cache); this loads the rest of the
 prompt's full blocks from the host tier (KVTiers.host_chain, any thread), then from the kvstore (one
-fetch per shared prefix: shared/prefix_fetch.py), writing each run into the held request's blocks on
+fetch per shared prefix: shared/engine/prefix_fetch.py), writing each run into the held request's blocks on
 the engine thread. A worker calls load() and nothing below it. Best effort: a miss or a kvstore that
 is down costs a recompute.
 """
@@ -17,7 +17,7 @@ from shared.engine.commands import Command, WriteBlocks
 from shared.engine.kv_tiers import KVTiers
 from shared.engine.scheduler import Reservation
 from shared.kv_blocks import KVBlocks
-from shared.prefix_fetch import PrefixFetches
+from shared.engine.prefix_fetch import PrefixFetches
 
 _tracer = trace.get_tracer("kvmesh.worker")
 

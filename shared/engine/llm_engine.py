@@ -7,104 +7,72 @@ graphs), the sampler, the block manager, and the KV tiers below the device (shar
 """
 from __future__ import annotations
 
-import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
 from shared.config import EngineConfig
-from shared.engine.async_step import AsyncSteps, async_wanted
+from shared.engine.async_step import AsyncSteps
 from shared.engine.block_manager import BlockManager
-from shared.engine.cpu_compile import compile_cpu_decode
-from shared.engine.cuda_device import use_device
 from shared.engine.engine_stats import EngineStats, engine_stats
+from shared.engine.executor import ModelExecutor
 from shared.engine.grammar import GrammarBackend
-from shared.engine.kv_cache import engine_root, kv_dtype
-from shared.engine.kv_pool_size import plan_num_blocks
 from shared.engine.kv_tiers import KVTiers
-from shared.engine.memory_budget import snapshot
 from shared.engine.offline import generate
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.kv_blocks import KVBlocks
-from shared.engine.sampler import Sampler
 from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
 from shared.engine.sequence import Sequence
-from shared.engine.spec.draft_model import DraftModel
 from shared.engine.spec.speculator import Speculator
-from shared.engine.startup_graphs import capture_graphs
 from shared.engine.step_metrics import CumulativeHistogram
-from shared.engine.sync_step import run_plan
-from shared.engine.tp.driver_runner import runner_for
-from shared.engine.tp.launch import TPWorkers, start_tensor_parallel
-from shared.models.loader import load_model
+from shared.engine.tp.launch import TPWorkers
 from shared.prompt_check import check_prompt, check_token_ids
 from shared.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "LLMEngine", "Reservation"]
 
-log = logging.getLogger(__name__)
-
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Callable[[EngineConfig], ModelExecutor] = ModelExecutor) -> None:
+        """executor builds what the engine computes with (shared/engine/executor.py): the real model by
+        default, a simulated one for scale tests; everything else is built here, the same for both."""
         self.config = c = config
-        use_device(c.device)  # this thread's current device: Triton launches and new streams go there
-        # Taken before the weights load: the memory budget needs what was free before this worker.
-        start = snapshot(c.device) if c.device.startswith("cuda") else None
-        # Rank 0 of a tensor-parallel engine: start the follower ranks (a bad degree fails before any starts).
-        self.tp: TPWorkers | None = start_tensor_parallel(c) if c.tensor_parallel_size > 1 else None
+        self.executor = ex = executor(c)
+        self.tp: TPWorkers | None = ex.tp
         # What an idle engine thread calls to learn that a rank died (raises TPRankError); None: one process.
         self.check_alive = self.tp.check_alive if self.tp is not None else None
         try:
-            self._build(c, start)
+            self._build(c, ex)
         except BaseException:
             self.shutdown()
             raise
 
-    def _build(self, c: EngineConfig, start) -> None:  # noqa: ANN001 - a DeviceSnapshot or None
-        self.model, self.model_config = load_model(c.model, dtype=c.dtype, device=c.device, load_format=c.load_format,
-                                                   seed=c.seed, max_positions=c.max_model_len,
-                                                   quantization=c.quantization, pack_weights=c.cpu_weight_packing,
-                                                   tp=self.tp.group if self.tp else None)
-        mc = self.model_config
-        self.max_model_len = c.max_model_len or mc.max_position_embeddings
-        self.dtype = next(self.model.parameters()).dtype
-        self.kv_dtype = kv_dtype(self.dtype, c.kv_cache_dtype)
-        self.runner = runner_for(self.model, c.block_size, c.device, self.tp)
-        self.sampler = Sampler(mc.eos_token_ids, c.seed, c.device)
-        spec = c.speculative_config  # a draft model loads before the pool is sized: its weights and KV take a share
-        draft = DraftModel(c, mc, self.dtype, self.max_model_len) if spec and spec.method == "draft_model" else None
-        self.num_blocks = plan_num_blocks(c, self.runner, self.sampler, self.kv_dtype, self.max_model_len, start, draft)
-        if draft is not None:
-            self.num_blocks = draft.share_pool(self.num_blocks, c.num_kv_blocks is None, mc)
-        self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
-        self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
-        if c.device.startswith("cuda") and not c.enforce_eager:
-            capture_graphs(self.runner, c, self.max_model_len, draft, self.tp is None)
-        # (bucket, seconds of its first step) of the CPU decode graphs compiled at start; [] when eager.
-        self.cpu_compile_seconds = compile_cpu_decode(self.runner, self.model, c, self.dtype, self.max_model_len)
-        self.block_manager = BlockManager(self.num_blocks, c.block_size, engine_root(c, self.kv_dtype),
-                                          c.enable_prefix_caching)
+    def _build(self, c: EngineConfig, ex: ModelExecutor) -> None:
+        self.model, self.model_config, self.max_model_len = ex.model, ex.model_config, ex.max_model_len
+        self.dtype, self.kv_dtype, self.num_blocks = ex.dtype, ex.kv_dtype, ex.num_blocks
+        self.runner, self.sampler = ex.runner, ex.sampler
+        self.block_manager = BlockManager(self.num_blocks, c.block_size, ex.block_root, c.enable_prefix_caching)
         # Host tier, offload queue and spills: every tier below the device pool has this one owner.
         self.tiers = KVTiers(self.block_manager, self.runner.gather_blocks, c.host_kv_bytes,
-                             async_copies=c.device.startswith("cuda"))
+                             async_copies=ex.async_copies)
         outputs = OutputProcessor(c.block_size, self.max_model_len, self.sampler.stop_ids, self.runner.read_blocks)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.long_prefill_token_threshold, outputs)
         self.iteration_tokens = CumulativeHistogram()
-        self.speculator = Speculator(spec, self.max_model_len, draft, self.sampler) if spec else None
+        spec = c.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len, ex.draft, self.sampler) if spec else None
         # Async scheduling (shared/engine/async_step.py): None when the config, a speculator or ranks rule it out.
         self.overlap = AsyncSteps(self.scheduler, self.runner, self.sampler, self.tiers, self.iteration_tokens.observe
-                                  ) if async_wanted(c) else None
+                                  ) if ex.can_overlap else None
         self._grammar: GrammarBackend | None = None
-        log.info("engine ready: %s, %d KV blocks of %d tokens, dtype %s, KV %s", mc.architecture, self.num_blocks,
-                 c.block_size, self.dtype, self.kv_dtype)
 
     # --- requests -------------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never run; nothing is queued."""
+        self.executor.check(params)  # what the executor cannot compute is refused, never silently left out
         check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
         check_token_ids(params.token_ids_named, self.model_config.vocab_size, "sampling parameters", "sampling")
         if params.structured is not None:
@@ -221,7 +189,7 @@ class LLMEngine:
             self.tiers.finish_spills()
 
     def _step(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        return run_plan(self, plan)
+        return self.executor.run(self, plan)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -229,8 +197,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the follower ranks of a tensor-parallel engine (nothing to do for one rank); idempotent."""
-        if self.tp is not None:
-            self.tp.shutdown()
+        self.executor.shutdown()
 
     # --- introspection --------------------------------------------------------------------------
 

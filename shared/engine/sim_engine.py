@@ -16,26 +16,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from shared.block_hash import root_hash
 from shared.config import EngineConfig
-from shared.engine.block_manager import BlockManager
 from shared.engine.errors import ConfigError
 from shared.engine.kv_placeholder import PLACEHOLDER_DTYPE, placeholder_kv
-from shared.engine.kv_tiers import KVTiers
 from shared.engine.llm_engine import LLMEngine
-from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampler import Sampler
-from shared.engine.scheduler import Scheduler, SchedulerOutput
+from shared.engine.scheduler import SchedulerOutput
 from shared.engine.sim_profile import CostModel, StepShape
-from shared.engine.step_metrics import CumulativeHistogram
-from shared.kv_blocks import KVBlocks
 from shared.models.model_config import load_model_config
-from shared.prompt_check import check_prompt
 from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -94,76 +89,48 @@ class SimRunner:
             raise ValueError(f"{k.shape[1]} KV blocks for {len(block_ids)} block ids")
 
 
-class SimEngine(LLMEngine):
+class SimExecutor:
+    """The executor of a simulated engine (shared/engine/executor.py says what an executor provides): the
+    model's config alone, no weights; a step's forward is a wait of the cost model's length."""
+
+    model = None  # no weights load
+    tp = draft = None  # one process, no ranks; no draft model
+    async_copies = can_overlap = False  # a simulated step has no device to copy beside or overlap with
+
     def __init__(self, config: EngineConfig, cost: CostModel) -> None:
-        self.config = c = config
+        c = config
         if c.speculative_config is not None:
             raise ConfigError("--speculative-config: the simulated engine (--engine sim) has no model to verify drafts "
                               "with; leave it out")
-        self.speculator = None
-        self.overlap = None  # a simulated step has no device to overlap with
-        self.tp = None  # one process, no ranks: shutdown() has no followers to stop
         self.cost = cost
         self.model_config = mc = load_model_config(c.model)  # the config alone: no weights
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
         self.dtype = self.kv_dtype = PLACEHOLDER_DTYPE
-        self.runner = SimRunner(c.block_size)  # type: ignore[assignment]
+        self.runner = SimRunner(c.block_size)
         self.sampler = Sampler(mc.eos_token_ids, c.seed, "cpu")
         # The KV capacity is the profiled worker's (a GPU's, for a GPU profile), not this machine's.
         self.num_blocks = c.num_kv_blocks or max(1, cost.profile.kv_tokens // c.block_size)
         model_id = c.model_id or Path(c.model).resolve().name
-        root = root_hash(model_id, c.block_size, SIM_KV_KIND, c.cache_salt)
-        self.block_manager = BlockManager(self.num_blocks, c.block_size, root, c.enable_prefix_caching)
-        self.tiers = KVTiers(self.block_manager, self.runner.gather_blocks, c.host_kv_bytes, async_copies=False)
-        outputs = OutputProcessor(c.block_size, self.max_model_len, self.sampler.stop_ids, self.runner.read_blocks)
-        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
-                                   c.long_prefill_token_threshold, outputs)
-        self.iteration_tokens = CumulativeHistogram()
-        self._grammar = None
+        self.block_root = root_hash(model_id, c.block_size, SIM_KV_KIND, c.cache_salt)
         self.busy_s = 0.0  # simulated compute time so far
         self.num_steps = 0
         log.info("SIMULATED engine (--engine sim, profile %r, speed x%g): %d KV blocks of %d tokens; no model runs",
                  cost.profile.name, cost.speed, self.num_blocks, c.block_size)
 
-    def validate(self, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+    def check(self, params: SamplingParams) -> None:
         # What the simulation cannot produce is refused, never silently left out of the output.
         if params.logprobs is not None or params.prompt_logprobs is not None:
             raise ValueError("logprobs: a simulated engine worker (--engine sim) computes no logprobs")
         if params.structured is not None:
             raise ValueError("structured outputs: a simulated engine worker (--engine sim) does not constrain "
                              "its tokens")
-        check_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
-        need = self.block_manager.blocks_for(min(len(prompt_token_ids) + params.max_tokens, self.max_model_len))
-        if need > self.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks but the pool has {self.num_blocks}")
 
-    def write_blocks(self, request_id: str, blocks: KVBlocks) -> None:
-        seq = self.scheduler.held[request_id]
-        if blocks.end_block > len(seq.block_table):
-            raise ValueError(f"blocks [{blocks.first_block}, {blocks.end_block}) outside the "
-                             f"{len(seq.block_table)} reserved")
-        self.runner.write_blocks(seq.block_table[blocks.first_block : blocks.end_block], blocks.k, blocks.v,
-                                 blocks.first_layer)
-
-    @staticmethod
-    def shape(plan: SchedulerOutput) -> StepShape:
-        pt = pa = ds = dc = 0
-        for seq, n in plan.scheduled:
-            start = seq.num_computed_tokens
-            if n > 1 or start < seq.num_prompt_tokens:  # a prompt chunk (or a recompute after preemption)
-                pt += n
-                pa += n * (start + n // 2)
-            else:
-                ds += 1
-                dc += start + n
-        return StepShape(pt, pa, ds, dc)
-
-    def _step(self, plan: SchedulerOutput) -> list[RequestOutput]:
+    def run(self, engine: LLMEngine, plan: SchedulerOutput) -> list[RequestOutput]:
         if plan.is_empty:
             return []
         t0 = time.perf_counter()
-        self.iteration_tokens.observe(plan.num_batched_tokens)
-        cost = self.cost.step_s(self.shape(plan))
+        engine.iteration_tokens.observe(plan.num_batched_tokens)
+        cost = self.cost.step_s(step_shape(plan))
         vocab = self.model_config.vocab_size
         sampled = []
         for seq, n in plan.scheduled:
@@ -175,5 +142,30 @@ class SimEngine(LLMEngine):
             time.sleep(left)  # the forward pass this step stands for
         self.busy_s += cost
         self.num_steps += 1
-        return self.scheduler.update_from_output(plan, sampled, time.time())
+        return engine.scheduler.update_from_output(plan, sampled, time.time())
 
+    def shutdown(self) -> None:
+        """Nothing to stop: no follower ranks."""
+
+
+def step_shape(plan: SchedulerOutput) -> StepShape:
+    """What the cost model prices in a plan: prompt tokens and their attention span, decode rows and theirs."""
+    pt = pa = ds = dc = 0
+    for seq, n in plan.scheduled:
+        start = seq.num_computed_tokens
+        if n > 1 or start < seq.num_prompt_tokens:  # a prompt chunk (or a recompute after preemption)
+            pt += n
+            pa += n * (start + n // 2)
+        else:
+            ds += 1
+            dc += start + n
+    return StepShape(pt, pa, ds, dc)
+
+
+class SimEngine(LLMEngine):
+    """The real engine built by its own constructor around a SimExecutor."""
+
+    shape = staticmethod(step_shape)
+
+    def __init__(self, config: EngineConfig, cost: CostModel) -> None:
+        super().__init__(config, partial(SimExecutor, cost=cost))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shared.launcher.spec import MeshOptions
+from shared.launcher.process_spec import MeshOptions
 
 CPU_LAYOUT_NOTE = ("[kvmesh] engine workers on CPU: no prefill worker by default (decode prefills locally; a prefill "
                    "worker would compute on the same cores as decode and slow its steps); --prefill N starts them")

@@ -1,6 +1,6 @@
 """Will the mesh fit its GPUs? Planned before `kvmesh up` starts a worker, from the checkpoint's config alone.
 
-Each engine worker needs, inside its share of its GPU's memory (shared/launcher/spec.py's placement()):
+Each engine worker needs, inside its share of its GPU's memory (shared/launcher/process_spec.py's placement()):
 its copy of the weights, the activations of a step at --max-num-batched-tokens, the CUDA context and
 cuBLAS workspaces, the CUDA graphs' reserve, and KV for one request of max_model_len tokens (what the
 worker's own memory budget requires at start: shared/engine/memory_budget.py). The estimate here is the
@@ -21,7 +21,7 @@ import subprocess
 from dataclasses import dataclass, replace
 
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, GIB
-from shared.launcher.spec import MeshOptions, placement
+from shared.launcher.process_spec import MeshOptions, placement
 from shared.models.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -17,7 +17,7 @@ import sys
 
 import httpx
 
-from shared.launcher.spec import SERVICES
+from shared.launcher.process_spec import SERVICES
 
 
 async def answers_from_here(service: str, timeout: float, nats_url: str | None = None) -> bool:

@@ -13,7 +13,7 @@ from shared.bus.natsd import free_port, nats_server_binary
 from shared.bus.limits import SERVER_MAX_PENDING
 from shared.bus.roles import ROLES, Identity, identity_permissions
 from shared.launcher.nats_tls import TlsFiles, make_tls
-from shared.launcher.spec import ProcessSpec
+from shared.launcher.process_spec import ProcessSpec
 
 NAME = "nats"
 ROUTE_USER = "route"  # the cluster's route credential (not a client user: clients cannot log in with it)

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from shared.launcher.spec import SERVICES
+from shared.launcher.process_spec import SERVICES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from shared.engine.errors import EXIT_CONFIG
-from shared.launcher.spec import ProcessSpec
+from shared.launcher.process_spec import ProcessSpec
 
 Emit = Callable[[str], None]
 

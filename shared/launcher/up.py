@@ -28,7 +28,7 @@ from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
 from shared.engine.sim_profile import ProfileError
 from shared.launcher.planned import start_planner
-from shared.launcher.spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, PACK_IDENTITIES_ENV, SERVICES,
+from shared.launcher.process_spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, PACK_IDENTITIES_ENV, SERVICES,
                                   MeshOptions, ProcessSpec, mesh_services)
 from shared.planner.config import PlannerConfig, PlannerConfigError, RoleLimits
 from shared.planner.scaler import SupervisorScaler

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from shared.launcher.spec import ProcessSpec
+from shared.launcher.process_spec import ProcessSpec
 from shared.launcher.supervisor import Supervisor
 
 log = logging.getLogger(__name__)

@@ -5,6 +5,7 @@ block tables it computes over are rank 0's (identical on every rank, only the he
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.tp.channel import TPChannel
 from shared.engine.tp.kv_heads import gather_heads, scatter_heads
 from shared.engine.tp.rank_memory import RankMemory
-from shared.engine.tp.shard_link import ShardLink, ShardTarget, local_kv
+from shared.engine.tp.shard_link import ShardLink, ShardTarget, ShardTransport, local_kv
 from shared.engine.tp.step_message import KV_DTYPES, Op, StepLayout, unpack_strings
 from shared.kv_blocks import KVBlocks
 from shared.models.tp.degree import kv_replicas
@@ -24,7 +25,9 @@ log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def follow(runner: ModelRunner, channel: TPChannel, rank: int, size: int, memory: RankMemory | None = None) -> None:
+def follow(runner: ModelRunner, channel: TPChannel, rank: int, size: int, memory: RankMemory | None = None,
+           shard_transport: Callable[[], ShardTransport] | None = None) -> None:
+    """shard_transport: the data plane of rank-to-rank KV, opened by the first such op; None: this rank has none."""
     model = runner.model
     memory = memory or RankMemory(runner.device)
     real: list | None = None  # the real KV cache while the memory profile's temporary one is in
@@ -43,7 +46,10 @@ def follow(runner: ModelRunner, channel: TPChannel, rank: int, size: int, memory
                 dist.gather(memory.report(), None, dst=0, group=channel.control)
                 continue
             if header.op in (Op.LISTEN, Op.EXPECT, Op.FORGET, Op.SEND_SHARDS):
-                link = link or ShardLink(lambda: runner.kv_caches)
+                if shard_transport is None:
+                    raise RuntimeError("rank-to-rank KV asked of a rank started without a data plane: a worker's "
+                                       "engine starts its ranks with one (services/tp_rank.py)")
+                link = link or ShardLink(lambda: runner.kv_caches, shard_transport())
                 _rank_to_rank(link, runner, channel, rank, header.op, header.args, payload)
                 continue
             kept = _do(runner, channel, rank, size, replicas, header.op, header.args, payload, kept)

@@ -37,6 +37,9 @@ COMPUTE_TIMEOUT_S = float(os.environ.get("KVMESH_TP_TIMEOUT_S", 120))
 # Followers wait for the next step on the control group while the engine idles, for as long as it idles.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 STOP_WAIT_S = 10.0
+# What a follower rank runs when the engine's owner names nothing else: compute only, no data plane for
+# rank-to-rank KV (a mesh worker names its own entry point, which brings one).
+COMPUTE_FOLLOWER = "shared.engine.tp.worker_main"
 
 
 class TPRankError(RuntimeError):
@@ -89,7 +92,7 @@ def join_groups(rank: int, size: int, init_method: str, device: str) -> tuple[TP
 class TPWorkers:
     """Rank 0's handle on its followers: the group, the channel, the processes and their one shutdown path."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, follower_main: str = COMPUTE_FOLLOWER) -> None:
         if dist.is_initialized():
             raise RuntimeError("this process already runs a tensor-parallel engine (torch.distributed is initialised)")
         self.size = config.tensor_parallel_size
@@ -100,7 +103,7 @@ class TPWorkers:
         text = config_to_json(config)
         # Each rank gets an equal share of rank 0's CPU threads (they would otherwise all take every core).
         threads = max(1, torch.get_num_threads() // self.size)
-        self.procs = [subprocess.Popen([sys.executable, "-m", "shared.engine.tp.worker_main", "--rank", str(r),
+        self.procs = [subprocess.Popen([sys.executable, "-m", follower_main, "--rank", str(r),
                                         "--size", str(self.size), "--init", init, "--parent", str(os.getpid()),
                                         "--threads", str(threads), "--config", text])
                       for r in range(1, self.size)]
@@ -174,13 +177,13 @@ class TPWorkers:
         atexit.unregister(self.kill)
 
 
-def start_tensor_parallel(c: EngineConfig) -> TPWorkers:
+def start_tensor_parallel(c: EngineConfig, follower_main: str = COMPUTE_FOLLOWER) -> TPWorkers:
     """Rank 0's follower ranks for config c, started once the degree and the devices are checked: a bad degree
-    fails before any process starts."""
+    fails before any process starts. follower_main: the module each follower runs (`python -m`)."""
     check_degree(load_model_config(c.model), c.tensor_parallel_size)
     if c.device.startswith("cuda"):
         last = rank_device(c.device, c.tensor_parallel_size - 1)
         if int(last.split(":")[1]) >= torch.cuda.device_count():
             raise ValueError(f"tensor-parallel size {c.tensor_parallel_size} from {c.device} needs {last}, but "
                              f"this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return TPWorkers(c)
+    return TPWorkers(c, follower_main)

@@ -12,23 +12,23 @@ reserved and told them (EXPECT); rank 0 forgets the transfer on them (FORGET) be
 and frames arriving later are refused.
 
 A follower's link runs an event loop on its own thread (the follower's main thread waits in collectives); writes
-into the KV cache happen on that thread, into reserved blocks no step reads."""
+into the KV cache happen on that thread, into reserved blocks no step reads.
+
+The link is given its data plane (a ShardTransport) by whoever assembles the rank's process: the engine
+computes and knows the bytes it moves, not the mesh's transports that carry them."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from shared.engine.kv_cache import KVCaches, write_blocks
 from shared.kv_blocks import KVBlocks
-from shared.kv_transport.base import TransferError
-from shared.kv_transport.direct import DirectSender, DirectServer
-from shared.kv_transport.incoming import TransferRegistry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,17 +49,39 @@ class ShardSendError(RuntimeError):
     """A follower rank could not deliver its shard: the transfer is given up (decode computes the prompt)."""
 
 
+class ShardTransport(Protocol):
+    """The data plane a link moves shards over. Every method runs on the link's event loop thread."""
+
+    async def listen(self, host: str) -> int:
+        """Open the receiver on host (once); its port."""
+
+    def expect(self, transfer_id: str, num_blocks: int, write: Callable[[KVBlocks], Awaitable[None]],
+               deadline_s: float, token: bytes) -> None:
+        """Accept frames of transfer_id up to logical block num_blocks, each handed to write."""
+
+    def forget(self, transfer_id: str) -> None:
+        """Refuse the transfer's frames from now on."""
+
+    def num_frames(self, blocks: KVBlocks) -> int:
+        """How many frames send() cuts blocks into (the next piece of a transfer numbers its frames on)."""
+
+    async def send(self, endpoint: str, token: bytes, transfer_id: str, blocks: KVBlocks, deadline_s: float,
+                   first_seq: int, final: bool) -> str | None:
+        """Deliver blocks to endpoint and wait for their acks; None, or why they did not arrive."""
+
+    async def close(self) -> None:
+        """Close the sender's connections and the receiver."""
+
+
 class ShardLink:
     """A follower rank's end of the data plane: a receiver (decode workers) and a sender (prefill workers)."""
 
-    def __init__(self, kv_caches: Callable[[], KVCaches]) -> None:
+    def __init__(self, kv_caches: Callable[[], KVCaches], transport: ShardTransport) -> None:
         self.kv_caches = kv_caches  # the runner's cache when a frame lands (the runner may swap it: the profile)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="tp-shard-link", daemon=True)
         self._thread.start()
-        self.registry = TransferRegistry()
-        self.server: DirectServer | None = None
-        self.sender = DirectSender()
+        self.transport = transport
         self._next_seq: dict[str, int] = {}  # frames sent so far of each open outgoing transfer
         self._sending: dict[str, asyncio.Task] = {}  # its last piece going out (each piece waits for the one before)
 
@@ -68,10 +90,7 @@ class ShardLink:
 
     def listen(self, host: str) -> int:
         """Open the receiver on host; its port."""
-        if self.server is None:
-            self.server = DirectServer(self.registry, host)
-            self._call(self.server.start())
-        return self.server.port
+        return self._call(self.transport.listen(host))
 
     def expect(self, transfer_id: str, token: bytes, block_ids: list[int], first_block: int, deadline_s: float) -> None:
         """Accept this rank's shard of logical blocks [first_block, first_block + len(block_ids)) into block_ids."""
@@ -90,13 +109,13 @@ class ShardLink:
                              blocks.first_layer)
 
         async def register() -> None:
-            self.registry.expect(transfer_id, first_block + len(block_ids), write, deadline_s, token)
+            self.transport.expect(transfer_id, first_block + len(block_ids), write, deadline_s, token)
 
         self._call(register())
 
     def forget(self, transfer_id: str) -> None:
         async def go() -> None:
-            self.registry.forget(transfer_id)
+            self.transport.forget(transfer_id)
 
         self._call(go())
 
@@ -113,11 +132,11 @@ class ShardLink:
             if error is not None:
                 return error
             try:
-                await asyncio.wait_for(self.sender.send(endpoint, target.token, tid, blocks, target.deadline_s,
-                                                        first_seq=seq, final=final), target.deadline_s)
-            except (TransferError, OSError, asyncio.TimeoutError) as e:
+                return await asyncio.wait_for(self.transport.send(endpoint, target.token, tid, blocks,
+                                                                  target.deadline_s, first_seq=seq, final=final),
+                                              target.deadline_s)
+            except asyncio.TimeoutError as e:
                 return f"{type(e).__name__}: {e}"
-            return None
 
         async def start() -> asyncio.Task:
             return asyncio.ensure_future(piece())
@@ -125,7 +144,7 @@ class ShardLink:
         task = self._call(start())
         if not final:
             self._sending[tid] = task
-            self._next_seq[tid] = seq + self.sender.num_frames(blocks)
+            self._next_seq[tid] = seq + self.transport.num_frames(blocks)
             return None
 
         async def wait() -> str | None:
@@ -139,13 +158,8 @@ class ShardLink:
         self._next_seq.pop(transfer_id, None)
 
     def close(self) -> None:
-        async def go() -> None:
-            await self.sender.close()
-            if self.server is not None:
-                await self.server.stop()
-
         try:
-            self._call(asyncio.wait_for(go(), 5))
+            self._call(asyncio.wait_for(self.transport.close(), 5))
         except (asyncio.TimeoutError, OSError, RuntimeError) as e:
             log.warning("shard link did not close cleanly: %s", e)
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,5 +1,8 @@
 """A follower rank's process: `python -m shared.engine.tp.worker_main --rank R --size N --init tcp://...
---config JSON`, started by shared/engine/tp/launch.py. It loads its weight shard, then follows rank 0."""
+--config JSON`, started by shared/engine/tp/launch.py. It loads its weight shard, then follows rank 0.
+
+This entry point computes only: a worker that moves KV rank to rank starts its ranks through
+services/tp_rank.py, which calls main() with the data plane."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -15,6 +19,7 @@ from shared.engine.cuda_device import use_device
 from shared.engine.model_runner import ModelRunner
 from shared.engine.tp.follower import follow
 from shared.engine.tp.rank_memory import RankMemory
+from shared.engine.tp.shard_link import ShardTransport
 from shared.engine.tp.launch import config_from_json, join_groups, rank_device
 from shared.models.loader import load_model
 
@@ -31,7 +36,7 @@ def die_with_parent(parent: int) -> None:
         sys.exit(1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, shard_transport: Callable[[], ShardTransport] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_positions=c.max_model_len, quantization=c.quantization,
                           pack_weights=c.cpu_weight_packing, tp=tp)
     memory.loaded()
-    follow(ModelRunner(model, c.block_size, device), channel, args.rank, args.size, memory)
+    follow(ModelRunner(model, c.block_size, device), channel, args.rank, args.size, memory, shard_transport)
     return 0
 
 
