@@ -47,7 +47,7 @@ def _workload(tmp: Path) -> Path:
 
 
 def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, prompts: int) -> dict:
-    cmd = [sys.executable, "-m", "shared.cli", "bench", "serve", "--base-url", base_url, "--model", model,
+    cmd = [sys.executable, "-m", "loadtest.cli", "bench", "serve", "--base-url", base_url, "--model", model,
            "--endpoint", "chat", "--temperature", "0", "--eos-mode", "ignore_eos", "--dataset", "jsonl",
            "--jsonl", str(jsonl), "--num-prompts", str(prompts), "--sweep-concurrency", levels, "--no-progress",
            "--json", str(out)]

@@ -8,14 +8,14 @@ MODEL=$1
 TAG=$2
 export PYTHONPATH=$PWD
 PY=$PWD/.venv/bin/python
-$PY -m shared.cli bench offline --model "$MODEL" --skip-hf --num-prompts 128 --threads 2 \
+$PY -m loadtest.cli bench offline --model "$MODEL" --skip-hf --num-prompts 128 --threads 2 \
     --json /tmp/c64_${TAG}_inproc.json > /tmp/c64_${TAG}_inproc.log 2>&1
 WORK=$(mktemp -d)
 (cd "$WORK" && setsid "$PY" -m shared.cli up --model "$MODEL" --prefill 1 --decode 1 --port 8011 \
     --kvstore-disk-dir none > /tmp/c64_${TAG}_up.log 2>&1 & echo $! > "$WORK/pid")
 for _ in $(seq 1 120); do curl -sf http://127.0.0.1:8011/v1/models > /dev/null && break; sleep 1; done
 sleep 3
-$PY -m shared.cli bench serve --base-url http://127.0.0.1:8011 --model "$(basename "$MODEL")" --dataset random \
+$PY -m loadtest.cli bench serve --base-url http://127.0.0.1:8011 --model "$(basename "$MODEL")" --dataset random \
     --input-len 32:512 --output-len 32:256 --num-prompts 128 --max-concurrency 64 --prompt-kind ids \
     --vocab-size 8192 --json /tmp/c64_${TAG}_mesh.json > /tmp/c64_${TAG}_mesh.log 2>&1
 kill -INT -- -"$(cat "$WORK/pid")" 2> /dev/null; sleep 8; kill -9 -- -"$(cat "$WORK/pid")" 2> /dev/null
