@@ -1,7 +1,7 @@
 """CPU decode attention: two batched matmuls (kernels/decode_attention._attend_one_query) vs torch's
 F.scaled_dot_product_attention (what the twin called before), in one engine, interleaved.
 
-`python -m loadtest.cpu_attention_ab [--json PATH] [--rounds 4] [--batches 1,8,32] [--threads N]`: SmolLM2-135M-Instruct
+`python -m loadtest.experiments.cpu_engine.cpu_attention_ab [--json PATH] [--rounds 4] [--batches 1,8,32] [--threads N]`: SmolLM2-135M-Instruct
 in bfloat16, eager decode, prompts of ~50 tokens, 64 output tokens each (ignore_eos). The baseline is swapped in
 for a round and out again (A, B, A, B, ...), so drift on a shared machine hits both; the ratio is the median of
 the per-round ratios.
@@ -14,7 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from loadtest.engine_ab import smollm2_ab_setup, decode_tok_s, interleaved, median_ratio, medians
+from loadtest.experiments.cpu_engine.engine_ab import smollm2_ab_setup, decode_tok_s, interleaved, median_ratio, medians
 from loadtest.report_json import emit_report
 
 # The module (kernels/__init__.py exports a function of the same name).

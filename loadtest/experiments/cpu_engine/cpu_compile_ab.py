@@ -1,6 +1,6 @@
 """CPU decode eager vs compiled (shared/engine/cpu_compile.py), in one process, interleaved.
 
-`python -m loadtest.cpu_compile_ab [--json PATH] [--rounds 5] [--batches 1,8,32] [--threads N]`: SmolLM2-135M-Instruct
+`python -m loadtest.experiments.cpu_engine.cpu_compile_ab [--json PATH] [--rounds 5] [--batches 1,8,32] [--threads N]`: SmolLM2-135M-Instruct
 in bfloat16 (packed linears), prompts of ~50 tokens, 64 output tokens each (ignore_eos), engine in process. Both
 engines are built once (the compiled one's start-up compile time is reported) and measured in turns (A, B, A,
 B, ...) so drift on a shared machine hits both; the ratio is the median of the per-round ratios. It also checks
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from loadtest.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
+from loadtest.experiments.cpu_engine.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
 from loadtest.report_json import emit_report
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine

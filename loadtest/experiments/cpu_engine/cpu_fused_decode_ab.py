@@ -1,7 +1,7 @@
 """CPU decode through the C++ decoder stack (shared/models/cpu_native.py) vs the Python path (torch twins), in one
 engine, interleaved (issue 27: the per-op overhead of small-batch decode).
 
-`python -m loadtest.cpu_fused_decode_ab [--json PATH] [--rounds 3] [--batches 1,8,32] [--threads 1,2]
+`python -m loadtest.experiments.cpu_engine.cpu_fused_decode_ab [--json PATH] [--rounds 3] [--batches 1,8,32] [--threads 1,2]
 [--quantization auto]`: SmolLM2-135M-Instruct in bfloat16 served as the CLI serves it (--quantization auto: the
 GGUF's Q4 blocks through int4 at <= 4 rows with a packed bf16 twin above), prompts of 50 tokens, 64 output tokens
 each (ignore_eos). The arms swap the runner's C++ stack in and out per measurement, so drift on a shared machine
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from loadtest.cpu_step_overhead_ab import ops_per_decode_step
-from loadtest.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
+from loadtest.experiments.cpu_engine.cpu_step_overhead_ab import ops_per_decode_step
+from loadtest.experiments.cpu_engine.engine_ab import decode_prompts, decode_tok_s, interleaved, median_ratio, medians
 from loadtest.report_json import emit_report
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
@@ -59,7 +59,7 @@ def main() -> None:
         ops[name] = {b: ops_per_decode_step(engine, b) for b in (1, 8)}
     report = {"issue": 27, "model": "SmolLM2-135M-Instruct", "dtype": "bfloat16",
               "quantization": engine.config.quantization if hasattr(engine, "config") else args.quantization,
-              "command": "PYTHONPATH=$PWD python -m loadtest.cpu_fused_decode_ab " + " ".join(
+              "command": "PYTHONPATH=$PWD python -m loadtest.experiments.cpu_engine.cpu_fused_decode_ab " + " ".join(
                   f"--{k} {v}" for k, v in vars(args).items() if k != "json" and v is not None),
               "machine": f"{os.cpu_count()}-core AMD EPYC (AVX512-BF16), shared with other helpers' jobs: only the "
                          "same-run ratios count, not the absolute tok/s",

@@ -1,6 +1,6 @@
 """bf16 decode on CPU with and without oneDNN pre-packed weights (shared/models/packed_linear.py), in one process.
 
-`python -m loadtest.cpu_packing [--json PATH] [--rounds 2] [--batches 1,8,32]`: SmolLM2-135M-Instruct in
+`python -m loadtest.experiments.cpu_engine.cpu_packing [--json PATH] [--rounds 2] [--batches 1,8,32]`: SmolLM2-135M-Instruct in
 bfloat16, prompts of ~50 tokens, 64 output tokens each (ignore_eos), engine in process; the two engines are
 built once and measured in turns (A, B, A, B, ...) so drift on a shared machine hits both. Prints decode tok/s
 per batch size and the packed/plain ratio.
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from loadtest.engine_ab import decode_tok_s, interleaved
+from loadtest.experiments.cpu_engine.engine_ab import decode_tok_s, interleaved
 from loadtest.report_json import emit_report
 from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine

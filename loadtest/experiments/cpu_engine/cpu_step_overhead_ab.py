@@ -3,7 +3,7 @@ q and k rotated together in four in-place ops (kernels/rotary.rope_rows / rotate
 derived once per step (kernels/store_kv.kept_slots), against the previous twin that gathered, cast and rotated q and
 k separately and filtered the slots (with a sync) in every layer, in one engine, interleaved.
 
-`python -m loadtest.cpu_step_overhead_ab [--json PATH] [--rounds 4] [--batches 1,8] [--threads N]`: SmolLM2-135M-Instruct
+`python -m loadtest.experiments.cpu_engine.cpu_step_overhead_ab [--json PATH] [--rounds 4] [--batches 1,8] [--threads N]`: SmolLM2-135M-Instruct
 in bfloat16 (packed linears), eager decode, prompts of ~50 tokens, 64 output tokens each (ignore_eos). The baseline
 is swapped in for a round and out again, so drift on a shared machine hits both arms; the ratio is the median of the
 per-round ratios. Greedy outputs of both arms are compared too.
@@ -16,7 +16,7 @@ import os
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loadtest.engine_ab import smollm2_ab_setup, decode_prompts, decode_tok_s, interleaved, median_ratio, medians
+from loadtest.experiments.cpu_engine.engine_ab import smollm2_ab_setup, decode_prompts, decode_tok_s, interleaved, median_ratio, medians
 from loadtest.report_json import emit_report
 from shared.engine.llm_engine import LLMEngine
 from shared.sampling_params import SamplingParams

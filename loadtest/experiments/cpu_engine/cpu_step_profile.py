@@ -1,6 +1,6 @@
 """Where one CPU decode step's time goes: torch.profiler over decode-only steps of the in-process engine.
 
-`python -m loadtest.cpu_step_profile [--batches 1,8] [--steps 20] [--json PATH] [--cpu-compile off|on]
+`python -m loadtest.experiments.cpu_engine.cpu_step_profile [--batches 1,8] [--steps 20] [--json PATH] [--cpu-compile off|on]
 [--cpu-kernels native|torch] [--quantization none|auto]`:
 SmolLM2-135M-Instruct in bfloat16 (packed linears, the CPU default), prompts of ~50 tokens; after the prompts
 are prefilled, `--steps` decode-only steps run under the profiler. Prints, per batch size, the wall time per

@@ -1,4 +1,4 @@
-"""Interleaved in-process engine A/Bs on the CPU (loadtest/cpu_packing.py, cpu_attention_ab.py, cpu_compile_ab.py, cpu_step_overhead_ab.py).
+"""Interleaved in-process engine A/Bs on the CPU (loadtest/experiments/cpu_engine/cpu_packing.py, cpu_attention_ab.py, cpu_compile_ab.py, cpu_step_overhead_ab.py).
 
 Every arm runs the same decode workload in turn, round after round, so a machine whose speed drifts (other jobs
 on the cores) slows every arm alike; a ratio is taken per round, then the median.

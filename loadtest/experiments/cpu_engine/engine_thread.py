@@ -1,6 +1,6 @@
 """What the thread an engine computes on costs (issue 27): decode tok/s of the same engine, driven three ways.
 
-`python -m loadtest.engine_thread [--json PATH] [--batches 1,8] [--rounds 2]`, SmolLM2-135M-Instruct in the
+`python -m loadtest.experiments.cpu_engine.engine_thread [--json PATH] [--batches 1,8] [--rounds 2]`, SmolLM2-135M-Instruct in the
 CPU's default dtype, prompts of 50 tokens, 64 output tokens (ignore_eos). Each way runs in its own process
 (an OpenMP team, once made, stays for the process's life), in turns:
 - main:     LLMEngine.generate on the main thread (the in-process baseline);
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONPATH=str(root))
     runs: dict[str, list[dict[str, float]]] = {"main": [], "worker": [], "poisoned": []}
     for _ in range(args.rounds):

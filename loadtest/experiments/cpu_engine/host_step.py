@@ -1,4 +1,4 @@
-"""`python -m loadtest.host_step`: the host's work per decode step, with the model's forward taken out.
+"""`python -m loadtest.experiments.cpu_engine.host_step`: the host's work per decode step, with the model's forward taken out.
 
 On a GPU the forward of a decode step at batch 128 takes a few milliseconds; whatever the host spends around
 it (scheduling, building the step's inputs and block tables, sampling bookkeeping, appending tokens and
@@ -96,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m loadtest.host_step", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtest.experiments.cpu_engine.host_step", description=__doc__.splitlines()[0])
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

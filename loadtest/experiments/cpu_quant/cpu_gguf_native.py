@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct's Q4_1 GGUF served natively (`--quantization gguf`, shared/models/gguf_quant.py) vs its
 dequantized bf16 weights (`--quantization none`): error, quality and speed, in one process.
 
-`python -m loadtest.cpu_gguf_native [--json PATH] [--threads N] [--rounds 3] [--batches 1,8,32]`:
+`python -m loadtest.experiments.cpu_quant.cpu_gguf_native [--json PATH] [--threads N] [--rounds 3] [--batches 1,8,32]`:
 - weight and layer-output error against the exact dequantization (float32): for every Q4_1 layer and the Q8_0
   head, max |w - exact| and the max abs difference of the layer's output on 8 random bf16-representable
   activation rows, for the native layer and for the bf16-rounded dequantized weight;
@@ -9,7 +9,7 @@ dequantized bf16 weights (`--quantization none`): error, quality and speed, in o
   float32 dequantized (the exact weights);
 - greedy agreement on 32 chat questions, 32 tokens each: native vs bf16 dequantized (identical rows, mean
   tokens before the first difference);
-- decode tok/s at each batch, arms interleaved round after round (loadtest/engine_ab.py), ratio = median of
+- decode tok/s at each batch, arms interleaved round after round (loadtest/experiments/cpu_engine/engine_ab.py), ratio = median of
   the per-round ratios. Arms: dequant (bf16, packed), native (`gguf`: Q4_1 int4 + Q8_0 head as int8), and
   hybrid (`gguf-hybrid`: native for steps of at most 4 rows, the packed bf16 twin above; its quality is native's
   at small batch and dequant's above, so only its speed is measured).
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from loadtest.engine_ab import decode_tok_s, interleaved, median_ratio, medians
+from loadtest.experiments.cpu_engine.engine_ab import decode_tok_s, interleaved, median_ratio, medians
 from loadtest.report_json import emit_report
 
-TEXT = Path(__file__).parent / "data" / "alice_ch1.txt"
+from loadtest.chat_prompts import PERPLEXITY_TEXT as TEXT  # noqa: E402
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from loadtest.eos_offline import KINDS, TOPICS
+    from loadtest.chat_prompts import KINDS, TOPICS
     from shared.config import EngineConfig
     from shared.engine.llm_engine import LLMEngine
     from shared.models.smollm2 import smollm2_checkpoint

@@ -1,6 +1,6 @@
 """CPU serving of SmolLM2-135M-Instruct in float32, bfloat16 and weight-only int8 / int4: quality and speed.
 
-`python -m loadtest.cpu_quant [--json PATH] [--threads N]`. For each variant, in one process:
+`python -m loadtest.experiments.cpu_quant.cpu_quant [--json PATH] [--threads N]`. For each variant, in one process:
 - perplexity of a fixed public-domain text (loadtest/data/alice_ch1.txt, Carroll, 1865) from prompt logprobs;
 - greedy agreement with float32 kvmesh (which equals transformers' float32: tests/test_smollm2.py) on 32 chat
   questions, 32 tokens each: identical sequences and mean tokens before the first difference;
@@ -22,7 +22,7 @@ import torch
 from loadtest.report_json import emit_report
 
 VARIANTS = [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4"), ("float32", "int4")]
-TEXT = Path(__file__).parent / "data" / "alice_ch1.txt"
+from loadtest.chat_prompts import PERPLEXITY_TEXT as TEXT  # noqa: E402
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from loadtest.eos_offline import KINDS, TOPICS
+    from loadtest.chat_prompts import KINDS, TOPICS
     from shared.config import EngineConfig
     from shared.engine.llm_engine import LLMEngine
     from shared.models.smollm2 import smollm2_checkpoint

@@ -1,7 +1,7 @@
 """Offline throughput with real output lengths (eos on) on SmolLM2-135M-Instruct: kvmesh's engine vs
 transformers generate() in static batches, same process, same float32 weights and threads.
 
-`python -m loadtest.eos_offline [--num-prompts 32] [--max-tokens 128] [--json PATH]`. Prompts are chat
+`python -m loadtest.experiments.cpu_quant.eos_offline [--num-prompts 32] [--max-tokens 128] [--json PATH]`. Prompts are chat
 questions; each request stops at the model's eos (<|im_end|>) or max_tokens. Throughput counts each
 request's tokens up to and including its eos; a static batch keeps computing finished rows until its
 longest row ends, which is the cost of not batching continuously. The fixed-length workload (ignore_eos)
@@ -16,12 +16,8 @@ import time
 
 import torch
 
+from loadtest.chat_prompts import KINDS, TOPICS
 from loadtest.report_json import emit_report
-
-TOPICS = ["the moon", "photosynthesis", "the French revolution", "Python lists", "volcanoes", "the heart",
-          "rainbows", "bees", "gravity", "the internet", "chess", "coffee", "glaciers", "the Roman empire",
-          "electricity", "sleep"]
-KINDS = ["Explain {} in one paragraph.", "What is {}?", "Give three facts about {}.", "Write a haiku about {}."]
 
 
 def _cut(tokens: list[int], eos: int) -> list[int]:

@@ -1,9 +1,9 @@
 """Greedy agreement of an FP8 (e4m3) KV cache with a bf16 one, and the bytes per block of each.
 
-`python -m loadtest.fp8_agreement --smollm2 [--json PATH]`: SmolLM2-135M-Instruct (trained weights, the
+`python -m loadtest.experiments.cpu_quant.fp8_agreement --smollm2 [--json PATH]`: SmolLM2-135M-Instruct (trained weights, the
 demo model), 64 prompts (32 chat questions, 32 raw text openings) x 32 greedy tokens, eos ignored.
 
-`python -m loadtest.fp8_agreement [--json PATH]`: the four test architectures (tiny, random weights,
+`python -m loadtest.experiments.cpu_quant.fp8_agreement [--json PATH]`: the four test architectures (tiny, random weights,
 bf16 on CPU), 12 prompts x 32 greedy tokens each. Random tiny models have flat next-token distributions,
 so one rounding difference flips a token far more often than with a trained model: read this as a
 lower bound, and measure real checkpoints on a GPU.

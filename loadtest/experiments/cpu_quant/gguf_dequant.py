@@ -1,7 +1,7 @@
 """Which dequantizer the GGUF loader uses, by measurement: gguf's numpy dequantize, transformers' GGUF
 loading (which calls gguf's dequantize per tensor, then builds torch tensors), and a vectorised torch
 Q4_1 dequantizer, on the Q4_1 tensors of SmolLM2-135M-Instruct; plus the loader's cold (convert) and
-warm (cache hit) resolve times. `python -m loadtest.gguf_dequant --json loadtest/results/gguf_dequant.json`"""
+warm (cache hit) resolve times. `python -m loadtest.experiments.cpu_quant.gguf_dequant --json loadtest/results/gguf_dequant.json`"""
 from __future__ import annotations
 
 import argparse

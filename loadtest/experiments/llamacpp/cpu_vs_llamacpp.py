@@ -1,6 +1,6 @@
 """CPU serving against llama.cpp on the same weights and cores, one server at a time (issue 27's workload).
 
-`python -m loadtest.cpu_vs_llamacpp --json loadtest/results/cpu_vs_llamacpp.json [--configs ...]`
+`python -m loadtest.experiments.llamacpp.cpu_vs_llamacpp --json loadtest/results/cpu_vs_llamacpp.json [--configs ...]`
 
 Workload: 32 chat prompts "Tell me a long story about the town of X." (about 50 prompt tokens with the chat
 template), 128 output tokens each (ignore_eos), greedy, streamed through the chat endpoint with `kvmesh bench
@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loadtest.eos_offline import TOPICS
+from loadtest.chat_prompts import TOPICS
 from loadtest.report_json import emit_report
 from loadtest.up_process import kvmesh_up
 from loadtest.serve.llamacpp import CACHE, LlamaCppConfig, server_binary, source_version, start_llamacpp

@@ -7,7 +7,7 @@ streams through one gateway for --round-s seconds; its figure is the gateway pro
 /proc) over the round per output token the client received. The machine is shared, so only ratios from rounds of
 one run mean anything; the JSON keeps every round.
 
-    python -m loadtest.gateway_cpu_ab --before HEAD --json loadtest/results/gateway_cpu_ab.json
+    python -m loadtest.experiments.mesh_overhead.gateway_cpu_ab --before HEAD --json loadtest/results/gateway_cpu_ab.json
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from loadtest.scale_bench import _stream_lean
 from loadtest.sim_mesh import READY, cpu_seconds, free_port
 from shared.bus.natsd import NatsServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _export(rev: str, dest: Path) -> Path:
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median([x["cpu_ms_per_token"] for x in v if x["cpu_ms_per_token"]] or [float("nan")])
            for k, v in runs.items()}
     cores = {k: statistics.median(x["gateway_cores"] for x in v) for k, v in runs.items()}
-    out = {"command": "python -m loadtest.gateway_cpu_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
+    out = {"command": "python -m loadtest.experiments.mesh_overhead.gateway_cpu_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
            "before_rev": subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.before], capture_output=True,
                                         text=True).stdout.strip(),
            "config": vars(args), "median_gateway_cpu_ms_per_token": med,

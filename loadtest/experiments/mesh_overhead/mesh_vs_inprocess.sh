@@ -1,6 +1,6 @@
 #!/bin/bash
 # The mesh at concurrency 64 against the engine in process, back to back (issue 10's 0.85 target).
-#   loadtest/mesh_vs_inprocess.sh MODEL_DIR TAG   -> /tmp/c64_TAG_inproc.json, /tmp/c64_TAG_mesh.json
+#   loadtest/experiments/mesh_overhead/mesh_vs_inprocess.sh MODEL_DIR TAG   -> /tmp/c64_TAG_inproc.json, /tmp/c64_TAG_mesh.json
 # MODEL_DIR: a checkpoint with a tokenizer whose vocabulary matches the model (loadtest/results/README.md
 # says how the CPU figures' one was built). Run it from the repository root after `make venv`.
 set -u

@@ -1,5 +1,5 @@
 """Per-token cost of the two incremental detokenizers on the same tokens, in one run:
-`python -m loadtest.detokenize [--tokens N] [--json PATH]`.
+`python -m loadtest.experiments.streaming_text.detokenize [--tokens N] [--json PATH]`.
 
 Byte-level BPE (the demo tokenizer) and a SentencePiece-style tokenizer with byte fallback, each decoding
 N generated tokens one at a time after a prompt, as the gateway does for a stream.

@@ -1,6 +1,6 @@
 """Count the chunks of one streamed forced tool call (issue 26's figure) against a running OpenAI-compatible server.
 
-Usage: python -m loadtest.tool_call_chunks BASE_URL MODEL OUT.json   (BASE_URL ends in /v1)
+Usage: python -m loadtest.experiments.streaming_text.tool_call_chunks BASE_URL MODEL OUT.json   (BASE_URL ends in /v1)
 Per request (required / named tool_choice, max_tokens 60 and 8): chunks, empty chunks (no content, tool-call
 delta, finish reason or role), chunks with a tool-call delta, completion tokens, finish reason.
 """

@@ -1,6 +1,6 @@
 """Mask time per decode step of the two maintained grammar engines (xgrammar, llguidance) on one tokenizer.
 
-`python -m loadtest.grammar_masks [--json PATH]`: each engine compiles the same JSON schema, then follows
+`python -m loadtest.experiments.structured_outputs.grammar_masks [--json PATH]`: each engine compiles the same JSON schema, then follows
 the same token sequence (a valid answer sampled once under xgrammar's mask), filling a bitmask before
 every token; reported: compile time and mean/p99 mask time per step. The tokenizer is the demo model's
 byte-level BPE (no real tokenizer can be downloaded here); padded to a 151,936-row vocabulary, as Qwen3.
