@@ -3,7 +3,7 @@
     python docs/gen_cli_reference.py           # rewrite docs/reference/cli.md
     python docs/gen_cli_reference.py --check   # exit 1 when the committed file is stale
 
-The parsers are the ones the commands run: `shared.cli.build_parser` for `kvmesh <command>` and
+The parsers are the ones the commands run: `loadtest.cli.build_parser` (the console entry) for `kvmesh <command>` and
 `kvmesh bench <benchmark>`, `shared.service_runner.service_parser` for `kvmesh serve <service>`. Defaults
 read from the environment (KVMESH_*, NATS_*, ...) are rendered as if it were empty, and the few that
 depend on the machine (CPU count, host name, process id) by name, so the file is the same everywhere.
@@ -62,7 +62,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def collect() -> list[tuple[str, argparse.ArgumentParser]]:
     """(command line, parser) for every kvmesh command, in the order the reference lists them."""
     sys.path.insert(0, str(ROOT))
-    from shared.cli import build_parser
+    from loadtest.cli import build_parser
     from shared.launcher.process_spec import SERVICES
     from shared.service_runner import service_parser
 
@@ -107,6 +107,7 @@ def _default(action: argparse.Action) -> str:
     # A worker's default id is <role>-<host name>-<process id> (services/engine_worker.py).
     host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
     text = str(d).replace(f"-{host}-{os.getpid()}", "-<host>-<pid>")
+    text = text.replace(f"{ROOT}{os.sep}", "")  # a path inside the checkout, relative to it
     return f"`{_cell(text)}`" if text else '`""`'
 
 

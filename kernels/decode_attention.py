@@ -82,7 +82,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         b = g.rows.shape[0]
         ks = dequant(gather_blocks(k_cache, g.table), k_scale, q.dtype).view(b, g.blocks * bs, *k_cache.shape[2:])
         vs = dequant(gather_blocks(v_cache, g.table), v_scale, q.dtype).view(b, g.blocks * bs, *v_cache.shape[2:])
-        if b == 1:  # one row: the flash kernel's single call beats the matmuls' eight (loadtest/cpu_attention_ab.py)
+        if b == 1:  # one row: the flash kernel's single call beats the matmuls' eight
             o = F.scaled_dot_product_attention(q[g.rows].unsqueeze(2), ks.transpose(1, 2), vs.transpose(1, 2),
                                                attn_mask=g.mask, scale=scale, enable_gqa=True).squeeze(2)
         else:
@@ -98,7 +98,7 @@ def _attend_one_query(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask:
     Two batched matmuls and a softmax, not F.scaled_dot_product_attention: for one query row per sequence, torch's
     CPU flash kernel costs 5-9x as much per call at batch 8-32 (measured on this project's 2-core CPU, SmolLM2's
     9 heads over 3 KV heads, bf16, ~110-180 tokens), and decode attention was a third of a batch-8 step; a whole
-    engine decodes 1.45x / 1.33x faster at batch 8 / 32 (loadtest/results/cpu_attention_ab.json). A group of one
+    engine decodes 1.45x / 1.33x faster at batch 8 / 32. A group of one
     row keeps the flash kernel: there its one call beat these eight ops in the engine (0.89x). Its
     numerics: scores and softmax in float32 as the flash kernel's, probabilities rounded to the model dtype for
     the product with V (errors against a float32 reference measured equal to the flash kernel's)."""

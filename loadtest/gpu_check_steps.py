@@ -76,7 +76,7 @@ def _sync(device: str) -> None:
 
 def _bench(args, argv: list[str], out: Path) -> dict:
     """Run a `kvmesh bench ...` command in this process; its JSON result (appended as the step's one case)."""
-    from shared.cli import main
+    from loadtest.cli import main
 
     t0 = time.perf_counter()
     rc = main(["bench", *argv, "--json", str(out)])

@@ -2,7 +2,7 @@
 POST, the response's status and headers, and its body as SSE `data:` payloads (chunked or Content-Length).
 
 Why not httpx: at 2,000 concurrent streams the bench's own httpx client was the busiest process on the machine
-(~1.15 ms of CPU per streamed token on the quiet 2-core machine, session 35), so its lag was counted as time the
+(~1.15 ms of CPU per streamed token on a quiet 2-core machine), so its lag was counted as time the
 mesh adds. This does the least the benchmark needs: one `read()` per socket read (however many chunks and events
 it holds), chunked decoding and SSE splitting on bytes with `find`, no per-line coroutine, no pool, no
 per-request objects beyond the response. It speaks plain http:// only, one request at a time per connection,

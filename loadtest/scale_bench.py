@@ -1,4 +1,4 @@
-"""`kvmesh bench scale`: a simulated mesh of 64 decode + 16 prefill workers (issue 25 section 1) under streaming
+"""`kvmesh bench scale`: a simulated mesh of 64 decode + 16 prefill workers under streaming
 load, on this machine.
 
 One real `kvmesh up --engine sim` (nats-server on its locked-down bus, gateway, tokenizer, the workers packed

@@ -19,7 +19,7 @@ import torch
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Llama shape of the benchmark model (issue 2: hidden 512, 8 layers, 8 heads, 4 KV heads)."""
+    """Llama shape of the benchmark model (by default hidden 512, 8 layers, 8 heads, 4 KV heads)."""
 
     hidden_size: int = 512
     num_hidden_layers: int = 8

@@ -52,7 +52,7 @@ class EngineConfig:
     # gguf-hybrid when that applies, else None. Resolved here.
     quantization: str | None = None
     # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
-    # about 2x faster decode matmuls. False: plain F.linear (the A/B baseline of loadtest/cpu_packing.py).
+    # about 2x faster decode matmuls. False: plain F.linear (the baseline to compare with).
     cpu_weight_packing: bool = True
     # Ranks one engine's model is split across (shared/engine/tp/): rank 0 is this engine, the others are
     # follower processes it starts; 1 is the single-device engine, unchanged.
@@ -61,7 +61,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # Decode steps on CPU through torch.compile, batch sizes bucketed and compiled at start
     # (shared/engine/cpu_compile.py): "off" (eager, the default: compiled measured 0.92-1.07x of eager on the
-    # project's loaded 2-core CPU, loadtest/results/cpu_compile_ab_1thread.json), "auto" (when serving bf16 on
+    # project's loaded 2-core CPU), "auto" (when serving bf16 on
     # a CPU with a C++ compiler), "on".
     cpu_compile: str = "off"
     # Schedule and build step n+1 while step n computes (shared/engine/async_step.py): None is on for CUDA devices

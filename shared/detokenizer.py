@@ -5,7 +5,7 @@ decoding a prefix that ends mid-character gives U+FFFD. Two implementations of o
 
 - `tokenizers.decoders.DecodeStream` (Rust, in the tokenizers library) for every fast tokenizer: it
   keeps the same prefix/read-offset window as vLLM's detokenizer and is about 10x cheaper per token
-  (measured on the demo tokenizer: 0.8 us vs 8.5 us per token; loadtest figures in loadtest/results/README.md).
+  (measured on the demo tokenizer: 0.8 us vs 8.5 us per token).
 - The hand-written window below for tokenizers without a Rust backend (any object with `decode`), and
   for `flush`, which DecodeStream cannot do: at the end of generation the tokens it still holds back
   (an incomplete character) are emitted as decode() would, U+FFFD included.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from shared.cli import main
+from loadtest.cli import main
 
 
 def test_disk_layout_bench_measures_every_layout(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from loadtest.workload import TINY_SHAPE, build_bench_model
-from shared.cli import main
+from loadtest.cli import main
 
 
 def test_kv_transfer_bench_reports_transfer_and_ttft(tmp_path):

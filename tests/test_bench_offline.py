@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.workload import TINY_SHAPE, build_bench_model
-from shared.cli import main
+from loadtest.cli import main
 
 OFFLINE_KEYS = ("kvmesh_tok_s", "hf_batched_tok_s", "hf_unbatched_tok_s", "hf_continuous_tok_s",
                 "ratio_vs_hf_batched", "ratio_vs_hf_continuous")

@@ -24,7 +24,7 @@ from loadtest.serve.client import RequestResult
 from loadtest.serve.datasets import PromptMaker, id_pool, parse_len, random_dataset, shared_prefix_dataset
 from loadtest.serve.payload import Endpoint, EosMode, Message, build_body
 from loadtest.serve.metrics import parse_goodput, summarize
-from shared.cli import main
+from loadtest.cli import main
 from shared.models.demo_tokenizer import BOS, EOS, PAD, cached_byte_bpe, write_tokenizer_files
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -350,7 +350,7 @@ def test_request_bodies():
 
 def test_baseline_cli_starts_and_stops_on_ctrl_c(model_dir):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "bench", "baseline", "--model", str(model_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest.cli", "bench", "baseline", "--model", str(model_dir),
                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=Path(__file__).resolve().parents[1], env=dict(os.environ))
     try:

@@ -9,7 +9,7 @@ import json
 import httpx
 
 from loadtest.serve.spec_metrics import SpecCounters, SpecDecodeSummary, metrics_url, parse_spec_counters, scrape
-from shared.cli import main
+from loadtest.cli import main
 from tests.gateway_harness import Mesh
 from tests.test_spec_decode import NGRAM, repetitive_prompts
 

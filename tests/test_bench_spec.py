@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shared.cli import main
+from loadtest.cli import main
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from loadtest.workload import TINY_SHAPE, build_bench_model
-from shared.cli import main
+from loadtest.cli import main
 
 
 def test_tiers_bench_serves_the_prefix_from_each_tier(tmp_path):

@@ -66,7 +66,7 @@ def test_smollm2_in_bfloat16_and_quantized_keeps_its_quality(smollm2_dir) -> Non
     ppl = {"float32": _perplexity(engine("float32"), ids), "bfloat16": _perplexity(bf16, ids),
            "int8": _perplexity(engine("bfloat16", "int8"), ids), "int4": _perplexity(engine("bfloat16", "int4"), ids)}
     assert abs(ppl["bfloat16"] / ppl["float32"] - 1) < 0.01, ppl
-    # Bounds from loadtest/results/cpu_quant_smollm2.json on the whole text (+0.5% int8, about +3% int4).
+    # Bounds from loadtest/experiments/cpu_quant/results/cpu_quant_smollm2.json on the whole text (+0.5% int8, about +3% int4).
     assert ppl["int8"] / ppl["float32"] < 1.02 and ppl["int4"] / ppl["float32"] < 1.06, ppl
     # Greedy in bfloat16 against transformers in bfloat16 on chat questions: in bf16 a
     # near-tie may resolve differently in two correct implementations, so most, not all, must agree.

@@ -137,15 +137,14 @@ def test_engine_serves_native_close_to_dequantized(tiny) -> None:
 def test_smollm2_native_q4_1_quality_against_dequantized(smollm2_dir) -> None:
     """The real demo model, native Q4_1 (int4 layers, int8 head) vs its dequantized bf16 weights: perplexity of a
     fixed text within 1%, and greedy chat answers that stay together for most of their first 16 tokens (bf16
-    rounding alone splits near-ties: loadtest/results/cpu_gguf_native.json has 18/32 rows identical over 32)."""
+    rounding alone splits near-ties: measured, 18 of 32 rows identical over 32 tokens)."""
     import math
 
-    from loadtest.cpu_gguf_native import TEXT, _first_difference
-    from loadtest.eos_offline import KINDS, TOPICS
+    from loadtest.chat_prompts import KINDS, PERPLEXITY_TEXT, TOPICS
     from shared.models.tokenizer import encode_chat, load_tokenizer
 
     tok = load_tokenizer(str(smollm2_dir))
-    text_ids = tok(TEXT.read_text())["input_ids"]
+    text_ids = tok(PERPLEXITY_TEXT.read_text())["input_ids"]
     chats = [encode_chat(tok, [{"role": "user", "content": k.format(t)}]) for t in TOPICS for k in KINDS][:8]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ppl, toks = {}, {}
@@ -158,5 +157,8 @@ def test_smollm2_native_q4_1_quality_against_dequantized(smollm2_dir) -> None:
         ppl[quant] = math.exp(-sum(lps) / len(lps))
         toks[quant] = [o.output_token_ids for o in e.generate(chats, params, use_tqdm=False)]
     assert abs(ppl["gguf"] / ppl["none"] - 1) < 0.01, ppl
+    def _first_difference(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
     together = sum(_first_difference(a, b) for a, b in zip(toks["gguf"], toks["none"])) / len(chats)
     assert together >= 8, f"{together} tokens before the first difference, mean of 8 rows"

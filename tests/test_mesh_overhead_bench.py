@@ -1,8 +1,8 @@
-"""loadtest/mesh_c1_overhead.py's decode-worker view: read from the gateway's real /metrics page (so a renamed
+"""loadtest/worker_view.py: the decode-worker view: read from the gateway's real /metrics page (so a renamed
 series fails here, not silently as None in a benchmark), and its ratios."""
 from __future__ import annotations
 
-from loadtest.mesh_c1_overhead import WORKER_SERIES, ratios, worker_series, worker_view
+from loadtest.worker_view import WORKER_SERIES, ratios, worker_series, worker_view
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from shared.protocol.generate import RequestTimings

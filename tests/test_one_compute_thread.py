@@ -2,7 +2,7 @@
 
 torch's CPU ops run their parallel loops in an OpenMP team per calling thread; once a second thread of a
 process has run one parallel op, the engine's steps on a 2-core CPU get about 1.45x slower (SmolLM2 bf16,
-batch 1: 31 -> 21 tok/s; loadtest/engine_thread.py). Python cannot see OpenMP teams, so these tests load a
+batch 1: 31 -> 21 tok/s; loadtest/experiments/cpu_engine/engine_thread.py). Python cannot see OpenMP teams, so these tests load a
 small probe (tests/omp_masters.c, LD_PRELOAD) that records which threads start parallel regions, run a real
 `kvmesh up` on the real SmolLM2 checkpoint (its KV blocks are large enough that copying one runs in parallel)
 with remote prefill, KV transfer, kvstore offload and a kvstore fetch, and check each engine worker process

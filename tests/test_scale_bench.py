@@ -107,7 +107,7 @@ def test_a_level_ramps_settles_and_counts_refusals_apart(mesh) -> None:  # noqa:
 def test_bench_serve_with_the_lean_client_measures_what_httpx_does(mesh, tmp_path, capsys) -> None:  # noqa: ANN001
     """`bench serve --http-client lean` (opt-in; httpx stays the default): the same requests, the same token
     counts from usage and per-chunk timings as with httpx, streamed and plain JSON."""
-    from shared.cli import main
+    from loadtest.cli import main
 
     docs = {}
     for client in ("httpx", "lean"):

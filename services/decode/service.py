@@ -55,7 +55,7 @@ class DecodeSettings:
     direct_kv: bool = True  # False: prefill workers push KV over NATS only
     # Suffix speculation: publish finished outputs to the other decode workers and learn theirs
     # (suffix_sharing.py). Only where the speculative method is suffix. Off by default: measured on SmolLM2 it
-    # saves 1-4% of decode steps (loadtest/results/spec_shared_suffix_cpu.json) while each worker's engine
+    # saves 1-4% of decode steps (`kvmesh bench spec-shared`) while each worker's engine
     # thread counts every peer's outputs too.
     share_suffix_outputs: bool = False
     # Tensor-parallel: a prefill worker of the same degree sends each rank's KV heads to the matching rank here

@@ -3,7 +3,7 @@
 Token chunks, load beats and block events all reach the gateway through one socket and one event loop. When it
 is asked for more than its CPU carries, the backlog builds in the socket and in nats-server's buffer for the
 connection (up to the point where the server cuts it off as a slow consumer), where no event-loop lag probe sees
-it (issue 25). A tiny message the gateway publishes to its own inbox queues behind exactly that backlog, so its
+it. A tiny message the gateway publishes to its own inbox queues behind exactly that backlog, so its
 round trip is the gateway's input lag. Admission (services/gateway/overload.py) refuses new requests while it
 is above a bound: the gateway sheds load before workers look dead and streams stall, whatever the machine.
 

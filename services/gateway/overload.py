@@ -1,7 +1,7 @@
 """Admission: the gateway takes at most `max_inflight_requests` generation requests at once.
 
 Every streamed token costs the gateway CPU (routing, detokenizing, stop strings, SSE: ~0.4-0.6 ms per token
-measured on a 2-core CPU, issue 25). Admitting more streams than it can carry does not serve more: its event
+measured on a 2-core CPU). Admitting more streams than it can carry does not serve more: its event
 loop falls behind, workers' load beats are handled late, NATS cuts its connection off as a slow consumer, and
 every stream degrades at once. Past the bound a new request gets a fast 429 with Retry-After instead (as TGI
 answers past its --max-concurrent-requests), and the streams already admitted keep their pace. Retry-After

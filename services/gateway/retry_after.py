@@ -1,7 +1,7 @@
 """When a refused client should come back: Retry-After from the backlog the gateway measures, with jitter.
 
 A constant Retry-After makes every client refused in the same second come back in the same second: the gateway
-admits a few, refuses the rest again, and the load oscillates in lock-step (issue 25's 2,000 streams). So:
+admits a few, refuses the rest again, and the load oscillates in lock-step (seen at 2,000 streams on 2 cores). So:
 
 - the estimate is the time the refusal's cause takes to clear: for the input lag (services/gateway/input_lag.py),
   the lag itself (the backlog a lag of L seconds stands for takes about L to drain once new requests stop); for

@@ -171,7 +171,7 @@ class Router:
         """Whether the worker is dead to the router: silent past the expiry by the gateway's own hearing.
 
         A beat reaches the router only after the gateway's event loop gets to it, behind every token message
-        that came first on the same connection. A gateway that falls behind (issue 25: 2,000 streams on 2
+        that came first on the same connection. A gateway that falls behind (2,000 streams on 2
         cores) hears every beat late at once; judged by the wall clock, every worker then looks dead
         together, their requests migrate (more work) and the mesh collapses. So silence is judged against the
         beats the gateway does handle:

@@ -20,7 +20,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
 def _gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2's bytes_to_unicode, inverted: the printable character byte-level BPE writes for each byte.
     Built once and shared (only read): every streamed request builds a TokenBytes, and building this table
-    took ~0.5 ms of the gateway's CPU per request (issue 25's profile)."""
+    took ~0.5 ms of the gateway's CPU per request in a profile of the gateway."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0

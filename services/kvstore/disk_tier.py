@@ -6,7 +6,7 @@ miss, never served. At start every slot's header is read, so the tier survives a
 LRU order). The byte cap counts slots (slot size = a block's record rounded up to 4096).
 
 Why a slab file rather than one file per block (or per group of blocks): measured with `kvmesh bench
-disk-layout` (loadtest/results/README.md has the table). Once the tier is full, which is a cache's
+disk-layout`. Once the tier is full, which is a cache's
 steady state, one file per block pays a create, a rename and an unlink per block: 0.33 GB/s against the slab's 1.35 at
 0.1 MB blocks, 1.9 against 5.4 at 1.8 MB (ext4, 4 threads, medians of 3); cold reads run at the disk's speed
 either way, and a restart scans 4-5x faster. O_DIRECT is off by default (`direct`): on the machine measured

@@ -1,7 +1,7 @@
 """A reply inbox's messages, handed over by its subscription's callback and read by one waiting task.
 
 nats-py's `next_msg` starts a task, a `wait_for` and a uuid for every message it returns: for a gateway that reads
-one token stream per request, most of what a streamed token cost it on the bus side (issue 25). Subscribed with
+one token stream per request, most of what a streamed token cost it on the bus side. Subscribed with
 this as the callback (nats-py's public API), the subscription hands each message over in order, and the reader
 takes it from a deque, waiting on one future (with one timer) only when the deque is empty.
 

@@ -4,7 +4,7 @@ future, a timer and a wake-up of the waiting task per stream every watch interva
 Why: the gateway's streams watch their worker every 0.25 s while they wait for the next token
 (services/gateway/choice.py). At 2,000 streams of a slow simulated mesh (a token every ~2 s) that was 8,000
 wake-ups a second whatever the token rate: each a future, a timer in a heap of thousands, a task step through
-the stream's read loop and the check. A cProfile of the gateway at 2,000 streams (session 35) counted ~1 million
+the stream's read loop and the check. A cProfile of the gateway at 2,000 streams counted ~1 million
 waits for ~18,000 tokens, and the gateway spent ~2 ms of CPU per streamed token against ~0.3 at 500 streams.
 
 Here the waiting stream parks one future with its deadline and its check; one periodic tick (only while anything

@@ -2,7 +2,7 @@
 
 An eager CPU decode step dispatches about 280 aten ops per decoder layer (views, casts, the norms' and rotary's
 elementwise ops, the KV store, attention, four matmuls): at batch 1 on SmolLM2-135M that is ~8,300 ops and most
-of the step (loadtest/results/cpu_step_profile.json). Compiled, a layer is about ten calls: fused C++ loops for
+of the step (a profile of the eager step). Compiled, a layer is about ten calls: fused C++ loops for
 the norms, residual adds, rotary and SiLU*mul, the packed oneDNN matmuls and the attention twin as opaque ops
 (shared/models/packed_linear.py, kernels/store_kv.py, kernels/decode_attention.py).
 
@@ -31,7 +31,7 @@ CpuCompileMode = Literal["auto", "on", "whole", "off"]
 # whole: the whole decode forward (embedding, every layer, final norm) as one graph per bucket instead of one
 # layer's graph called per layer: one guard check a step instead of one per layer. An experiment beside "on", not
 # picked by auto: on SmolLM2 it compiled for 930 s at start on the loaded 2-core CPU (118 s for "on") and was not
-# measurably faster at batch 1 (loadtest/results/cpu_compile_whole_gguf_1thread.json).
+# measurably faster at batch 1.
 CPU_COMPILE_MODES = ("auto", "on", "whole", "off")
 
 

@@ -8,7 +8,8 @@ callback scheduled with call_soon_threadsafe.
 Why one thread from the start: torch's CPU ops run in an OpenMP team per calling thread, and on a small CPU
 two teams slow each other down. Measured on this project's 2-core CPU (SmolLM2 bf16, batch 1): 31 tok/s when
 one thread builds and steps the engine, 21 tok/s once another thread has run a single parallel op
-(loadtest/engine_thread.py keeps that figure). So the event loop's thread must never compute with torch.
+(loadtest/experiments/cpu_engine/engine_thread.py measures it). So the event loop's thread must never
+compute with torch.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Every CPU engine worker computes with all the machine's cores (torch's OpenMP te
 prefill worker and a decode worker on one CPU are two teams on the same cores. An OpenMP team whose cores are
 taken by another busy process spin-waits at each of its barriers for the thread that lost its core: measured on
 this project's 2-core CPU (SmolLM2 Q4_1, batch-1 decode in process, while other jobs used the cores): 186 and
-258 ms a token with 2 threads against 50 and 25 with 1 in the same rounds (loadtest/results/mesh_c1_overhead_s34.json). A remote
+258 ms a token with 2 threads against 50 and 25 with 1 in the same runs. A remote
 prefill on the same CPU therefore slows every decode step it overlaps instead of taking work off the decode
 worker, and an idle prefill worker still holds a second copy of the model. The decode worker prefills locally
 (chunked inside its batch), which is what a prefill worker would compute, on the same cores, without the KV

@@ -173,6 +173,12 @@ class ProcessSpec:
     members: tuple[str, ...] = ()
 
 
+def service_module(name: str) -> str:
+    """The module a service's process runs (`python -m services.<name>`): the launcher starts services as
+    processes by name and imports none of them, so shared/ stays below services/ in the import graph."""
+    return f"services.{name}"
+
+
 @dataclass(frozen=True)
 class ServiceSpec:
     """A service kind: the flags every replica shares (what compose runs too) and its count."""
@@ -186,7 +192,7 @@ class ServiceSpec:
 
     @property
     def module(self) -> str:
-        return f"services.{self.service}"
+        return service_module(self.service)
 
     def instance_name(self, index: int) -> str:
         return f"{self.service}-{index}"
@@ -214,7 +220,7 @@ class ServiceSpec:
                 names = tuple(self.instance_name(i) for i in range(first, min(self.replicas, first + self.pack)))
                 packs.append(ProcessSpec(
                     name=f"{self.service}-pack-{k}",
-                    argv=(python, "-m", "services.sim_pack", "--role", self.service, *self.args,
+                    argv=(python, "-m", service_module("sim_pack"), "--role", self.service, *self.args,
                           "--worker-ids", ",".join(names)),
                     env={**self.env, **env}, members=names))
             return packs

@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4}, {"method": "suffix"} or {"method": "draft_model", "model": DIR}')
     parser.add_argument("--share-suffix-outputs", action="store_true",
                         help="suffix speculation: decode workers learn each other's finished outputs (measured: "
-                             "1-5%% fewer decode steps; loadtest/results/spec_shared_suffix_cpu.json)")
+                             "1-5%% fewer decode steps; kvmesh bench spec-shared)")
     parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
                         help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
     parser.add_argument("--nats-tls", action="store_true",

@@ -3,7 +3,7 @@ float32 elsewhere.
 
 On x86 CPUs with AVX512-BF16 or AMX-BF16, torch's bf16 matmuls run on the CPU's own bf16 dot products and
 move half the bytes: on this project's 2-core AVX512-BF16 machine SmolLM2-135M decodes 1.9x faster at batch 1
-and 1.5x at batch 8 than in float32, with the same perplexity (loadtest/results/cpu_quant_smollm2.json).
+and 1.5x at batch 8 than in float32, with the same perplexity.
 Without those instructions bf16 is emulated and slower than float32, so float32 stays the default there.
 `KVMESH_CPU_DTYPE` (float32, bfloat16, float16) sets the CPU default for every worker a process starts
 (the test suite pins float32, the dtype its exactness checks against transformers use); `--dtype` overrides

@@ -115,7 +115,7 @@ def quantize_linear(layer: nn.Linear, method: str) -> nn.Module:
 # The projections of every decoder layer, then the output head (its own quantized copy when it is tied to the
 # embeddings, which stay in the model dtype). Under int4 the head is int8, as llama.cpp's 4-bit mixes keep the
 # output matrix at 6-8 bits: every logit goes through it, and on SmolLM2 an int4 head alone cost most of the
-# int4 perplexity (loadtest/results/cpu_quant_smollm2.json).
+# int4 perplexity.
 HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 _LAYER_LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
