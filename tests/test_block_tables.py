@@ -43,8 +43,8 @@ def test_engine_steps_with_preemption_match_fresh_tables(checkpoints):
     seen = []
     build = engine.runner.build
 
-    def checked(plan, rows):
-        out = build(plan, rows)
+    def checked(plan, rows, *fed):
+        out = build(plan, rows, *fed)
         meta = out[2]
         decodes = [s for s, n in plan if n == 1]
         for seq, row in zip(decodes, meta.decode_block_tables):

@@ -25,7 +25,7 @@ def test_compiled_decode_matches_eager_and_never_recompiles(checkpoints, mode):
     compiled = make_engine(ckpt, dtype="bfloat16", cpu_compile=mode, max_num_seqs=2)
     graphs = compiled.runner.graphs
     assert graphs is not None and isinstance(graphs.forward, CompiledDecode)
-    assert [b for b, _ in compiled.cpu_compile_seconds] == graphs.buckets == [1, 2]
+    assert [b for b, _ in compiled.executor.cpu_compile_seconds] == graphs.buckets == [1, 2]
     assert _unique_graphs() > before  # the warm-up compiled
     warmed = _unique_graphs()
     calls_at_start = graphs.forward.calls

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from loadtest.decode_bench import fill_steps
-from shared.cli import main
+from loadtest.cli import main
 
 
 def test_a_batch_that_takes_many_steps_to_fill_is_timed_whole(tmp_path):

@@ -54,7 +54,7 @@ def main() -> None:
               "threads": torch.get_num_threads(),
               "machine": f"{os.cpu_count()} cores, shared with other jobs (load average below)",
               "loadavg_1m_after": os.getloadavg()[0], "build_s": build_s,
-              "compile_s_per_bucket": {a: engines[a].cpu_compile_seconds for a in arms if a != "eager"},
+              "compile_s_per_bucket": {a: engines[a].executor.cpu_compile_seconds for a in arms if a != "eager"},
               "greedy_rows_identical_to_eager": {a: f"{sum(x == y for x, y in zip(toks['eager'], toks[a]))}/8"
                                                  for a in arms if a != "eager"},
               "decode_tok_s_median": medians(runs),
