@@ -12,7 +12,6 @@ tp (the follower ranks or None), async_copies and can_overlap; and the methods c
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from shared.config import EngineConfig
 from shared.engine.async_step import async_wanted
@@ -26,14 +25,13 @@ from shared.engine.sampler import Sampler
 from shared.engine.scheduler import SchedulerOutput
 from shared.engine.spec.draft_model import DraftModel
 from shared.engine.startup_graphs import capture_graphs
+from shared.engine.step_parts import StepParts
 from shared.engine.sync_step import run_plan
 from shared.engine.tp.driver_runner import runner_for
 from shared.engine.tp.launch import COMPUTE_FOLLOWER, TPWorkers, start_tensor_parallel
 from shared.models.loader import load_model
 from shared.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from shared.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +86,7 @@ class ModelExecutor:
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError for parameters this executor cannot honour: the real model honours all."""
 
-    def run(self, engine: LLMEngine, plan: SchedulerOutput) -> list[RequestOutput]:
+    def run(self, engine: StepParts, plan: SchedulerOutput) -> list[RequestOutput]:
         """The step's forward, sampling and verification; the scheduler's update ends it."""
         return run_plan(engine, plan)
 

@@ -6,19 +6,16 @@ overlapped step (shared/engine/async_step.py) takes over only while every reques
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from shared.engine.outputs import RequestOutput
 from shared.engine.prompt_logprobs import record_prompt_logprobs
 from shared.engine.scheduler import SchedulerOutput
 from shared.engine.spec.grammar_drafts import draft_bitmask
+from shared.engine.step_parts import StepParts
 from shared.engine.step_rows import step_rows
 
-if TYPE_CHECKING:
-    from shared.engine.llm_engine import LLMEngine
 
-
-def run_plan(engine: LLMEngine, plan: SchedulerOutput) -> list[RequestOutput]:
+def run_plan(engine: StepParts, plan: SchedulerOutput) -> list[RequestOutput]:
     if plan.is_empty:
         return []
     e = engine
