@@ -221,7 +221,8 @@ def extend_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def _median_ms(launch, dev: torch.device, reps: int) -> float:
+def median_ms(launch, dev: torch.device, reps: int) -> float:
+    """Median milliseconds of reps launches: CUDA events on a GPU, the host clock elsewhere."""
     times = []
     for _ in range(reps):
         if dev.type == "cuda":
@@ -262,7 +263,7 @@ def tune_extend_tiles(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: in
             extend_attention_triton(qq, kc, vc, starts, ctx, tables, tokens_per_seq, head_dim ** -0.5,
                                     sliding_window, out=out, tiles=tiles)
         launch()  # compiles
-        timings[tiles] = _median_ms(launch, dev, reps)
+        timings[tiles] = median_ms(launch, dev, reps)
     chosen = min(timings, key=timings.get)
     _tuned[_tiles_key(q, k_cache, sliding_window)] = chosen
     return {"chosen": chosen.__dict__, "ms": {str(t.__dict__): round(ms, 4) for t, ms in timings.items()}}

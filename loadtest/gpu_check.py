@@ -2,11 +2,11 @@
 
 A GPU run here is short (one command of at most 10 minutes, a few result files back), so the check is built to
 lose nothing: the steps that judge the engine run first, each step runs under min(its cap, what is left of one
-`--total-budget`) (default 520 s: the last steps are the ones a slow run leaves out), every case a step finishes is appended to
-DIR/<step>.jsonl at once (a step killed at any moment keeps what it measured), a step that ends kills everything
-it started, SIGTERM (`timeout`) ends the running step and still writes the summary, and `--archive` packs DIR into
-one file. Each step runs in its own process with logging at INFO (DIR/<step>.log holds the memory plan, the
-graphs captured, the tiles tuned).
+`--total-budget`) (default 520 s: the last steps are the ones a slow run leaves out), every case a step
+finishes is appended to DIR/<step>.jsonl at once (a step killed at any moment keeps what it measured), a step
+that ends kills everything it started, SIGTERM (`timeout`) ends the running step and still writes the summary,
+and `--archive` packs DIR into one file. Each step runs in its own process with logging at INFO (DIR/<step>.log
+holds the memory plan, the graphs captured, the tiles tuned).
 
   env          torch / triton / GPU facts
   kernels      every Triton kernel against its torch twin (bf16, fp16, FP8 KV) at the served head shapes, the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest import gpu_check_steps as steps
-from loadtest.gpu_check_steps import spec_verdict  # noqa: F401 - re-exported for tests and readers
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: each step runs from it
 
 # (name, cap in seconds on a GPU, cap in smoke mode), in the order they run: what judges the engine first. A step
 # gets min(its cap, what is left of --total-budget): one past its cap has hung or is too slow (a failure); one
@@ -62,7 +64,8 @@ SMOKE_BUDGET = 240
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=os.environ.get("OUT") or "loadtest/results/gpu-check",
-                   help="folder for each step's JSON, JSON lines and log (default: $OUT, else loadtest/results/gpu-check)")
+                   help="folder for each step's JSON, JSON lines and log "
+                        "(default: $OUT, else loadtest/results/gpu-check)")
     p.add_argument("--device", default="cuda", help="cuda (the check), or cpu with --smoke (CI plumbing)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes everywhere: checks the plumbing only")
     p.add_argument("--only", default="", help="comma list of steps to run (default: all)")
@@ -172,8 +175,7 @@ def _step_env(args) -> dict:
         env["TRITON_INTERPRET"] = "1"  # the kernels step runs the Triton kernels in the interpreter
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -181,14 +183,12 @@ def _raise_interrupted(signum, frame) -> None:  # noqa: ANN001 - a signal handle
     raise Interrupted(signal.Signals(signum).name)
 
 
-def _run_one(args, name: str, limit: float, out: Path, env: dict) -> tuple[str, float]:
+def _run_one(args, name: str, limit: float, out: Path, env: dict) -> str:
     cmd = [sys.executable, "-m", "loadtest.gpu_check", "--run-step", name, "--device", args.device,
            "--out", str(out), "--smollm2", args.smollm2,
            "--smollm2-missing", args.smollm2_missing] + (["--smoke"] if args.smoke else [])
-    root = Path(__file__).resolve().parent.parent
-    t0 = time.perf_counter()
     with open(out / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         try:
             rc = proc.wait(timeout=limit)
             # Killed by a signal from outside (the OOM killer, a user): a failure, named as such.
@@ -199,7 +199,7 @@ def _run_one(args, name: str, limit: float, out: Path, env: dict) -> tuple[str, 
             _kill_group(proc)
             raise
         _kill_group(proc)  # also when it ended: nothing it started outlives it
-    return status, time.perf_counter() - t0
+    return status
 
 
 def _step_data(out: Path, name: str, status: str) -> dict:
@@ -245,29 +245,30 @@ def drive(args) -> int:
                 results.append(StepResult(name, "skipped", 0.0, 0.0, "no time left in the total budget"))
                 continue
             print(f"gpu-check: {name} (budget {limit:.0f} s) ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
             try:
-                status, seconds = _run_one(args, name, limit, out, env)
+                status = _run_one(args, name, limit, out, env)
             except Interrupted as e:
-                status, seconds, cut = "cut", time.perf_counter() - started, name
-                interrupted = str(e)
-                data = _step_data(out, name, status)
-                results.append(StepResult(name, status, round(seconds, 1), round(limit), f"ended by {e}: {_note(data)}"))
-                results += [StepResult(n, "skipped", 0.0, 0.0, f"not run: the check was ended by {e}")
-                            for n, _ in plan[i + 1:]]
-                break
+                status, interrupted = "cut", str(e)
+            seconds = time.perf_counter() - t0
             if status == "timeout" and limit < cap:
-                status, cut = "cut", name  # the total budget ended it, not its own cap
-            elif status.startswith("killed"):
+                status = "cut"  # the total budget ended it, not its own cap
+            if status == "cut" or status.startswith("killed"):
                 cut = name
             data = _step_data(out, name, status)
-            results.append(StepResult(name, status, round(seconds, 1), round(limit), _note(data)))
-            print(f"gpu-check: {name} {status} in {seconds:.0f} s {_note(data)}", file=sys.stderr, flush=True)
+            note = f"ended by {interrupted}: {_note(data)}" if interrupted else _note(data)
+            results.append(StepResult(name, status, round(seconds, 1), round(limit), note))
+            print(f"gpu-check: {name} {status} in {seconds:.0f} s {note}", file=sys.stderr, flush=True)
+            if interrupted:
+                results += [StepResult(n, "skipped", 0.0, 0.0, f"not run: the check was ended by {interrupted}")
+                            for n, _ in plan[i + 1:]]
+                break
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
     seconds = round(time.perf_counter() - started, 1)
     ok = sum(r.status == "ok" for r in results)
-    summary = {"device": args.device, "smoke": args.smoke, "commit": _git_commit(Path(__file__).resolve().parent),
+    summary = {"device": args.device, "smoke": args.smoke, "commit": _git_commit(ROOT),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv),
                "seconds": seconds, "total_budget": total, "passed": ok, "cut": cut, "interrupted_by": interrupted,
                "steps": [r.__dict__ for r in results], **five_things(out)}
@@ -277,7 +278,7 @@ def drive(args) -> int:
         with tarfile.open(args.archive, "w:gz") as tar:
             tar.add(out, arcname=out.name or "gpu-check")
     if triton_cache:
-        subprocess.run(["rm", "-rf", triton_cache], check=False)
+        shutil.rmtree(triton_cache, ignore_errors=True)
     bad = [f"{r.name}={r.status}" for r in results if r.status not in ("ok", "cut", "skipped")]
     unrun = [f"{r.name}={r.status}" for r in results if r.status in ("cut", "skipped")]
     print(f"gpu-check: {ok}/{len(results)} steps ok in {seconds:.0f} s" + (f"; not ok: {', '.join(bad)}" if bad else "")

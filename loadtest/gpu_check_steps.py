@@ -67,13 +67,6 @@ def read_cases(out: Path, step: str) -> list[dict]:
     return cases
 
 
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _bench(args, argv: list[str], out: Path) -> dict:
     """Run a `kvmesh bench ...` command in this process; its JSON result (appended as the step's one case)."""
     from loadtest.cli import main
@@ -148,9 +141,10 @@ def step_kernels(args) -> dict:
     split over parallel processes, then the warm-up's prefill tile tuning against SDPA (GPU only)."""
     from loadtest.gpu_kernel_cases import kernel_cases, measure
 
+    fp8 = _fp8_ok(args.device)
     if args.shard:  # one shard: run its cases, append each
         i, n = (int(x) for x in args.shard.split("/"))
-        for case in kernel_cases(args.device, args.smoke, _fp8_ok(args.device))[i::n]:
+        for case in kernel_cases(args.device, args.smoke, fp8)[i::n]:
             try:
                 append_case(args, measure(case, args.device))
             except Exception as e:  # noqa: BLE001 - one case's crash is that case's result
@@ -158,7 +152,7 @@ def step_kernels(args) -> dict:
                                    "ok": False, "error": f"{type(e).__name__}: {e}"})
         return {"ok": True}
     n = kernel_shards(args.device)
-    total = len(kernel_cases(args.device, args.smoke, _fp8_ok(args.device)))
+    total = len(kernel_cases(args.device, args.smoke, fp8))
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "loadtest.gpu_check", "--run-step", "kernels", "--device", args.device,
            "--out", args.out] + (["--smoke"] if args.smoke else [])
@@ -171,7 +165,7 @@ def step_kernels(args) -> dict:
     failed = [c for c in cases if not c["ok"]]
     result = {"ok": not failed and len(cases) == total and rcs == [0] * n, "cases_run": len(cases),
               "cases_planned": total, "shards": n, "seconds": round(time.perf_counter() - t0, 1),
-              "failed": failed, "fp8_tested": _fp8_ok(args.device), "by_kernel": kernel_table(cases),
+              "failed": failed, "fp8_tested": fp8, "by_kernel": kernel_table(cases),
               "variants_compiled": compiled_variants(),
               "summary": f"{len(cases) - len(failed)}/{total} kernel cases agree with their twins ({n} processes)"}
     if args.device.startswith("cuda"):
@@ -207,6 +201,8 @@ def compiled_variants() -> dict | str:
     for f in Path(cache).rglob("*.cubin"):
         counts[f.stem] = counts.get(f.stem, 0) + 1
     return dict(sorted(counts.items()))
+
+
 def _prefill_tiles(dev: str) -> dict:
     """The warm-up's tile tuning for prefill attention at Qwen3-0.6B's and SmolLM2's heads (4 prompts of 512
     tokens, bf16), against torch's scaled_dot_product_attention (FlashAttention on an H100) on the same
@@ -214,7 +210,7 @@ def _prefill_tiles(dev: str) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kernels.extend_attention import tune_extend_tiles
+    from kernels.extend_attention import median_ms, tune_extend_tiles
 
     out = {}
     for name, hq, hk, d in (("qwen3-0.6b", 16, 8, 128), ("smollm2-135m", 9, 3, 64)):
@@ -224,17 +220,11 @@ def _prefill_tiles(dev: str) -> dict:
         qs = torch.randn(4, hq, 512, d, device=dev, dtype=torch.bfloat16)
         ks = torch.randn(4, hk, 512, d, device=dev, dtype=torch.bfloat16)
         vs = torch.randn_like(ks)
-        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+        def sdpa_launch() -> None:
             F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        sdpa = sorted(times)[2]
+        sdpa_launch()  # warm-up
+        torch.cuda.synchronize()
+        sdpa = median_ms(sdpa_launch, qs.device, reps=5)
         best = min(tuned["ms"].values())
         out[name] = {**tuned, "sdpa_ms": round(sdpa, 4), "paged_vs_sdpa": round(best / sdpa, 2)}
     return out
@@ -265,11 +255,7 @@ def step_greedy(args) -> dict:
                                             max_num_seqs=16, max_num_batched_tokens=128))
             ours = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
             hf = ckpt.hf_model.to(dev)
-            same = []
-            for p, o in zip(prompts, ours):
-                with torch.no_grad():
-                    ref = hf.generate(torch.tensor([p], device=dev), max_new_tokens=max_tokens, do_sample=False)
-                same.append(ref[0, len(p):].tolist() == o.output_token_ids)
+            same = same_as_transformers(hf, prompts, ours, max_tokens, dev)
             results[arch] = {"prompts": len(prompts), "identical": sum(same), "dtype": "float32", "ok": all(same)}
             append_case(args, {"case": arch, **results[arch]})
             ok &= all(same)
@@ -277,6 +263,18 @@ def step_greedy(args) -> dict:
     return {"ok": ok, "archs": results, "max_tokens": max_tokens,
             "summary": ", ".join(f"{a} {r['identical']}/{r['prompts']}" if "identical" in r else f"{a} skipped"
                                  for a, r in results.items())}
+
+
+def same_as_transformers(hf, prompts: list[list[int]], ours: list, max_tokens: int, dev: str) -> list[bool]:
+    """Per prompt: whether the engine's greedy tokens equal transformers' generate() on the same prompt."""
+    import torch
+
+    same = []
+    for p, o in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p], device=dev), max_new_tokens=max_tokens, do_sample=False)
+        same.append(ref[0, len(p):].tolist() == o.output_token_ids)
+    return same
 
 
 def _greedy_smollm2(args, prompts_n: int) -> dict:
@@ -310,12 +308,8 @@ def _greedy_smollm2(args, prompts_n: int) -> dict:
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"][:prompts_n]
     prompts = [tok(t)["input_ids"] for t in texts]
     ours = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
-    same, texts_out = [], []
-    for p, o in zip(prompts, ours):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p], device=dev), max_new_tokens=32, do_sample=False)
-        same.append(ref[0, len(p):].tolist() == o.output_token_ids)
-        texts_out.append(tok.decode(o.output_token_ids))
+    same = same_as_transformers(hf, prompts, ours, 32, dev)
+    texts_out = [tok.decode(o.output_token_ids) for o in ours]
     # In bf16 a near-tie may resolve differently in two correct implementations: report, require most.
     return {"ok": sum(same) >= len(same) - 1 if dtype == "bfloat16" else all(same), "identical": sum(same),
             "prompts": len(same), "dtype": dtype, "model": path, "convert_s": round(convert_s, 2),
@@ -397,10 +391,11 @@ def step_graphs(args) -> dict:
                 if not eager and engine.runner.graphs is None:  # CPU: the same static path, not captured
                     engine.runner.use_decode_graphs(engine.max_model_len, 64, capture=False)
                 elif not eager:
-                    capture[dtype] = {"buckets": engine.runner.graphs.buckets, "ready_s": round(time.perf_counter() - t0, 2),
-                                      "pool_mib": _graph_pool_mib(engine.runner.graphs.pool) if cuda else None,
-                                      "reserve_estimate_mib": round(graph_reserve(c, engine.runner, engine.max_model_len,
-                                                                                  None) / 2**20, 1),
+                    graphs = engine.runner.graphs
+                    reserve = graph_reserve(c, engine.runner, engine.max_model_len, None)
+                    capture[dtype] = {"buckets": graphs.buckets, "ready_s": round(time.perf_counter() - t0, 2),
+                                      "pool_mib": _graph_pool_mib(graphs.pool) if cuda else None,
+                                      "reserve_estimate_mib": round(reserve / 2**20, 1),
                                       "engine_log": ENGINE_LOG.take()}
                     append_case(args, {"case": f"capture {dtype}", **capture[dtype]})
                 engines[eager] = engine

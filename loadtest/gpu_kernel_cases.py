@@ -99,16 +99,15 @@ def _cases(dev: str, smoke: bool, fp8_ok: bool) -> Iterator[KernelCase]:
         return tables[d]
 
     def case(kernel: str, dtype, kv, name: str, body: Callable[[Callable], tuple]) -> KernelCase:
-        key = f"{kernel} {_dname(dtype)} {kv} {name}"
-
         def run() -> tuple:
-            g = _gen(key)
+            g = _gen(made.key)  # its inputs from its own name: the same in every process and shard
 
             def randn(*shape, dtype=torch.float32):
                 return torch.randn(*shape, generator=g).to(device=dev, dtype=dtype)
             randn.g = g
             return body(randn)
-        return KernelCase(kernel, _dname(dtype), kv if isinstance(kv, str) else _dname(kv), name, run)
+        made = KernelCase(kernel, _dname(dtype), kv if isinstance(kv, str) else _dname(kv), name, run)
+        return made
 
     for dtype in dtypes:
         tol = TOL[dtype]
@@ -175,7 +174,8 @@ def _cases(dev: str, smoke: bool, fp8_ok: bool) -> Iterator[KernelCase]:
                                                      c[3], s, 0.5, 0.5)
                             if part == "q":
                                 return got, want, 4 * tol
-                            return torch.cat(c[:2]), torch.cat(c[2:]), max(4 * tol, FP8_STEP if is_fp8 else 0.0, store_tol)
+                            kv_tol = max(4 * tol, FP8_STEP if is_fp8 else 0.0, store_tol)
+                            return torch.cat(c[:2]), torch.cat(c[2:]), kv_tol
                         yield case("qk_rope_store", dtype, kv, f"{shape} norm {norm}: {part}", fused)
 
                 def paged(randn, hk=hk, d=d, kv_dtype=kv_dtype):

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from importlib import metadata
 
+from packaging.requirements import Requirement
+
 # What a GPU image brings: never shadowed by a downloaded wheel. Whatever torch, triton and numpy require is left
 # out too (a binary build of another version could clash with the image's torch); other pure-Python packages
 # are brought even when the image may have them, since its versions are unknown here.
@@ -21,8 +23,6 @@ PROVIDED = ["torch", "triton", "transformers", "tokenizers", "safetensors", "num
 
 def _name(requirement: str) -> str | None:
     """The distribution a Requires-Dist line names, or None when it applies to an extra or another platform."""
-    from packaging.requirements import Requirement
-
     req = Requirement(requirement)
     if req.marker is not None and not req.marker.evaluate({"extra": ""}):
         return None

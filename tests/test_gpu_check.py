@@ -93,13 +93,13 @@ def _spec_report(dtype: str, identical: str, steps: dict) -> dict:
 def test_spec_verdict_needs_identical_outputs_and_the_graph_path():
     graphs = {"replays": 5, "padded_eager": 0, "eager": 1}
     padded = {"replays": 0, "padded_eager": 5, "eager": 0}
-    assert gc.spec_verdict(_spec_report("bfloat16", "10/10", graphs), cuda=True)["ok"]
-    assert gc.spec_verdict(_spec_report("bfloat16", "9/10", graphs), cuda=True)["ok"]  # a bf16 near-tie
-    assert not gc.spec_verdict(_spec_report("float32", "9/10", padded), cuda=False)["ok"]
-    assert not gc.spec_verdict(_spec_report("bfloat16", "10/10", padded), cuda=True)["ok"], "no graph replayed"
-    v = gc.spec_verdict(_spec_report("float32", "2/2", padded), cuda=False)
+    assert steps.spec_verdict(_spec_report("bfloat16", "10/10", graphs), cuda=True)["ok"]
+    assert steps.spec_verdict(_spec_report("bfloat16", "9/10", graphs), cuda=True)["ok"]  # a bf16 near-tie
+    assert not steps.spec_verdict(_spec_report("float32", "9/10", padded), cuda=False)["ok"]
+    assert not steps.spec_verdict(_spec_report("bfloat16", "10/10", padded), cuda=True)["ok"], "no graph replayed"
+    v = steps.spec_verdict(_spec_report("float32", "2/2", padded), cuda=False)
     assert v["ok"] and not v["verify_graphs_used"] and v["identical_to_off"] == "2/2"
-    assert not gc.spec_verdict({}, cuda=False)["ok"]
+    assert not steps.spec_verdict({}, cuda=False)["ok"]
 
 
 @pytest.mark.slow
