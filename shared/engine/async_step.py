@@ -89,14 +89,10 @@ class AsyncSteps:
         if prev is not None:
             self.advance(prev)
         plan = self.scheduler.schedule()
-        # Before the forward overwrites blocks this schedule took from the cache; they reach the tier at the end.
-        self.tiers.spill(wait=False)
-        try:
+        with self.tiers.step_spills():
             if not plan.is_empty:
                 self.in_flight = self.launch(plan, prev)
             return self.finish(prev) if prev is not None else []
-        finally:
-            self.tiers.finish_spills()
 
     def launch(self, plan: SchedulerOutput, prev: Launched | None) -> Launched:
         """Build and start the step (on CUDA nothing here waits for the device); its ids start home at once."""

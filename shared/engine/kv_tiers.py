@@ -15,8 +15,9 @@ write-through: every newly cached block is sent right after the step that filled
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from contextlib import contextmanager
 
 import torch
 
@@ -79,6 +80,16 @@ class KVTiers(BlockListener):
             k, v, ready = self._read_async([b for _, b in evicted])
             self._spills.append(([h for h, _ in evicted], k, v, ready))
         if wait or not self._async:
+            self.finish_spills()
+
+    @contextmanager
+    def step_spills(self) -> Iterator[None]:
+        """Around one engine step, after its schedule: the blocks the schedule took from the cache are copied out
+        before the forward overwrites them, and reach their tier when the step ends."""
+        self.spill(wait=False)
+        try:
+            yield
+        finally:
             self.finish_spills()
 
     def finish_spills(self) -> None:

@@ -23,7 +23,7 @@ from shared.engine.offline import generate
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprobs
 from shared.kv_blocks import KVBlocks
-from shared.engine.scheduler import Reservation, Scheduler, SchedulerOutput
+from shared.engine.scheduler import Reservation, Scheduler
 from shared.engine.sequence import Sequence
 from shared.engine.spec.speculator import Speculator
 from shared.engine.step_metrics import CumulativeHistogram
@@ -181,15 +181,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(s for _, s in self.scheduler.running)
         plan = self.scheduler.schedule()
-        # Before the forward overwrites blocks this schedule took from the cache; they reach the tier at the end.
-        self.tiers.spill(wait=False)
-        try:
-            return self._step(plan)
-        finally:
-            self.tiers.finish_spills()
-
-    def _step(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        return self.executor.run(self, plan)
+        with self.tiers.step_spills():
+            return self.executor.run(self, plan)
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
