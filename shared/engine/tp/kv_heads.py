@@ -9,19 +9,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels.fp8_bytes import indexable  # the collectives carry an FP8 cache's bytes (gloo has no float8)
+
 HEAD_DIM_AXIS = 3  # [layers, blocks, block_size, kv_heads, head_dim]
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    """The tensor as the collectives carry it: an FP8 cache's bytes as uint8 (gloo has no float8 types)."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 def gather_heads(local: torch.Tensor, size: int, rank: int, group: Any, replicas: int = 1) -> torch.Tensor | None:
     """Every KV head's blocks, concatenated by heads on rank 0 (None elsewhere). Replicated heads are taken once,
     from the first rank that holds each (ranks 0, replicas, 2 * replicas, ...); the other replicas send nothing."""
     local = local.contiguous()
-    wire = _wire(local)
+    wire = indexable(local)
     if replicas == 1:
         parts = [torch.empty_like(wire) for _ in range(size)] if rank == 0 else None
         dist.gather(wire, parts, dst=0, group=group)
@@ -43,7 +40,7 @@ def scatter_heads(whole: torch.Tensor | None, out: torch.Tensor, size: int, rank
     replicated head goes to every rank that holds it."""
     parts = None
     if rank == 0:
-        shares = [_wire(p.contiguous()) for p in whole.chunk(size // replicas, dim=HEAD_DIM_AXIS)]
+        shares = [indexable(p.contiguous()) for p in whole.chunk(size // replicas, dim=HEAD_DIM_AXIS)]
         parts = [shares[r // replicas] for r in range(size)]
-    dist.scatter(_wire(out), parts, src=0, group=group)
+    dist.scatter(indexable(out), parts, src=0, group=group)
     return out
