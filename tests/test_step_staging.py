@@ -120,13 +120,13 @@ def test_spilled_blocks_reach_the_host_tier_after_their_copy_at_the_end_of_the_s
         return put(blocks)
 
     engine.tiers.host.put = put_logged
-    step = engine._step
+    run = engine.executor.run  # the step's compute, between its spill and the end of the step
 
-    def step_logged(plan):
+    def run_logged(eng, plan):
         log.append("step")
-        return step(plan)
+        return run(eng, plan)
 
-    engine._step = step_logged
+    engine.executor.run = run_logged
     first = random_prompts([60], seed=1)[0]
     engine.generate([first], greedy(2), use_tqdm=False)
     engine.generate(random_prompts([60, 60], seed=2), greedy(2), use_tqdm=False)  # evicts the first prompt's blocks
