@@ -13,12 +13,18 @@ if os.environ.get("KVMESH_TEST_CUDA") != "1":
 # the default itself.
 os.environ.setdefault("KVMESH_CPU_DTYPE", "float32")
 
+# Under pytest-xdist (`make test` runs one worker a core) each worker and every service it starts computes
+# with one thread: two OpenMP teams of two threads on two cores spin at each other's barriers and every step
+# slows several-fold. A test that wants more threads sets OMP_NUM_THREADS for its own subprocesses.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 
 from tests.checkpoints import ARCHS, Checkpoint, build_checkpoint, hf_greedy
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")

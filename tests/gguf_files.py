@@ -6,6 +6,7 @@ quantize (the K-quants) are written as raw blocks: random quants with a sane fp1
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,10 +56,19 @@ def _tensor(w: gguf.GGUFWriter, name: str, arr: np.ndarray, type_name: str, rng:
         w.add_tensor(name, gguf.quants.quantize(arr.astype(np.float32), qtype), raw_dtype=qtype)
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer_fields(source_gguf: str) -> dict[str, tuple]:
+    """The source's tokenizer fields as (value, type, sub_type), read once: parsing 49k tokens and merges
+    takes seconds, and every tiny file of a test run copies the same ones."""
+    src = gguf.GGUFReader(source_gguf)
+    return {key: (src.fields[key].contents(), src.fields[key].types[0], src.fields[key].types[-1])
+            for key in TOKENIZER_KEYS}
+
+
 def write_tiny_gguf(path: Path, source_gguf: Path, spec: TinySpec, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
-    src = gguf.GGUFReader(str(source_gguf))
-    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    fields = _tokenizer_fields(str(source_gguf))
+    vocab = len(fields["tokenizer.ggml.tokens"][0])
     w = gguf.GGUFWriter(str(path), spec.arch)
     a = spec.arch
     head_dim = spec.hidden // spec.heads
@@ -74,12 +84,9 @@ def write_tiny_gguf(path: Path, source_gguf: Path, spec: TinySpec, seed: int = 0
     if a == "qwen3":
         w.add_uint32(f"{a}.attention.key_length", head_dim)
         w.add_uint32(f"{a}.attention.value_length", head_dim)
-    for key in TOKENIZER_KEYS:
-        f = src.fields[key]
-        v = f.contents()
-        vtype = f.types[0]
+    for key, (v, vtype, sub_type) in fields.items():
         if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, v, vtype, sub_type=f.types[-1])
+            w.add_key_value(key, v, vtype, sub_type=sub_type)
         else:
             w.add_key_value(key, v, vtype)
 
