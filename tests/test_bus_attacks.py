@@ -69,7 +69,7 @@ def mesh(tmp_path_factory) -> Iterator[LockedMesh]:  # noqa: ANN001
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(model), "--port", str(port), "--grace", "5",
          "--startup-timeout", "120", "--decode", "2", "--prefill", "0", "--kvstore", "0",
-         "--served-model-name", "demo"],
+         "--served-model-name", "demo", "--nats-monitor"],  # the inbox test reads /connz as a snooper would
         cwd=ROOT, env=_env(TMPDIR=str(secrets_root)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out = Lines(proc.stdout)

@@ -71,8 +71,8 @@ class Dispatcher(Generic[M]):
         """Subscription callback: returns quickly so the subscription keeps draining."""
         hdrs = msg.headers or {}
         try:
-            if H.UPLOAD in hdrs and H.CHUNK in hdrs:
-                work, reply = self._handle_upload(msg), hdrs.get(H.REPLY, "")
+            if H.UPLOAD in hdrs and H.CHUNK in hdrs:  # the requester waits on the handshake inbox (msg.reply)
+                work, reply = self._handle_upload(msg), msg.reply
             else:
                 env = self._direct.feed(msg)  # here, not in a task: chunks must be fed in arrival order
                 if env is None:
@@ -104,8 +104,9 @@ class Dispatcher(Generic[M]):
             env = await receive_upload(self.nc, first, self.limits)
         except (BusError, nats.errors.Error) as e:
             log.warning("bad upload on %s: %s", self.subject, e)
-            # The caller waits on the handshake inbox or, once it has sent every chunk, on its reply inbox.
-            for reply in {first.reply, (first.headers or {}).get(H.REPLY, "")}:
+            # The caller waits on the handshake inbox or, once it has sent every chunk, on its reply inbox: the
+            # NATS reply its chunks came with (never a subject named in a header).
+            for reply in {first.reply, getattr(e, "reply", "")} - {""}:
                 await self._answer_error(reply, codes.BAD_REQUEST, str(e))
             return
         await self._handle(env)

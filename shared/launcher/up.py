@@ -118,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-servers", type=int, default=1, metavar="N",
                         help="run the local NATS as a cluster of N servers joined by routes (default 1); services "
                              "are spread over them and fail over to another when theirs goes away")
+    parser.add_argument("--nats-monitor", action="store_true",
+                        help="the local nats-server(s) also serve their monitoring pages (/varz, /connz, /subsz) on "
+                             "a loopback port; off by default: the pages have no authentication and list every "
+                             "connection's subscriptions to any local user")
     parser.add_argument("--insecure-bus", action="store_true",
                         help="run the local nats-server open (no users, no subject permissions); by default "
                              "every service connects as its role with a generated password")
@@ -288,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
+                          nats_monitor=args.nats_monitor,
                           planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace))
 
 
@@ -333,15 +338,16 @@ def missing_services() -> list[str]:
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
              secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
              nats_servers: int = 1, planner: PlannerConfig | None = None, planner_port: int = 0,
-             drain_grace: float = 5.0) -> int:
+             drain_grace: float = 5.0, nats_monitor: bool = False) -> int:
     with secrets_dir() as secrets:
         return await _up(opts, grace, startup_timeout, emit, secure_bus, secrets, kvstore_disk_dir, nats_tls,
-                         nats_servers, planner, planner_port, drain_grace)
+                         nats_servers, planner, planner_port, drain_grace, nats_monitor)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
               secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False, nats_servers: int = 1,
-              planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0) -> int:
+              planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0,
+              nats_monitor: bool = False) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -380,7 +386,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     instances = [spec.instance_name(i) for spec in specs for i in range(full.get(spec.service, spec).replicas)]
     if not nats_url:
         cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
-                                    config_dir=secrets_dir, tls=nats_tls)
+                                    config_dir=secrets_dir, tls=nats_tls, monitor=nats_monitor)
         for server in cluster:
             await supervisor.start(server.process())
         for server in cluster:
@@ -392,7 +398,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         access = "one user per process, subject permissions" if first.passwords else "open (--insecure-bus)"
         access += ", TLS" if first.tls else ""
         for server in cluster:
-            emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url}; {access})")
+            emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url or 'off'}; {access})")
         nats_url = ",".join(server.url for server in cluster)
     env["NATS_URL"] = nats_url
 
