@@ -275,6 +275,32 @@ def test_the_salt_goes_only_to_engine_workers_and_no_secret_is_in_argv(mesh: Loc
     assert salt not in log and not any(pw in log for pw in mesh.users.values())
 
 
+def test_a_decode_credential_cannot_send_its_own_oversized_beats(mesh: LockedMesh) -> None:
+    """A worker's own beat with a 150,000-entry list, which /metrics would render on the gateway's event loop:
+    refused (beats are small and never chunked), the gateway's /metrics and requests unaffected."""
+    worker = mesh.user("decode")
+    huge = LoadBeat.model_construct(**{**LoadBeat(worker_id=worker, running=0, waiting=0, free_blocks=64,
+                                                  total_blocks=64).model_dump(),
+                                       "spec_num_accepted_tokens_per_pos": list(range(150_000))})
+
+    async def attack() -> list[str]:
+        errors: list[str] = []
+        nc = await mesh.connect(worker, errors)
+        rendered = []
+        for _ in range(10):
+            await nc.publish(subjects.decode_load(worker), wire.encode(huge))
+            await nc.flush()
+            await asyncio.sleep(0.05)
+            r = await asyncio.to_thread(httpx.get, f"{mesh.base}/metrics", timeout=30)
+            rendered.append(r.text)
+        await nc.close()
+        return rendered
+
+    rendered = asyncio.run(attack())
+    assert not any('position="149999"' in text for text in rendered), "the gateway took the oversized beat"
+    assert mesh.complete("still serving", 4).status_code == 200
+
+
 def test_the_kvstore_disk_tier_is_private_and_holds_no_dead_prompts(mesh: LockedMesh) -> None:
     """Another local user must read no cached prompt from the disk tier (layer-0 V rows give the tokens back),
     and records of an earlier mesh's secret, which can never be hit again, are wiped at start."""

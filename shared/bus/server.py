@@ -203,6 +203,7 @@ async def subscribe(
     queue: str | None = None,
     limits: BusLimits = DEFAULT_LIMITS,
     traced: bool = True,
+    max_bytes: int | None = None,
 ) -> Subscription:
     """Consumes fan-out messages (events, load beats, cancels) one at a time, in arrival order.
 
@@ -214,10 +215,17 @@ async def subscribe(
     trace backend receives and a good part of the gateway's CPU. traced=False: no span even when the message
     carries a context (the gateway's beats and block events, whoever sent them: they are mesh state, not a
     request's work).
+
+    max_bytes: messages on this subject are single NATS messages of at most this many bytes (beats, block
+    events: shared/bus/limits.py); a chunked or larger one is dropped before it is decoded.
     """
     assembler = Reassembler(limits)
 
     async def on_message(msg: Msg) -> None:
+        if max_bytes is not None and (len(msg.data) > max_bytes or H.CHUNK in (msg.headers or {})):
+            log.warning("dropping a %d-byte%s message on %s (at most %d bytes, never chunked)", len(msg.data),
+                        " chunk of a" if H.CHUNK in (msg.headers or {}) else "", msg.subject, max_bytes)
+            return
         try:
             env = assembler.feed(msg)
             if env is None:
