@@ -281,6 +281,7 @@ def test_a_decode_credential_cannot_send_its_own_oversized_beats(mesh: LockedMes
     worker = mesh.user("decode")
     huge = LoadBeat.model_construct(**{**LoadBeat(worker_id=worker, running=0, waiting=0, free_blocks=64,
                                                   total_blocks=64).model_dump(),
+                                       "spec_num_drafts": 1,  # the per-position counts are rendered
                                        "spec_num_accepted_tokens_per_pos": list(range(150_000))})
 
     async def attack() -> list[str]:
