@@ -136,13 +136,30 @@ async def receive_upload(nc: Client, first: Msg, limits: BusLimits = DEFAULT_LIM
     assembler = Reassembler(limits)
     if assembler.feed(first) is not None:
         raise ChunkError("a one-chunk upload: a message that fits is sent as a plain request")
-    size = assembler.pending_bytes  # the announced size, checked against max_message_bytes by feed()
+    # The budget holds the bytes received, not the size announced: an upload announced big and never sent
+    # holds only what it sent (the announced size is still bounded by max_message_bytes in feed()).
     budget = upload_budget(nc, limits)
-    budget.reserve(size)
+    held = _Held(budget)
+    held.add(len(first.data))
     try:
-        return await _collect(nc, first, assembler, limits)
+        return await _collect(nc, first, assembler, limits, held)
     finally:
-        budget.release(size)
+        held.release()
+
+
+class _Held:
+    """Bytes of one upload held against the connection's budget."""
+
+    def __init__(self, budget: UploadBudget) -> None:
+        self.budget, self.n = budget, 0
+
+    def add(self, nbytes: int) -> None:
+        self.budget.reserve(nbytes)
+        self.n += nbytes
+
+    def release(self) -> None:
+        self.budget.release(self.n)
+        self.n = 0
 
 
 class UploadFailed(ChunkError):
@@ -154,7 +171,7 @@ class UploadFailed(ChunkError):
         self.reply = reply
 
 
-async def _collect(nc: Client, first: Msg, assembler: Reassembler, limits: BusLimits) -> Envelope:
+async def _collect(nc: Client, first: Msg, assembler: Reassembler, limits: BusLimits, held: _Held) -> Envelope:
     sub = await nc.subscribe(nc.new_inbox())
     try:
         await nc.publish(first.reply, b"", reply=sub.subject, headers={H.UPLOAD: sub.subject})
@@ -171,6 +188,7 @@ async def _collect(nc: Client, first: Msg, assembler: Reassembler, limits: BusLi
                 continue
             reply = msg.reply or reply
             try:
+                held.add(len(msg.data))
                 env = assembler.feed(msg)
             except ChunkError as e:
                 raise UploadFailed(str(e), reply) from None
