@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
                                                                         if k == "CUDA_VISIBLE_DEVICES"))
         return 0
     disk_dir = args.kvstore_disk_dir or str(user_cache_dir("kvmesh", "kvstore"))
-    disk = None if disk_dir.lower() == "none" else str(Path(disk_dir).resolve())
+    disk = None if disk_dir.lower() == "none" or opts.kvstore == 0 else str(Path(disk_dir).resolve())
     try:  # the kvstore checks it too; a directory it would refuse stops the launch here, with the reason
         if disk is not None:
             private_dir(disk)
