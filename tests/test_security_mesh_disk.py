@@ -126,7 +126,9 @@ def test_records_of_another_salt_are_wiped_at_start(tmp_path: Path) -> None:
     same = DiskTier(tmp_path / "kv", 1 << 20, salt_tag=salt_tag("old mesh secret"))
     assert same.stats().blocks == 3 and same.wiped == 0
     same.close()
+    (tmp_path / "kv" / "notes.txt").write_text("the user's own file")  # not the tier's: never touched
     new = DiskTier(tmp_path / "kv", 1 << 20, salt_tag=salt_tag("a new secret"))
     assert new.stats().blocks == 0 and new.wiped == 1
-    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == [SALT_TAG_FILE], "dead prompts left on disk"
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["notes.txt", SALT_TAG_FILE], \
+        "dead prompts left on disk"
     assert salt_tag("a new secret") not in ("a new secret", salt_tag("old mesh secret"))

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from services.kvstore import disk_record
+from services.kvstore import disk_record, slab_file
 from services.kvstore.aligned_io import direct_supported
 from services.kvstore.block_layout import LayoutFactory, Placed
 from services.kvstore.slab_file import SlabFile
@@ -93,12 +92,17 @@ class DiskTier(KVTier):
             held = None
         if held == tag:
             return 0
-        dead = [p for p in self.dir.iterdir() if p.name != SALT_TAG_FILE and not p.name.startswith(".")]
+        # Only the tier's own files (the slab, and the old one-file-per-block layout's): the directory may hold
+        # anything else of the user's.
+        dead = [*self.dir.glob(f"{slab_file.PREFIX}*{slab_file.SUFFIX}"), *self.dir.glob("*/*.kvb"),
+                *self.dir.glob("*/*.tmp")]
         for p in dead:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+            p.unlink(missing_ok=True)
+        for sub in {p.parent for p in dead} - {self.dir}:
+            try:
+                sub.rmdir()
+            except OSError:
+                pass
         if dead:
             log.warning("disk tier: %d file(s) in %s were written under another mesh secret and can never be hit "
                         "again: removed", len(dead), self.dir)

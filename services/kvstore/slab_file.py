@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 GROW_BYTES = 64 << 20  # one fallocate per this much: few calls, little space reserved ahead of need
 SCAN_CHUNK = 256  # slot headers one pool task reads at restart
-_PREFIX, _SUFFIX = "blocks-", ".slab"
+PREFIX, SUFFIX = "blocks-", ".slab"
+_PREFIX, _SUFFIX = PREFIX, SUFFIX
 
 
 class SlabFile:
