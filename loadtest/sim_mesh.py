@@ -65,7 +65,7 @@ class SimMesh:
 
     def __enter__(self) -> SimMesh:
         argv = [sys.executable, "-m", "shared.cli", "up", "--engine", self.engine, "--model", str(self.model),
-                "--served-model-name", "sim", "--kvstore", "0", "--port", str(free_port()),
+                "--served-model-name", "sim", "--kvstore", "0", "--port", str(free_port()), "--nats-monitor",
                 "--decode", str(self.decode), "--prefill", str(self.prefill), "--log-level", "warning",
                 "--startup-timeout", str(self.startup_timeout_s), *self.extra]
         if self.engine == "sim":

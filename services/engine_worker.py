@@ -21,7 +21,7 @@ from shared.engine.llm_engine import EngineStats, LLMEngine, Reservation
 from shared.engine.offload import Offloader
 from shared.kv_transport import MeshKVTransport, NatsKVTransport
 from shared.kv_transport.outgoing import PushStats
-from services.kvstore_client import KVStoreClient
+from services.kvstore_client import KVStoreClient, mac_key
 from shared.engine.block_events import BlockEvent, BlocksStored
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 from shared.protocol.generate import RequestTimings
@@ -59,7 +59,7 @@ class EngineWorker(Service):
 
     async def start_engine(self, nc: Client) -> None:
         self.nc = nc
-        self.kvstore = KVStoreClient(nc) if self.use_kvstore else None
+        self.kvstore = KVStoreClient(nc, key=mac_key(self.engine_config.cache_salt)) if self.use_kvstore else None
         self.offloader = Offloader(self.kvstore) if self.kvstore else None
         self.thread = EngineThread(asyncio.get_running_loop(), self._on_step, self._post_step if self.kvstore else None)
         # The engine is built on the thread that will step it: no torch op of this worker runs elsewhere.

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import stat
+import time
 import subprocess
 import sys
 import threading
@@ -32,7 +35,13 @@ from shared.bus.natsd import free_port
 from shared.protocol.events import BlockStored, LoadBeat
 from shared.protocol.generate import TokenChunk
 from shared.launcher.up import READY
+from services.kvstore.disk_tier import SALT_TAG_FILE, DiskTier
+from shared.salt_tag import salt_tag
+from tests.test_kvstore_disk import _chain
 from tests.test_launcher import ROOT, Lines, _env
+
+EARLIER_SALT = "an earlier mesh's secret"
+
 
 @dataclass
 class LockedMesh:
@@ -41,6 +50,7 @@ class LockedMesh:
     monitor_url: str
     users: dict[str, str]  # NATS user -> password, from the server's config
     out: Lines
+    disk: Path | None = None  # the kvstore's disk tier, seeded with an earlier mesh's records (another secret)
 
     def user(self, role: str) -> str:
         """The first user of `role`: its worker 0 (one identity per process) or the role's shared user."""
@@ -65,11 +75,16 @@ def mesh(tmp_path_factory) -> Iterator[LockedMesh]:  # noqa: ANN001
     model = build_demo_model(tmp / "demo")
     secrets_root = tmp / "tmp"  # the launcher's secrets directory is made here (TMPDIR)
     secrets_root.mkdir()
+    disk = tmp / "kv"
+    old = DiskTier(disk, 1 << 20, salt_tag=salt_tag(EARLIER_SALT))  # what a previous run left there
+    old.put(_chain(3))
+    old.close()
+    os.chmod(disk, 0o755)  # as an older kvmesh made it
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(model), "--port", str(port), "--grace", "5",
-         "--startup-timeout", "120", "--decode", "2", "--prefill", "0", "--kvstore", "0",
-         "--served-model-name", "demo"],
+         "--startup-timeout", "120", "--decode", "2", "--prefill", "0", "--kvstore", "1",
+         "--kvstore-disk-dir", str(disk), "--served-model-name", "demo", "--nats-monitor"],  # the inbox test reads /connz as a snooper would
         cwd=ROOT, env=_env(TMPDIR=str(secrets_root)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out = Lines(proc.stdout)
@@ -77,7 +92,7 @@ def mesh(tmp_path_factory) -> Iterator[LockedMesh]:  # noqa: ANN001
         m = out.wait_for(r"nats at (\S+) \(monitoring (\S+);", timeout=5)
         (conf,) = secrets_root.glob("kvmesh-up-*/nats.json")
         users = {u["user"]: u["password"] for u in json.loads(conf.read_text())["authorization"]["users"]}
-        yield LockedMesh(base, m[1], m[2], users, out)
+        yield LockedMesh(base, m[1], m[2], users, out, disk)
     finally:
         proc.terminate()
         try:
@@ -261,6 +276,48 @@ def test_the_salt_goes_only_to_engine_workers_and_no_secret_is_in_argv(mesh: Loc
     assert salt not in log and not any(pw in log for pw in mesh.users.values())
 
 
+def test_a_decode_credential_cannot_send_its_own_oversized_beats(mesh: LockedMesh) -> None:
+    """A worker's own beat with a 150,000-entry list, which /metrics would render on the gateway's event loop:
+    refused (beats are small and never chunked), the gateway's /metrics and requests unaffected."""
+    worker = mesh.user("decode")
+    huge = LoadBeat.model_construct(**{**LoadBeat(worker_id=worker, running=0, waiting=0, free_blocks=64,
+                                                  total_blocks=64).model_dump(),
+                                       "spec_num_drafts": 1,  # the per-position counts are rendered
+                                       "spec_num_accepted_tokens_per_pos": list(range(150_000))})
+
+    async def attack() -> list[str]:
+        errors: list[str] = []
+        nc = await mesh.connect(worker, errors)
+        rendered = []
+        for _ in range(10):
+            await nc.publish(subjects.decode_load(worker), wire.encode(huge))
+            await nc.flush()
+            await asyncio.sleep(0.05)
+            r = await asyncio.to_thread(httpx.get, f"{mesh.base}/metrics", timeout=30)
+            rendered.append(r.text)
+        await nc.close()
+        return rendered
+
+    rendered = asyncio.run(attack())
+    assert not any('position="149999"' in text for text in rendered), "the gateway took the oversized beat"
+    assert mesh.complete("still serving", 4).status_code == 200
+
+
+def test_the_kvstore_disk_tier_is_private_and_holds_no_dead_prompts(mesh: LockedMesh) -> None:
+    """Another local user must read no cached prompt from the disk tier (layer-0 V rows give the tokens back),
+    and records of an earlier mesh's secret, which can never be hit again, are wiped at start."""
+    tag = mesh.disk / SALT_TAG_FILE
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and tag.read_text().strip() == salt_tag(EARLIER_SALT):
+        time.sleep(0.2)
+    current = tag.read_text().strip()
+    assert current != salt_tag(EARLIER_SALT), "the kvstore kept an earlier mesh's records"
+    assert stat.S_IMODE(os.stat(mesh.disk).st_mode) == 0o700
+    assert [p.name for p in mesh.disk.iterdir() if not p.name.startswith(".")] == [SALT_TAG_FILE], \
+        "an earlier mesh's records are still on disk"
+    assert stat.S_IMODE(os.stat(tag).st_mode) == 0o600
+
+
 # ------------------------------------------------------------------------------- cluster routes (item 1)
 
 
@@ -322,5 +379,5 @@ def test_a_passwordless_server_cannot_route_into_the_cluster(cluster_mesh, tmp_p
 
         seen, routes = asyncio.run(attack())
     assert (seen, routes) == (0, 0), f"the rogue server got {routes} routes and read {seen} messages"
-    # The monitoring pages listen on the loopback only.
-    assert re.match(r"http://127\.0\.0\.1:\d+$", mesh.monitor_url)
+    # No monitoring pages unless asked for (--nats-monitor; they list every inbox to any local user).
+    assert mesh.monitor_url == "off"

@@ -191,7 +191,7 @@ def test_the_mesh_servers_buffer_enough_for_a_busy_kvstore(tmp_path, locked) -> 
     from shared.bus.limits import SERVER_MAX_PENDING
     from shared.bus.roles import server_auth_config
 
-    srv = LocalNats.on_free_ports(passwords=role_passwords() if locked else None, config_dir=tmp_path)
+    srv = LocalNats.on_free_ports(passwords=role_passwords() if locked else None, config_dir=tmp_path, monitor=True)
     proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert asyncio.run(srv.wait_ready(15))

@@ -351,7 +351,7 @@ def test_up_end_to_end(demo_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(demo_model), "--port", str(port),
          "--grace", str(GRACE_S), "--startup-timeout", "120", "--remote-prefill-threshold", "0",
-         "--kvstore-disk-dir", str(tmp_path / "kvstore"), "--nats-tls", "--nats-servers", "3"],
+         "--kvstore-disk-dir", str(tmp_path / "kvstore"), "--nats-tls", "--nats-servers", "3", "--nats-monitor"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -18,6 +18,7 @@ from tests.mesh_helpers import decode_service, generate, running
 from tests.nats_fixtures import nats_server  # noqa: F401
 
 SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=4)
+SALT = "tenant-secret-salt"
 
 
 async def _until(check, timeout: float = 10.0) -> None:  # noqa: ANN001
@@ -46,26 +47,41 @@ def test_workers_learn_each_others_outputs_per_salt(nats_server, checkpoints) ->
 
     async def main() -> None:
         async with running(nats_server, d0, d1, loner) as nc:
-            out, _ = await generate(nc, prompt, SamplingParams(max_tokens=12, temperature=0.0, cache_salt="a"), "r0",
+            wire_seen: list[bytes] = []
+
+            async def snoop(msg) -> None:  # noqa: ANN001 - what any decode identity reads of the broadcast
+                wire_seen.append(msg.data)
+            await nc.subscribe(subjects.DECODE_SUFFIX_ALL, cb=snoop)
+            # d1 learns outputs under a salt once a request of that salt came to it (it knows the salt's tag
+            # then); an output under a salt it never served is dropped.
+            d1.suffix_sharing.saw_salt(SALT)
+            await generate(nc, prompt, SamplingParams(max_tokens=12, temperature=0.0, cache_salt="never on d1"),
+                           "r-other", subjects.decode_generate("d0"))
+            await _until(lambda: d1.suffix_sharing.unknown_salt == 1)
+            out, _ = await generate(nc, prompt, SamplingParams(max_tokens=12, temperature=0.0, cache_salt=SALT), "r0",
                                     subjects.decode_generate("d0"))
             await _until(lambda: d1.suffix_sharing.learned == 1)
-            assert d0.suffix_sharing.published == 1 and d0.suffix_sharing.learned == 0  # not its own back
+            assert d0.suffix_sharing.published == 2 and d0.suffix_sharing.learned == 0  # not its own back
             mine, theirs = await _tables(d0), await _tables(d1)
-            assert set(theirs) == {"a"} and theirs == mine  # the same counts, under the request's salt only
+            assert set(theirs) == {SALT} and theirs[SALT] == mine[SALT]  # the same counts, under the salt only
+            # Neither a salt nor the mesh's block-hash root went on the bus.
+            assert len(wire_seen) == 2
+            assert not any(secret in data for data in wire_seen
+                           for secret in (SALT.encode(), b"never on d1", d0.engine.block_manager.root))
             assert loner.suffix_sharing is None and await _tables(loner) == {}
             # Another model's outputs (another block-hash root) and over-long outputs.
             await bus.publish(nc, subjects.decode_suffix("dx"), SuffixOutputs(
-                worker_id="dx", hash_root=b"other model", outputs=[SharedOutput(token_ids=[1, 2, 3])]))
+                worker_id="dx", model_tag=b"other model", outputs=[SharedOutput(token_ids=[1, 2, 3])]))
             long = list(range(5, 5 + MAX_SHARED_TOKENS + 100))
             await bus.publish(nc, subjects.decode_suffix("dx"), SuffixOutputs(
-                worker_id="dx", hash_root=d1.engine.block_manager.root, outputs=[SharedOutput(token_ids=long)]))
+                worker_id="dx", model_tag=d1.suffix_sharing.model_tag, outputs=[SharedOutput(token_ids=long)]))
             await _until(lambda: d1.suffix_sharing.learned == 2)
             recent = await d1.thread.call(lambda e: [(s, len(t)) for s, t in e.speculator.proposer.recent])
-            assert recent == [("a", len(out)), ("", MAX_SHARED_TOKENS)]  # the foreign-root message taught nothing
+            assert recent == [(SALT, len(out)), ("", MAX_SHARED_TOKENS)]  # the foreign model's message taught nothing
             # The learning budget: 100 tokens a second leaves room for one 60-token output of three at once.
             d1.suffix_sharing.rate = d1.suffix_sharing._budget = 100
             await bus.publish(nc, subjects.decode_suffix("d0"), SuffixOutputs(
-                worker_id="d0", hash_root=d1.engine.block_manager.root,
+                worker_id="d0", model_tag=d1.suffix_sharing.model_tag,
                 outputs=[SharedOutput(token_ids=list(range(60))) for _ in range(3)]))
             await _until(lambda: d1.suffix_sharing.learned == 3)
             assert d1.suffix_sharing.dropped == 2

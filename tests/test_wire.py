@@ -68,8 +68,8 @@ SAMPLES: list[Message] = [
     p.BlockStored(worker_id="d0", hashes=[b"a" * 16, b"b" * 16], parent=b"z" * 16),
     p.BlockRemoved(worker_id="d0", hashes=[b"a" * 16]),
     p.LoadBeat(worker_id="d0", running=3, waiting=1, free_blocks=100, total_blocks=128),
-    p.SuffixOutputs(worker_id="d0", hash_root=b"\x01" * 16,
-                    outputs=[p.SharedOutput(cache_salt="s", token_ids=[1, 2, 3]), p.SharedOutput(token_ids=[4, 5])]),
+    p.SuffixOutputs(worker_id="d0", model_tag=b"\x01" * 16,
+                    outputs=[p.SharedOutput(salt_tag=b"\x02" * 16, token_ids=[1, 2, 3]), p.SharedOutput(token_ids=[4, 5])]),
 ]
 
 

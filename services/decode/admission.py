@@ -235,6 +235,11 @@ class Admission:
                     len(req.prompt_token_ids) - cached)
                 reply = await bus.request(host.nc, subjects.PREFILL_PREFILL, msg, timeout=deadline,
                                           expect=RemotePrefillReply)
+                if reply.request_id != rid or reply.transfer_id != transfer_id:
+                    # Not the answer to this request: one steered here (another requester can name this inbox
+                    # as the reply of its own request). Its first token is not taken; the prompt is computed here.
+                    raise TransferError(f"a prefill reply for {reply.request_id}/{reply.transfer_id} came to "
+                                        f"{rid}/{transfer_id}'s inbox")
                 if reply.error is not None or reply.first_token_id is None:
                     error = PrefillMoved if reply.error == codes.MOVE_ELSEWHERE else TransferError
                     raise error(f"prefill worker failed: {reply.error}")

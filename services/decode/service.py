@@ -164,6 +164,8 @@ class DecodeService(EngineWorker):
             await stream.send(TokenChunk(request_id=req.request_id, seq=0, finish_reason="abort"))
             await stream.end()
             return
+        if self.suffix_sharing is not None:
+            self.suffix_sharing.saw_salt(req.sampling.cache_salt)
         span = _tracer.start_span("decode.request", attributes={
             "kvmesh.request_id": req.request_id, "kvmesh.worker_id": self.settings.worker_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})

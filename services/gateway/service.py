@@ -26,6 +26,7 @@ from services.gateway.input_lag import InputLag
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router, RouterConfig
 from shared import bus, subjects
+from shared.bus.limits import BEAT_MAX_BYTES, EVENT_MAX_BYTES
 from shared.bus import MicroService
 from shared.models.model_config import load_model_config
 from shared.models.tokenizer import load_tokenizer
@@ -123,11 +124,13 @@ class GatewayService(Service):
 
         # Mesh state, not any request's work: no span per beat or block event (shared/bus/server.py, subscribe).
         self._subs = [
-            await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved), traced=False),
+            await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved), traced=False,
+                                max_bytes=EVENT_MAX_BYTES),
             await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, (BlockStored, BlockRemoved, StatsReply),
-                                traced=False),
-            await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat, traced=False),
-            await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat, traced=False),
+                                traced=False, max_bytes=EVENT_MAX_BYTES),
+            await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat, traced=False, max_bytes=BEAT_MAX_BYTES),
+            await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat, traced=False,
+                                max_bytes=BEAT_MAX_BYTES),
         ]
         self._deaf_watch = asyncio.ensure_future(_keep_workers_while_deaf(nc, router))
         self._micro = await bus.add_micro_service(nc, subjects.SERVICE_GATEWAY, VERSION, [],

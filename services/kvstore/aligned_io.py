@@ -32,7 +32,7 @@ def direct_supported(directory: Path) -> bool:
     probe = directory / ".direct-probe"
     buf = aligned_buffer(ALIGN)
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o600)
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | O_DIRECT | os.O_NOFOLLOW, 0o600)
         try:
             return os.pwrite(fd, buf, 0) == ALIGN and os.preadv(fd, [buf], 0) == ALIGN
         finally:

@@ -1,6 +1,6 @@
 """One KV block as the disk tier stores it: a self-describing record, checksummed end to end.
 
-    magic "KVMB" | version | checksum (xxh3-64) | seq | payload length | hash | parent | dtype | shape | K | V
+    magic "KVMB" | version | checksum (xxh3-64) | seq | payload length | hash | parent | mac | dtype | shape | K | V
 
 The checksum covers every byte after it (header fields included), so a torn write (a crash mid-write), a
 flipped bit or a record of another block fails it and is never served. xxh3 rather than crc32: crc32 runs
@@ -21,9 +21,11 @@ from shared.protocol.kvstore import StoredBlock
 from shared.wire import DTYPE_SIZES, WireTensor
 
 MAGIC = b"KVMB"
-VERSION = 2  # 1: crc32, one file per block
-# magic, version, reserved, checksum, seq, payload length (K and V bytes), hash, parent, has parent, dtype length, ndim
-_HEAD = struct.Struct("<4sHHQQQ16s16sBBB")
+VERSION = 3  # 1: crc32, one file per block; 2: no producer MAC
+MAC_BYTES = 16
+# magic, version, reserved, checksum, seq, payload length (K and V bytes), hash, parent, has parent, dtype length,
+# ndim, the producer's MAC (zeros: none)
+_HEAD = struct.Struct("<4sHHQQQ16s16sBBB16s")
 _SUMMED_FROM = 16  # the checksum covers everything after itself
 MAX_NDIM = 8
 MAX_HEADER = round_up(_HEAD.size + 32 + 8 * MAX_NDIM, 64)  # dtype names are short; one read of ALIGN holds it
@@ -40,6 +42,7 @@ class RecordHeader:
     payload_bytes: int  # K and V together
     checksum: int
     header_bytes: int
+    mac: bytes = b""
 
     @property
     def record_bytes(self) -> int:
@@ -65,7 +68,7 @@ def encode(block: StoredBlock, seq: int, buf: memoryview | None = None) -> memor
     out[n:] = bytes(len(out) - n)  # no stale bytes of an earlier record behind this one
     parent = block.parent or bytes(16)
     _HEAD.pack_into(out, 0, MAGIC, VERSION, 0, 0, seq, block.k.nbytes + block.v.nbytes, block.hash, parent,
-                    block.parent is not None, len(dtype), len(block.k.shape))
+                    block.parent is not None, len(dtype), len(block.k.shape), block.mac.ljust(MAC_BYTES, b"\0"))
     struct.pack_into("<Q", out, 8, xxhash.xxh3_64_intdigest(out[_SUMMED_FROM:n]))
     return out
 
@@ -74,7 +77,7 @@ def read_header(data: memoryview | bytes) -> RecordHeader | None:
     """The header at the start of `data`, or None when it is not one of ours (wrong magic or version, nonsense)."""
     if len(data) < _HEAD.size:
         return None
-    magic, version, _, checksum, seq, payload, block_hash, parent, has_parent, dlen, ndim = _HEAD.unpack_from(data)
+    magic, version, _, checksum, seq, payload, block_hash, parent, has_parent, dlen, ndim, mac = _HEAD.unpack_from(data)
     if magic != MAGIC or version != VERSION or ndim > MAX_NDIM or len(data) < _HEAD.size + dlen + 8 * ndim:
         return None
     dtype = bytes(data[_HEAD.size:_HEAD.size + dlen]).decode(errors="replace")
@@ -88,7 +91,7 @@ def read_header(data: memoryview | bytes) -> RecordHeader | None:
         return None
     return RecordHeader(hash=block_hash, parent=parent if has_parent else None, seq=seq, dtype=dtype,
                         shape=tuple(shape), payload_bytes=payload, checksum=checksum,
-                        header_bytes=_HEAD.size + dlen + 8 * ndim)
+                        header_bytes=_HEAD.size + dlen + 8 * ndim, mac=b"" if mac == bytes(MAC_BYTES) else mac)
 
 
 def decode(block_hash: bytes, data: memoryview | bytes) -> StoredBlock | None:
@@ -102,4 +105,4 @@ def decode(block_hash: bytes, data: memoryview | bytes) -> StoredBlock | None:
     half = head.header_bytes + head.payload_bytes // 2
     k = WireTensor(dtype=head.dtype, shape=list(head.shape), data=bytes(view[head.header_bytes:half]))
     v = WireTensor(dtype=head.dtype, shape=list(head.shape), data=bytes(view[half:head.record_bytes]))
-    return StoredBlock(hash=block_hash, parent=head.parent, k=k, v=v)
+    return StoredBlock(hash=block_hash, parent=head.parent, k=k, v=v, mac=head.mac)

@@ -16,45 +16,57 @@ must stay out of the page cache, turn it on (probed once; buffered I/O where the
 Threads: the index (the LRU OrderedDict, the byte count) is touched only by the caller, one call at a time
 (the kvstore's one I/O thread); the file I/O of one call (a put's writes, a get's reads) fans out over a
 small pool owned by the tier.
+
+Privacy: layer-0 V rows do not depend on position, so a block's record gives its prompt tokens back to whoever
+can read it. The directory is this user's private one (shared/private_dir.py: 0700, never someone else's, a
+group/world-writable one or a symlink), the files 0600 opened with O_NOFOLLOW. Blocks are keyed by hashes
+salted with the mesh's secret: records written under another secret can never be hit again, so when the
+owner says which secret is current (`salt_tag`, a one-way tag of it, shared/salt_tag.py) the records of any other are wiped at
+start rather than kept on disk as dead prompts.
 """
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from services.kvstore import disk_record
+from services.kvstore import disk_record, slab_file
 from services.kvstore.aligned_io import direct_supported
 from services.kvstore.block_layout import LayoutFactory, Placed
 from services.kvstore.slab_file import SlabFile
 from services.kvstore.tier import KVTier, PutResult, TierStats
 from shared.block_hash import held_prefix
+from shared.private_dir import open_private, private_dir
 from shared.protocol.kvstore import StoredBlock
 
 log = logging.getLogger(__name__)
 
 DEFAULT_IO_THREADS = 4
 DEFAULT_DIRECT = False  # see the module docstring: buffered I/O measured faster
+SALT_TAG_FILE = "salt-tag"
 
 
 class DiskTier(KVTier):
     name = "disk"
 
     def __init__(self, directory: str | Path, capacity_bytes: int, io_threads: int = DEFAULT_IO_THREADS,
-                 direct: bool = DEFAULT_DIRECT, layout: LayoutFactory = SlabFile) -> None:
+                 direct: bool = DEFAULT_DIRECT, layout: LayoutFactory = SlabFile, salt_tag: str | None = None) -> None:
         assert capacity_bytes > 0, "capacity_bytes must be positive"
         assert io_threads > 0, "io_threads must be positive"
         self.dropped: list[bytes] = []  # hashes evicted since the owner last took them (for routers)
         self.dir = Path(directory)
         probe = self.dir / ".write-probe"
         try:  # a read-only or missing disk is a clear error at start, not a silent miss forever
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
+            private_dir(self.dir)
+            probe.unlink(missing_ok=True)
+            os.close(open_private(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
             probe.unlink()
         except OSError as e:
             raise RuntimeError(f"kvstore disk tier: cannot write to {self.dir}: {e}") from e
+        self.wiped = self._wipe_other_salt(salt_tag) if salt_tag else 0
         self.capacity_bytes = capacity_bytes
         self.direct = direct and direct_supported(self.dir)
         if direct and not self.direct:
@@ -68,6 +80,36 @@ class DiskTier(KVTier):
         self._scan()
         log.info("disk tier: %s, %s I/O on %d threads, %d blocks (%d bytes) found", self.dir,
                  "O_DIRECT" if self.direct else "buffered", io_threads, len(self._index), self._bytes)
+
+    def _wipe_other_salt(self, tag: str) -> int:
+        """Removes the records written under another mesh secret (never hit again); returns the files removed."""
+        path = self.dir / SALT_TAG_FILE
+        try:
+            fd = open_private(path, os.O_RDONLY)
+            with os.fdopen(fd, "rb") as f:
+                held = f.read(256).decode(errors="replace").strip()
+        except FileNotFoundError:
+            held = None
+        if held == tag:
+            return 0
+        # Only the tier's own files (the slab, and the old one-file-per-block layout's): the directory may hold
+        # anything else of the user's.
+        dead = [*self.dir.glob(f"{slab_file.PREFIX}*{slab_file.SUFFIX}"), *self.dir.glob("*/*.kvb"),
+                *self.dir.glob("*/*.tmp")]
+        for p in dead:
+            p.unlink(missing_ok=True)
+        for sub in {p.parent for p in dead} - {self.dir}:
+            try:
+                sub.rmdir()
+            except OSError:
+                pass
+        if dead:
+            log.warning("disk tier: %d file(s) in %s were written under another mesh secret and can never be hit "
+                        "again: removed", len(dead), self.dir)
+        fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w") as f:
+            f.write(tag + "\n")
+        return len(dead)
 
     def _scan(self) -> None:
         for placed in sorted(self._layout.scan(), key=lambda p: p.seq):

@@ -22,6 +22,8 @@ from services.kvstore.tier import KVTier, PutResult
 from services.kvstore.tiered import TieredStore
 from shared import bus, subjects
 from shared.block_hash import DIGEST_SIZE
+from shared.engine.errors import ConfigError
+from shared.private_dir import UnsafeDirectory
 from shared.protocol import errors as codes
 from shared.protocol.events import BlockRemoved, BlockStored
 from shared.protocol.kvstore import (
@@ -183,11 +185,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=os.environ.get("KVMESH_KVSTORE_DISK_DIRECT", "") not in ("", "0"),
                         help="O_DIRECT disk I/O where the filesystem takes it (env KVMESH_KVSTORE_DISK_DIRECT=1): "
                              "keeps disk blocks out of the page cache; off by default, the page cache measured faster")
+    parser.add_argument("--disk-salt-tag", default=os.environ.get("KVMESH_KVSTORE_SALT_TAG") or None,
+                        help="one-way tag of the mesh's cache salt (env KVMESH_KVSTORE_SALT_TAG; kvmesh up sets it): "
+                             "disk records written under another salt are wiped at start")
     parser.add_argument("--disk-min-uses", type=int, default=2,
                         help="a block evicted from memory goes to disk only if it was used this many times")
 
 
 def build(args: argparse.Namespace) -> KVStoreService:
-    disk = DiskTier(args.disk_dir, args.disk_bytes, io_threads=args.disk_io_threads,
-                    direct=args.disk_direct) if args.disk_dir else None
+    try:
+        disk = DiskTier(args.disk_dir, args.disk_bytes, io_threads=args.disk_io_threads,
+                        direct=args.disk_direct, salt_tag=args.disk_salt_tag) if args.disk_dir else None
+    except UnsafeDirectory as e:  # the same on every restart: not retried
+        raise ConfigError(f"--disk-dir: {e}") from e
     return KVStoreService(TieredStore(CPUTier(args.capacity_bytes), disk, args.disk_min_uses))

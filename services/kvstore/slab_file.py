@@ -26,13 +26,15 @@ from pathlib import Path
 from services.kvstore import disk_record
 from services.kvstore.aligned_io import ALIGN, O_DIRECT, ThreadBuffers, pread_full, pwrite_full, round_up
 from services.kvstore.block_layout import Placed, fan_out
+from shared.private_dir import open_private
 from shared.protocol.kvstore import StoredBlock
 
 log = logging.getLogger(__name__)
 
 GROW_BYTES = 64 << 20  # one fallocate per this much: few calls, little space reserved ahead of need
 SCAN_CHUNK = 256  # slot headers one pool task reads at restart
-_PREFIX, _SUFFIX = "blocks-", ".slab"
+PREFIX, SUFFIX = "blocks-", ".slab"
+_PREFIX, _SUFFIX = PREFIX, SUFFIX
 
 
 class SlabFile:
@@ -67,7 +69,8 @@ class SlabFile:
         self.close()
         self.slot_size = slot_size
         assert self.path is not None
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | (O_DIRECT if self.direct else 0), 0o644)
+        # 0600, never through a symlink (the disk tier's module docstring: records give prompts back)
+        self._fd = open_private(self.path, os.O_RDWR | os.O_CREAT | (O_DIRECT if self.direct else 0))
         self._slots = os.fstat(self._fd).st_size // slot_size
         self._free = list(range(self._slots))
         self._used, self._limit = 0, None
@@ -120,7 +123,14 @@ class SlabFile:
 
     def scan(self) -> list[Placed]:
         _drop_legacy_files(self.dir)
-        files = sorted(self.dir.glob(f"{_PREFIX}*{_SUFFIX}"), key=lambda p: p.stat().st_mtime_ns)
+        files = []
+        for path in self.dir.glob(f"{_PREFIX}*{_SUFFIX}"):
+            if path.is_symlink() or not path.is_file():  # never followed: whatever it points at stays untouched
+                log.warning("disk tier: removing %s, not a regular file", path)
+                path.unlink(missing_ok=True)
+            else:
+                files.append(path)
+        files.sort(key=lambda p: p.stat().st_mtime_ns)
         for extra in files[:-1]:  # a crash between creating a new-size file and deleting the old one
             extra.unlink(missing_ok=True)
         if not files:

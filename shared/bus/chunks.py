@@ -18,6 +18,11 @@ member:
     (shared/bus/roles.py, `allow_responses`) lets a process publish to another's inbox: the
     answer names the private inbox as its reply subject, and chunks 1..n-1 carry the real reply
     subject as theirs, so the member may answer it.
+
+A responder takes a reply subject only from a message's NATS reply, never from the `Kvmesh-Reply`
+header (which only says what the sender will use): a header can name any inbox this process was
+once allowed to answer, another requester's pending one included. A one-chunk upload (never sent
+by send_upload: a message that fits is a plain request) is refused.
 """
 from __future__ import annotations
 
@@ -129,34 +134,66 @@ async def receive_upload(nc: Client, first: Msg, limits: BusLimits = DEFAULT_LIM
     if not first.reply:
         raise ChunkError("upload without a reply subject for the handshake")
     assembler = Reassembler(limits)
-    env = assembler.feed(first)
-    if env is not None:  # a 1-chunk "upload": nothing to wait for
-        return env
-    size = assembler.pending_bytes  # the announced size, checked against max_message_bytes by feed()
+    if assembler.feed(first) is not None:
+        raise ChunkError("a one-chunk upload: a message that fits is sent as a plain request")
+    # The budget holds the bytes received, not the size announced: an upload announced big and never sent
+    # holds only what it sent (the announced size is still bounded by max_message_bytes in feed()).
     budget = upload_budget(nc, limits)
-    budget.reserve(size)
+    held = _Held(budget)
+    held.add(len(first.data))
     try:
-        return await _collect(nc, first, assembler, limits)
+        return await _collect(nc, first, assembler, limits, held)
     finally:
-        budget.release(size)
+        held.release()
 
 
-async def _collect(nc: Client, first: Msg, assembler: Reassembler, limits: BusLimits) -> Envelope:
+class _Held:
+    """Bytes of one upload held against the connection's budget."""
+
+    def __init__(self, budget: UploadBudget) -> None:
+        self.budget, self.n = budget, 0
+
+    def add(self, nbytes: int) -> None:
+        self.budget.reserve(nbytes)
+        self.n += nbytes
+
+    def release(self) -> None:
+        self.budget.release(self.n)
+        self.n = 0
+
+
+class UploadFailed(ChunkError):
+    """An upload that broke after chunks came in: `reply` is the NATS reply they carried (the requester's
+    real reply subject, which this process may answer)."""
+
+    def __init__(self, message: str, reply: str) -> None:
+        super().__init__(message)
+        self.reply = reply
+
+
+async def _collect(nc: Client, first: Msg, assembler: Reassembler, limits: BusLimits, held: _Held) -> Envelope:
     sub = await nc.subscribe(nc.new_inbox())
     try:
         await nc.publish(first.reply, b"", reply=sub.subject, headers={H.UPLOAD: sub.subject})
         deadline = time.monotonic() + limits.reassembly_timeout
+        reply = ""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ChunkError(f"upload on {first.subject!r} not complete within {limits.reassembly_timeout:g}s")
+                raise UploadFailed(f"upload on {first.subject!r} not complete within {limits.reassembly_timeout:g}s",
+                                   reply)
             try:
                 msg = await sub.next_msg(timeout=remaining)
             except nats.errors.TimeoutError:
                 continue
-            env = assembler.feed(msg)
+            reply = msg.reply or reply
+            try:
+                held.add(len(msg.data))
+                env = assembler.feed(msg)
+            except ChunkError as e:
+                raise UploadFailed(str(e), reply) from None
             if env is not None:  # the reply subject the chunks came with is the one this process may answer
-                return Envelope(first.subject, msg.reply or env.reply, env.headers, env.data)
+                return Envelope(first.subject, msg.reply, env.headers, env.data)
     finally:
         await unsubscribe_quietly(sub)
 
@@ -226,7 +263,8 @@ class Reassembler:
         del self._partial[msg_id]
         first_headers = p.first.headers or {}
         logical = {k: v for k, v in first_headers.items() if k not in H.FRAMING}
-        reply = first_headers.get(H.REPLY, "") if H.UPLOAD in first_headers else p.first.reply
+        # An upload's reply is its chunks' NATS reply (receive_upload); the header is never trusted.
+        reply = "" if H.UPLOAD in first_headers else p.first.reply
         return Envelope(p.first.subject, reply, logical, b"".join(p.parts))
 
     def _expire(self) -> None:

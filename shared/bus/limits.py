@@ -27,3 +27,9 @@ DEFAULT_LIMITS = BusLimits()
 # worker keeps at most 32 MiB of them in flight (shared/engine/offload.py), so 256 MiB leaves room
 # for several workers offloading at once while the kvstore is busy.
 SERVER_MAX_PENDING = 256 << 20
+
+# Mesh-state messages a router reads from every worker: each worker publishes only its own, but its own can be
+# as large as it likes. They are never chunked and never larger than these: a beat is a few hundred bytes, a
+# block event one step's blocks (at most a batch's tokens / block size hashes).
+BEAT_MAX_BYTES = 64 << 10
+EVENT_MAX_BYTES = 1 << 20

@@ -21,11 +21,21 @@ ROLES = ("gateway", "tokenizer", "prefill", "decode", "kvstore")
 ENGINE_ROLES = ("prefill", "decode")
 INBOX_ROOT = "_INBOX"
 SERVICE_DISCOVERY = "$SRV.>"
-# A token stream is one reply subject receiving every token chunk, its chunks and the end marker: up to a
-# whole context of tokens (chunks carry one or more tokens each), so the count bound is far above any
-# context length. The time bound is the longest stream the mesh serves; nats-server forgets a reply
-# permission after it (or after the count), which also bounds the server's memory for them.
-RESPONSES = {"max": 1 << 20, "expires": "1h"}
+# How often, and for how long, a role may answer a reply subject it received (nats-server's allow_responses).
+# nats-server keeps every permission until it is used up or expires, and scans the whole map on deliveries once
+# it holds more than a few thousand: each role gets what its answers need, no more. A token stream (decode) is
+# one reply subject receiving every token chunk, its chunks and the end marker: up to a whole context of tokens,
+# for as long as the longest stream the mesh serves. The others answer once (an upload's handshake, the answer
+# and its chunks): the kvstore's largest answers (256 MiB of blocks) take a few hundred 1 MiB chunks, a prefill
+# worker answers after its longest prefill, the tokenizer and the gateway (nats.micro discovery) at once.
+RESPONSES = {"max": 1 << 20, "expires": "1h"}  # decode
+ROLE_RESPONSES = {
+    "decode": RESPONSES,
+    "prefill": {"max": 64, "expires": "30m"},
+    "kvstore": {"max": 1024, "expires": "5m"},
+    "tokenizer": {"max": 256, "expires": "2m"},
+    "gateway": {"max": 4, "expires": "1m"},
+}
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,7 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
     if role != "gateway":  # a container's health check asks its own service's INFO (shared/launcher/healthcheck.py)
         publish = [*publish, f"$SRV.INFO.kvmesh-{role}"]
     return {"publish": {"allow": publish}, "subscribe": {"allow": [*subscribe, own_inbox]},
-            "allow_responses": dict(RESPONSES)}
+            "allow_responses": dict(ROLE_RESPONSES[role])}
 
 
 def identity_permissions(identity: Identity) -> dict[str, object]:

@@ -71,8 +71,8 @@ class Dispatcher(Generic[M]):
         """Subscription callback: returns quickly so the subscription keeps draining."""
         hdrs = msg.headers or {}
         try:
-            if H.UPLOAD in hdrs and H.CHUNK in hdrs:
-                work, reply = self._handle_upload(msg), hdrs.get(H.REPLY, "")
+            if H.UPLOAD in hdrs and H.CHUNK in hdrs:  # the requester waits on the handshake inbox (msg.reply)
+                work, reply = self._handle_upload(msg), msg.reply
             else:
                 env = self._direct.feed(msg)  # here, not in a task: chunks must be fed in arrival order
                 if env is None:
@@ -104,8 +104,9 @@ class Dispatcher(Generic[M]):
             env = await receive_upload(self.nc, first, self.limits)
         except (BusError, nats.errors.Error) as e:
             log.warning("bad upload on %s: %s", self.subject, e)
-            # The caller waits on the handshake inbox or, once it has sent every chunk, on its reply inbox.
-            for reply in {first.reply, (first.headers or {}).get(H.REPLY, "")}:
+            # The caller waits on the handshake inbox or, once it has sent every chunk, on its reply inbox: the
+            # NATS reply its chunks came with (never a subject named in a header).
+            for reply in {first.reply, getattr(e, "reply", "")} - {""}:
                 await self._answer_error(reply, codes.BAD_REQUEST, str(e))
             return
         await self._handle(env)
@@ -202,6 +203,7 @@ async def subscribe(
     queue: str | None = None,
     limits: BusLimits = DEFAULT_LIMITS,
     traced: bool = True,
+    max_bytes: int | None = None,
 ) -> Subscription:
     """Consumes fan-out messages (events, load beats, cancels) one at a time, in arrival order.
 
@@ -213,10 +215,17 @@ async def subscribe(
     trace backend receives and a good part of the gateway's CPU. traced=False: no span even when the message
     carries a context (the gateway's beats and block events, whoever sent them: they are mesh state, not a
     request's work).
+
+    max_bytes: messages on this subject are single NATS messages of at most this many bytes (beats, block
+    events: shared/bus/limits.py); a chunked or larger one is dropped before it is decoded.
     """
     assembler = Reassembler(limits)
 
     async def on_message(msg: Msg) -> None:
+        if max_bytes is not None and (len(msg.data) > max_bytes or H.CHUNK in (msg.headers or {})):
+            log.warning("dropping a %d-byte%s message on %s (at most %d bytes, never chunked)", len(msg.data),
+                        " chunk of a" if H.CHUNK in (msg.headers or {}) else "", msg.subject, max_bytes)
+            return
         try:
             env = assembler.feed(msg)
             if env is None:

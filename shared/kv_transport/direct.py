@@ -45,6 +45,12 @@ class DirectSettings:
     slots: int = 8  # frames in flight per connection (shared-memory slots, or inline frames)
     max_frame_bytes: int = 256 << 20  # the receiver refuses bigger frames (a bound on its memory)
     shared_memory: bool = True  # offer a ring when the peer may share the host
+    # Any local process can connect to the listener. A connection must say hello within this long, and at
+    # most max_connections are held: past that, the oldest one that never carried a frame with a valid
+    # transfer token makes way (a prefill worker keeps one connection per decode worker; strangers cannot
+    # crowd them out), or the newcomer is closed when every held one has proved itself.
+    handshake_timeout_s: float = 5.0
+    max_connections: int = 64
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -83,6 +89,8 @@ class DirectServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
+        self._unproven: dict[asyncio.Task, None] = {}  # connections without an authorized frame yet, oldest first
+        self.refused_connections = 0  # closed at once or evicted for room (the cap), for tests and metrics
         self.frames = 0  # received, for tests and metrics
         self.shm_frames = 0
 
@@ -117,11 +125,26 @@ class DirectServer:
         assert self._sock is not None
         while True:
             conn, _ = await loop.sock_accept(self._sock)
+            if len(self._conns) >= self.settings.max_connections:
+                self.refused_connections += 1
+                if not self._unproven:
+                    log.warning("direct KV: %d connections held, all carrying transfers; refusing another",
+                                len(self._conns))
+                    conn.close()
+                    continue
+                oldest = next(iter(self._unproven))
+                self._unproven.pop(oldest)
+                oldest.cancel()
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = asyncio.ensure_future(self._serve(conn))
             self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            self._unproven[task] = None
+            task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self._conns.discard(task)
+        self._unproven.pop(task, None)
 
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -129,8 +152,12 @@ class DirectServer:
         frames: set[asyncio.Task] = set()
         ring: shm_ring.ShmView | None = None
         buffers = _Buffers(self.settings.slots)
+        me = asyncio.current_task()
         try:
-            hello = await recv_header(loop, sock)
+            try:
+                hello = await asyncio.wait_for(recv_header(loop, sock), self.settings.handshake_timeout_s)
+            except asyncio.TimeoutError:
+                raise FrameError("no hello in time") from None
             if hello["op"] != "hello":
                 raise FrameError("expected hello")
             if hello.get("shm"):
@@ -152,10 +179,13 @@ class DirectServer:
                     await discard(loop, sock, nbytes)  # a stranger's (or a late) frame: no allocation
                     payload = memoryview(b"")
                 elif slot < 0:
+                    self._unproven.pop(me, None)  # type: ignore[arg-type]
                     buf = buffers.take(nbytes)
                     payload = memoryview(buf)[:nbytes]
                     await recv_into(loop, sock, payload)
                 elif ring is not None:
+                    if self.registry.authorized(h.get("t"), h.get("tok")):
+                        self._unproven.pop(me, None)  # type: ignore[arg-type]
                     payload = ring.slot(slot, nbytes)
                     self.shm_frames += 1
                 else:

@@ -33,7 +33,9 @@ def identity_passwords(users: list[str]) -> dict[str, str]:
 class LocalNats:
     host: str
     port: int
-    http_port: int  # monitoring: /healthz, /varz, /connz
+    # Monitoring (/varz, /connz, /subsz): 0, off, by default. nats-server's monitoring port has no authentication
+    # and its pages list every connection's subscriptions (reply inboxes included) to any local user.
+    http_port: int
     # user -> password: the server admits only these users, each with its identity's subject permissions
     # (shared/bus/roles.py: a role name is the role's shared user, `<role>-<n>` one process). Empty: an open
     # server (--insecure-bus).
@@ -52,21 +54,25 @@ class LocalNats:
 
     @classmethod
     def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
-                      config_dir: Path | None = None, tls: bool = False) -> LocalNats:
-        return cls.cluster(1, host, passwords, config_dir, tls)[0]
+                      config_dir: Path | None = None, tls: bool = False, monitor: bool = False) -> LocalNats:
+        return cls.cluster(1, host, passwords, config_dir, tls, monitor)[0]
 
     @classmethod
     def cluster(cls, size: int, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
-                config_dir: Path | None = None, tls: bool = False) -> list[LocalNats]:
+                config_dir: Path | None = None, tls: bool = False, monitor: bool = False) -> list[LocalNats]:
         """`size` servers routed to each other (size 1: one plain server named "nats"), sharing the
-        users, passwords and TLS certificate, so a client may connect to any of them."""
+        users, passwords and TLS certificate, so a client may connect to any of them. monitor: each also
+        serves nats-server's (unauthenticated) monitoring pages on a port of its own."""
         assert size >= 1, "at least one nats-server"
         files = make_tls(config_dir, host) if tls else None
+
+        def http() -> int:
+            return free_port(host) if monitor else 0
         if size == 1:
-            return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files)]
+            return [cls(host, free_port(host), http(), passwords or {}, config_dir, files)]
         cluster_ports = [free_port(host) for _ in range(size)]
         route_password = secrets.token_urlsafe(24)
-        return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files, port,
+        return [cls(host, free_port(host), http(), passwords or {}, config_dir, files, port,
                     tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}",
                     route_password)
                 for i, port in enumerate(cluster_ports)]
@@ -84,8 +90,9 @@ class LocalNats:
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
         users = [{"user": user, "password": pw, "permissions": identity_permissions(Identity.of(user))}
                  for user, pw in self.passwords.items()]
-        config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}",
-                  "max_pending": SERVER_MAX_PENDING}
+        config: dict = {"host": self.host, "port": self.port, "max_pending": SERVER_MAX_PENDING}
+        if self.http_port:
+            config["http"] = f"{self.host}:{self.http_port}"
         if users:
             config["authorization"] = {"users": users}
         if self.tls:
@@ -116,13 +123,15 @@ class LocalNats:
 
     @property
     def monitor_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        """The monitoring pages' URL; "" when monitoring is off."""
+        return f"http://{self.host}:{self.http_port}" if self.http_port else ""
 
     def process(self) -> ProcessSpec:
         if self.config_dir is not None or self.passwords or self.tls or self.cluster_port:
             return ProcessSpec(self.name, (nats_server_binary(), "-c", str(self.write_config())))
-        argv = (nats_server_binary(), "--addr", self.host, "--port", str(self.port),
-                "--http_port", str(self.http_port))
+        argv = (nats_server_binary(), "--addr", self.host, "--port", str(self.port))
+        if self.http_port:
+            argv += ("--http_port", str(self.http_port))
         return ProcessSpec(self.name, argv)
 
     async def wait_ready(self, timeout: float) -> bool:

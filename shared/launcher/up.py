@@ -26,6 +26,8 @@ from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
+from shared.private_dir import UnsafeDirectory, private_dir, user_cache_dir
+from shared.salt_tag import salt_tag
 from shared.engine.sim_profile import ProfileError
 from shared.launcher.planned import start_planner
 from shared.launcher.process_spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, PACK_IDENTITIES_ENV, SERVICES,
@@ -106,13 +108,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--share-suffix-outputs", action="store_true",
                         help="suffix speculation: decode workers learn each other's finished outputs (measured: "
                              "1-5%% fewer decode steps; kvmesh bench spec-shared)")
-    parser.add_argument("--kvstore-disk-dir", default=".kvmesh/kvstore",
-                        help="the kvstore's persistent disk tier, kept across runs ('none': memory only)")
+    parser.add_argument("--kvstore-disk-dir", default=None,
+                        help="the kvstore's persistent disk tier (default $XDG_CACHE_HOME/kvmesh/kvstore, i.e. "
+                             "~/.cache/kvmesh/kvstore; 'none': memory only), a directory only this user "
+                             "can read (made 0700; refused if another user owns it or can write it); its records "
+                             "are wiped at start unless KVMESH_CACHE_SALT gives the mesh the same secret again")
     parser.add_argument("--nats-tls", action="store_true",
                         help="the local nats-server requires TLS (a throwaway CA and certificate for this run)")
     parser.add_argument("--nats-servers", type=int, default=1, metavar="N",
                         help="run the local NATS as a cluster of N servers joined by routes (default 1); services "
                              "are spread over them and fail over to another when theirs goes away")
+    parser.add_argument("--nats-monitor", action="store_true",
+                        help="the local nats-server(s) also serve their monitoring pages (/varz, /connz, /subsz) on "
+                             "a loopback port; off by default: the pages have no authentication and list every "
+                             "connection's subscriptions to any local user")
     parser.add_argument("--insecure-bus", action="store_true",
                         help="run the local nats-server open (no users, no subject permissions); by default "
                              "every service connects as its role with a generated password")
@@ -271,11 +280,19 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{proc.name}: {' '.join(proc.argv[1:])}" + "".join(f" {k}={v}" for k, v in proc.env.items()
                                                                         if k == "CUDA_VISIBLE_DEVICES"))
         return 0
-    disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
+    disk_dir = args.kvstore_disk_dir or str(user_cache_dir("kvmesh", "kvstore"))
+    disk = None if disk_dir.lower() == "none" or opts.kvstore == 0 else str(Path(disk_dir).resolve())
+    try:  # the kvstore checks it too; a directory it would refuse stops the launch here, with the reason
+        if disk is not None:
+            private_dir(disk)
+    except UnsafeDirectory as e:
+        print(f"kvmesh up: --kvstore-disk-dir: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     if planner is not None and not planner.budget and opts.devices:
         planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
+                          nats_monitor=args.nats_monitor,
                           planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace))
 
 
@@ -321,15 +338,16 @@ def missing_services() -> list[str]:
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
              secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
              nats_servers: int = 1, planner: PlannerConfig | None = None, planner_port: int = 0,
-             drain_grace: float = 5.0) -> int:
+             drain_grace: float = 5.0, nats_monitor: bool = False) -> int:
     with secrets_dir() as secrets:
         return await _up(opts, grace, startup_timeout, emit, secure_bus, secrets, kvstore_disk_dir, nats_tls,
-                         nats_servers, planner, planner_port, drain_grace)
+                         nats_servers, planner, planner_port, drain_grace, nats_monitor)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
               secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False, nats_servers: int = 1,
-              planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0) -> int:
+              planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0,
+              nats_monitor: bool = False) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -351,7 +369,8 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     # The mesh's secret: folded into every block hash, so blocks cannot be planted for a predicted prompt.
     # Only the engine workers hash blocks; the kvstore keeps them by hash and the gateway routes with the
     # hash root the workers' beats carry, so no other service gets it.
-    cache_salt = secrets.token_hex(16)
+    # A salt given in the environment (the user's own secret) keeps the disk tier's records usable across runs.
+    cache_salt = os.environ.get("KVMESH_CACHE_SALT") or secrets.token_hex(16)
     env: dict[str, str] = {}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
@@ -367,7 +386,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     instances = [spec.instance_name(i) for spec in specs for i in range(full.get(spec.service, spec).replicas)]
     if not nats_url:
         cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
-                                    config_dir=secrets_dir, tls=nats_tls)
+                                    config_dir=secrets_dir, tls=nats_tls, monitor=nats_monitor)
         for server in cluster:
             await supervisor.start(server.process())
         for server in cluster:
@@ -379,7 +398,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         access = "one user per process, subject permissions" if first.passwords else "open (--insecure-bus)"
         access += ", TLS" if first.tls else ""
         for server in cluster:
-            emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url}; {access})")
+            emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url or 'off'}; {access})")
         nats_url = ",".join(server.url for server in cluster)
     env["NATS_URL"] = nats_url
 
@@ -389,6 +408,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
             extra["KVMESH_GRACE_S"] = str(drain_grace)  # a drained worker's requests move on after this
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
+            extra["KVMESH_KVSTORE_SALT_TAG"] = salt_tag(cache_salt)  # and records of another salt are wiped
         return {**env, **extra}
 
     services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service))]

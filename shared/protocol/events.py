@@ -51,15 +51,16 @@ class LoadBeat(Message):
     total_blocks: int
     # What a router needs to hash prompts the way this worker does (shared/block_hash.py).
     block_size: int = 16
-    hash_root: bytes = b""
+    hash_root: bytes = Field(default=b"", max_length=64)
     max_model_len: int = 0
     role: str = "decode"  # "decode" | "prefill"
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up (own prefix cache, then the kvstore)
     prefix_cache_hits: int = 0  # prompt tokens found in either
     # Tokens computed per engine step: per-bucket counts (last = +Inf) over `iteration_token_buckets`, and the sum.
-    iteration_token_buckets: list[int] = Field(default_factory=list)
-    iteration_token_counts: list[int] = Field(default_factory=list)
+    # (Lists bounded: a worker's own beat is rendered by /metrics and parsed by the planner.)
+    iteration_token_buckets: list[int] = Field(default_factory=list, max_length=64)
+    iteration_token_counts: list[int] = Field(default_factory=list, max_length=65)
     iteration_tokens_sum: int = 0
     kv_cache_dtype: str = ""
     offloaded_blocks: int = 0  # blocks handed to the kvstore (cumulative)
@@ -76,7 +77,7 @@ class LoadBeat(Message):
     spec_num_drafts: int = Field(default=0, ge=0)
     spec_num_draft_tokens: int = Field(default=0, ge=0)
     spec_num_accepted_tokens: int = Field(default=0, ge=0)
-    spec_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list)
+    spec_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list, max_length=1024)
     # How the engine ran those verify steps (cumulative; shared/engine/verify_graphs.py): replayed from a captured
     # CUDA graph, through the graphs' padded path run eagerly (capture off), or on the runner's eager path (no
     # bucket fits, a prompt chunk in the step, tensor parallel).

@@ -15,6 +15,9 @@ class StoredBlock(WireModel):
     parent: bytes | None = None
     k: WireTensor
     v: WireTensor
+    # The producer's MAC over all of the above, keyed by the mesh's secret (services/kvstore_client.py): only
+    # engine workers can make one, and a worker reads back only blocks whose MAC it can check. b"": none.
+    mac: bytes = Field(default=b"", max_length=16)
 
 
 class PutRequest(Message):

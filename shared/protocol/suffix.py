@@ -2,7 +2,11 @@
 
 Shared suffix decoding (services/decode/suffix_sharing.py): each worker publishes the output tokens of the
 requests it finished, and every other worker of the same model adds them to its worker-wide suffix table under
-the same cache salt, so an answer of a kind one worker has seen drafts well on all of them."""
+the same cache salt, so an answer of a kind one worker has seen drafts well on all of them.
+
+Neither a request's cache salt (a tenant's secret) nor the block-hash root (derived from the mesh's secret:
+whoever has it can hash blocks for a predicted prompt) travels: each is sent as a one-way tag keyed by the
+root, which only workers of the same model and mesh can compute and compare."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -13,15 +17,16 @@ from shared.wire import Message, WireModel
 
 
 class SharedOutput(WireModel):
-    cache_salt: str | None = None  # the request's cache salt: its tokens teach only that salt's table
-    token_ids: list[int]  # the output's last tokens (the publisher bounds them)
+    # A tag of the request's cache salt (None: unsalted): its tokens teach only the table of the salt with that tag.
+    salt_tag: bytes | None = Field(default=None, max_length=32)
+    token_ids: list[int] = Field(max_length=4096)  # the output's last tokens (the publisher bounds them)
 
 
 class SuffixOutputs(Message):
     KIND: ClassVar[str] = "decode.suffix_outputs"
 
     worker_id: str
-    # The publisher's block-hash root (model id, block size, KV dtype): tokens mean something only to a worker
-    # of the same model and tokenizer, which has the same root.
-    hash_root: bytes
-    outputs: list[SharedOutput] = Field(default_factory=list)
+    # A tag of the publisher's block-hash root (model id, block size, KV dtype, mesh secret): tokens mean
+    # something only to a worker of the same model and tokenizer, which computes the same tag.
+    model_tag: bytes = Field(max_length=32)
+    outputs: list[SharedOutput] = Field(default_factory=list, max_length=1024)

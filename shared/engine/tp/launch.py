@@ -1,7 +1,11 @@
 """Starting and stopping a tensor-parallel engine's follower ranks, from rank 0.
 
-Followers are plain subprocesses (`python -m shared.engine.tp.worker_main`) given the engine config as JSON on
-their command line, so nothing is pickled. Rank 0 joins the process group with them on the thread that will
+Followers are plain subprocesses (`python -m shared.engine.tp.worker_main`) given the engine config as JSON, so
+nothing is pickled. The config holds the mesh's cache salt, so it is never on a command line (any local user
+reads /proc/*/cmdline): it goes through a 0600 file in a 0700 directory of rank 0's, removed once every rank
+has joined. The rendezvous is a torch FileStore in that same directory rather than a TCPStore (which listens
+on every interface, unauthenticated), and gloo's own connections stay on the loopback interface (the ranks
+share one host). Rank 0 joins the process group with them on the thread that will
 compute (torch.distributed's default group is per process: one TP engine per process at a time). A follower
 that dies makes rank 0's next collective fail at once (gloo sees the closed connection); `guard` turns that
 into one clear error and takes the other ranks down, and followers die with rank 0 (PR_SET_PDEATHSIG)."""
@@ -13,11 +17,13 @@ import datetime
 import json
 import logging
 import os
-import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +35,7 @@ from shared.engine.tp.step_message import Header, Op
 from shared.models.model_config import load_model_config
 from shared.models.tp.degree import check_degree
 from shared.models.tp.group import TPGroup
+from shared.private_dir import open_private
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,9 @@ STOP_WAIT_S = 10.0
 # What a follower rank runs when the engine's owner names nothing else: compute only, no data plane for
 # rank-to-rank KV (a mesh worker names its own entry point, which brings one).
 COMPUTE_FOLLOWER = "shared.engine.tp.worker_main"
+CONFIG_FILE = "engine.json"
+RENDEZVOUS_FILE = "rendezvous"
+LOOPBACK = "lo"
 
 
 class TPRankError(RuntimeError):
@@ -69,6 +79,26 @@ def config_from_json(text: str) -> EngineConfig:
     return EngineConfig(**raw)
 
 
+def write_config(directory: Path, config: EngineConfig) -> Path:
+    """The config as a 0600 file in rank 0's private directory (it holds the cache salt)."""
+    path = directory / CONFIG_FILE
+    with os.fdopen(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
+        f.write(config_to_json(config))
+    return path
+
+
+def read_config(path: str | Path) -> EngineConfig:
+    with os.fdopen(open_private(path, os.O_RDONLY), "r") as f:
+        return config_from_json(f.read())
+
+
+def keep_gloo_on_loopback() -> None:
+    """Gloo's pair connections on the loopback interface (inherited by the followers): all ranks are on this host,
+    and nothing off it needs to reach them. An explicit GLOO_SOCKET_IFNAME is left alone."""
+    if os.path.exists(f"/sys/class/net/{LOOPBACK}"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)
+
+
 def process_group_kwargs(rank: int, size: int, init_method: str, device: str) -> dict[str, Any]:
     """init_process_group's arguments for rank `rank` of an engine on `device` (the engine's, rank 0's). With NCCL
     the group is bound to the rank's own GPU (device_id): its communicator is made for that GPU at once, rather
@@ -96,16 +126,15 @@ class TPWorkers:
         if dist.is_initialized():
             raise RuntimeError("this process already runs a tensor-parallel engine (torch.distributed is initialised)")
         self.size = config.tensor_parallel_size
-        with socket.socket() as s:  # a free port for the rendezvous (the store lives in rank 0)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        init = f"tcp://127.0.0.1:{port}"
-        text = config_to_json(config)
+        self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-tp-"))  # 0700: the config file and the rendezvous
+        init = f"file://{self.dir / RENDEZVOUS_FILE}"
+        config_path = write_config(self.dir, config)
+        keep_gloo_on_loopback()
         # Each rank gets an equal share of rank 0's CPU threads (they would otherwise all take every core).
         threads = max(1, torch.get_num_threads() // self.size)
         self.procs = [subprocess.Popen([sys.executable, "-m", follower_main, "--rank", str(r),
                                         "--size", str(self.size), "--init", init, "--parent", str(os.getpid()),
-                                        "--threads", str(threads), "--config", text])
+                                        "--threads", str(threads), "--config-file", str(config_path)])
                       for r in range(1, self.size)]
         atexit.register(self.kill)
         self.failed = False
@@ -117,6 +146,7 @@ class TPWorkers:
             dead = self.dead()  # a follower that failed to start leaves the rendezvous waiting for its timeout
             self.kill()
             raise TPRankError(f"tensor-parallel ranks did not join: {'; '.join(dead) or e}") from e
+        config_path.unlink(missing_ok=True)  # every follower read it before joining
         torch.set_num_threads(threads)
         log.info("tensor parallel: %d ranks (followers pids %s)", self.size, [p.pid for p in self.procs])
 
@@ -173,6 +203,7 @@ class TPWorkers:
         if not self.closed and dist.is_initialized():
             dist.destroy_process_group()
             torch.set_num_threads(self._threads_before)
+        shutil.rmtree(self.dir, ignore_errors=True)  # the rendezvous file (and the config, if never read)
         self.closed = True
         atexit.unregister(self.kill)
 

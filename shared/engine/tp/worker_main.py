@@ -1,5 +1,6 @@
-"""A follower rank's process: `python -m shared.engine.tp.worker_main --rank R --size N --init tcp://...
---config JSON`, started by shared/engine/tp/launch.py. It loads its weight shard, then follows rank 0.
+"""A follower rank's process: `python -m shared.engine.tp.worker_main --rank R --size N --init file://...
+--config-file PATH`, started by shared/engine/tp/launch.py (the config, with the mesh's secret, is read from
+rank 0's private file: never on the command line). It loads its weight shard, then follows rank 0.
 
 This entry point computes only: a worker that moves KV rank to rank starts its ranks through
 services/tp_rank.py, which calls main() with the data plane."""
@@ -20,7 +21,7 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.tp.follower import follow
 from shared.engine.tp.rank_memory import RankMemory
 from shared.engine.tp.shard_link import ShardTransport
-from shared.engine.tp.launch import config_from_json, join_groups, rank_device
+from shared.engine.tp.launch import join_groups, rank_device, read_config
 from shared.models.loader import load_model
 
 PR_SET_PDEATHSIG = 1
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None, shard_transport: Callable[[], ShardTrans
     p.add_argument("--init", required=True)
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--config", required=True)
+    p.add_argument("--config-file", required=True)
     args = p.parse_args(argv)
     die_with_parent(args.parent)
     # A supervisor's SIGTERM / a terminal's Ctrl-C reach the whole process group; rank 0 drains first (its
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None, shard_transport: Callable[[], ShardTrans
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{args.rank} %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    c = config_from_json(args.config)
+    c = read_config(args.config_file)
     device = rank_device(c.device, args.rank)
     use_device(device)
     memory = RankMemory.at_start(device)  # before the weights: the memory profile's start (CUDA only)
