@@ -19,23 +19,27 @@ from dataclasses import replace
 from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG, ConfigError
+from shared.models.errors import CheckpointError
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
-                                     plan_mesh, worker_needs)
+                                     plan_mesh, plan_models, worker_needs)
 from shared.launcher.cpu_layout import cpu_default_layout
 from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import LocalNats, identity_passwords
+from shared.launcher.model_flags import COUNT_ROLES, ModelFlagError, served_models
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
 from shared.engine.sim_profile import ProfileError
 from shared.launcher.planned import start_planner
-from shared.launcher.process_spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, PACK_IDENTITIES_ENV, SERVICES,
-                                  MeshOptions, ProcessSpec, mesh_services)
+from shared.launcher.process_spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, MODEL_SERVICES,
+                                          PACK_IDENTITIES_ENV, SERVICES, MeshOptions, ProcessSpec, ServiceSpec,
+                                          mesh_services)
 from shared.planner.config import PlannerConfig, PlannerConfigError, RoleLimits
 from shared.planner.scaler import SupervisorScaler
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
 from shared.models.model_config import load_model_config
 from shared.service_runner import DEFAULT_GRACE_S
 from shared.spec_config import SpeculativeConfig
+from shared.subjects import model_namespace
 
 READY = "kvmesh is up at"  # tests wait for this line
 # A service drains for up to its grace period, then its NATS connection for up to 5 s more
@@ -45,15 +49,21 @@ DRAIN_MARGIN_S = 10.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = MeshOptions()
-    parser.add_argument("--model", default=None, help=f"HF model directory or .gguf file (default {DEFAULT_MODEL}, written as the demo model if missing)")
-    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the gateway's choice)")
+    parser.add_argument("--model", action="append", default=None,
+                        help=f"HF model directory or .gguf file (default {DEFAULT_MODEL}, written as the demo model if "
+                             "missing); repeat it to serve several models, each with its own workers")
+    parser.add_argument("--served-model-name", action="append", default=None,
+                        help="model name in the API (default: the model directory's name); repeatable, one per "
+                             "--model in the same order")
     parser.add_argument("--host", default=d.host, help=f"gateway bind address (default {d.host})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port (default {DEFAULT_PORT})")
-    parser.add_argument("--prefill", type=int, default=None,
+    per_model = "; with several models N for each, or NAME=N,NAME=N per model"
+    parser.add_argument("--prefill", default=None, metavar="N",
                         help=f"prefill workers (default {d.prefill} on GPUs, or 0 when the GPU plan needs it; 0 on CPU, where "
-                             "a prefill worker shares decode's cores; 0: all prefill local)")
-    parser.add_argument("--decode", type=int, default=None, help=f"decode workers (default {d.decode})")
-    parser.add_argument("--tokenizer", type=int, default=d.tokenizer, help=f"tokenizer workers (default {d.tokenizer})")
+                             f"a prefill worker shares decode's cores; 0: all prefill local){per_model}")
+    parser.add_argument("--decode", default=None, metavar="N", help=f"decode workers (default {d.decode}){per_model}")
+    parser.add_argument("--tokenizer", default=None, metavar="N",
+                        help=f"tokenizer workers (default {d.tokenizer}){per_model}")
     parser.add_argument("--kvstore", type=int, default=d.kvstore, help=f"kvstore replicas (default {d.kvstore}; 0: none)")
     parser.add_argument("--remote-prefill-threshold", type=int, default=None, metavar="TOKENS",
                         help="uncached prompt tokens from which decode prefills remotely (0: always; default: decode's own)")
@@ -170,13 +180,17 @@ def _speculative_config(text: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = Path(args.model) if args.model else DEFAULT_MODEL
+    given = args.model or []
+    model = Path(given[0]) if given else DEFAULT_MODEL
     try:
+        models = served_models([str(model), *given[1:]], args.served_model_name or [],
+                               {r: getattr(args, r) for r in COUNT_ROLES},
+                               {r: getattr(MeshOptions, r) for r in COUNT_ROLES})
+        first = models[0]
         opts = MeshOptions(
-            model=str(model), host=args.host, port=args.port, served_model_name=args.served_model_name,
-            prefill=MeshOptions.prefill if args.prefill is None else args.prefill,
-            decode=MeshOptions.decode if args.decode is None else args.decode,
-            tokenizer=args.tokenizer, kvstore=args.kvstore, max_model_len=args.max_model_len,
+            model=str(model), host=args.host, port=args.port, served_model_name=first.served_model_name,
+            prefill=first.prefill, decode=first.decode, tokenizer=first.tokenizer, more_models=models[1:],
+            kvstore=args.kvstore, max_model_len=args.max_model_len,
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
@@ -192,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
         )
-    except (AssertionError, ConfigError) as e:
+        opts = opts.with_models(tuple(replace(m, max_model_len=args.max_model_len) for m in opts.models))
+    except (AssertionError, ConfigError, ModelFlagError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
     if opts.engine == "sim":
@@ -230,6 +245,10 @@ def run(args: argparse.Namespace) -> int:
         print("kvmesh up: --sim-workers-per-process does not combine with --planner (it scales one process per "
               "worker)", file=sys.stderr)
         return 2
+    if args.planner and opts.more_models:
+        print("kvmesh up: --planner scales a one-model mesh; with several --model give each its worker counts "
+              "(--decode NAME=N,...)", file=sys.stderr)
+        return 2
     if args.planner:
         try:
             planner = planner_config(args, opts)
@@ -237,11 +256,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvmesh up: {e}", file=sys.stderr)
             return 2
         lim = planner.limits
-        opts = replace(opts, prefill=min(lim["prefill"].max, max(lim["prefill"].min, opts.prefill)),
-                       decode=min(lim["decode"].max, max(lim["decode"].min, opts.decode)))
-        if opts.prefill == 0 and opts.remote_prefill_threshold is None:
+        opts = opts.with_models(tuple(
+            replace(m, prefill=min(lim["prefill"].max, max(lim["prefill"].min, m.prefill)),
+                    decode=min(lim["decode"].max, max(lim["decode"].min, m.decode))) for m in opts.models))
+        if opts.total("prefill") == 0 and opts.remote_prefill_threshold is None:
             # Prefill workers may come later: decode must keep asking for them (it prefills locally meanwhile).
             opts = replace(opts, remote_prefill_threshold=planner.remote_prefill_threshold)
+    if opts.more_models:
+        try:
+            # (the default first model is the demo model, written below when missing)
+            opts = opts.with_models(tuple(m if i == 0 and args.model is None else replace(m, model=checkpoint_dir(m.model))
+                                          for i, m in enumerate(opts.models)))
+        except CheckpointError as e:
+            print(f"kvmesh up: {e}", file=sys.stderr)
+            return 2
+        model = Path(opts.model)
     if not (model / "config.json").is_file():
         if args.model is not None:
             print(f"kvmesh up: {model} is not a model directory (no config.json)", file=sys.stderr)
@@ -273,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
     if planner is not None and not planner.budget and opts.devices:
-        planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity
+        planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity (per model)
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
                           planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace))
@@ -303,6 +332,8 @@ def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> M
         print("[kvmesh] engine workers on CPU: no GPU plan", flush=True)
         return opts
     sizes = parse_gpu_memory(gpu_memory, opts.devices) or gpu_memory_from_nvidia_smi(opts.devices)
+    if opts.more_models:
+        return _plan_models(opts, sizes)
     cfg = load_model_config(opts.model)
     d = WORKER_DEFAULTS
     needs = worker_needs(cfg, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens,
@@ -312,6 +343,33 @@ def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> M
     keep_len = plan.max_model_len == (opts.max_model_len or cfg.max_position_embeddings)
     return replace(opts, prefill=plan.prefill, decode=plan.decode,
                    max_model_len=opts.max_model_len if keep_len else plan.max_model_len)
+
+
+def _plan_models(opts: MeshOptions, sizes: dict[str, int]) -> MeshOptions:
+    """Several models: each model's workers checked against their shares with that model's needs (the layout
+    is kept; a model's context shrinks to what its workers hold)."""
+    d = WORKER_DEFAULTS
+    cfgs = [load_model_config(m.model) for m in opts.models]
+    needs = [worker_needs(c, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens,
+                          opts.max_num_seqs or d.max_num_seqs) for c in cfgs]
+    plans = plan_models(opts, sizes, needs, [c.max_position_embeddings for c in cfgs], d.block_size)
+    for m, plan in zip(opts.models, plans):
+        print(f"[{m.name}] " + plan.table(), flush=True)
+    return opts.with_models(tuple(
+        replace(m, max_model_len=m.max_model_len if plan.max_model_len == (m.max_model_len or c.max_position_embeddings)
+                else plan.max_model_len) for m, plan, c in zip(opts.models, plans, cfgs)))
+
+
+def checkpoint_dir(model: str) -> str:
+    """A model of a several-model mesh as its checkpoint directory: a .gguf is converted once here (cached), so
+    every model's workers and the gateway start from the same directory and its config.json plans the GPUs."""
+    from shared.models.model_source import gguf_file_of, resolve_model
+
+    if gguf_file_of(model) is not None:
+        return resolve_model(model)
+    if not (Path(model) / "config.json").is_file():
+        raise CheckpointError(Path(model), "config.json", "not a model directory (no config.json)")
+    return model
 
 
 def missing_services() -> list[str]:
@@ -351,7 +409,8 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     # The mesh's secret: folded into every block hash, so blocks cannot be planted for a predicted prompt.
     # Only the engine workers hash blocks; the kvstore keeps them by hash and the gateway routes with the
     # hash root the workers' beats carry, so no other service gets it.
-    cache_salt = secrets.token_hex(16)
+    # Each model its own: no block of one model ever matches another's.
+    cache_salts = [secrets.token_hex(16) for _ in opts.models]
     env: dict[str, str] = {}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
@@ -367,7 +426,8 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     instances = [spec.instance_name(i) for spec in specs for i in range(full.get(spec.service, spec).replicas)]
     if not nats_url:
         cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
-                                    config_dir=secrets_dir, tls=nats_tls)
+                                    config_dir=secrets_dir, tls=nats_tls,
+                                    namespaces=bus_namespaces(specs, full, len(opts.models)))
         for server in cluster:
             await supervisor.start(server.process())
         for server in cluster:
@@ -383,15 +443,15 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         nats_url = ",".join(server.url for server in cluster)
     env["NATS_URL"] = nats_url
 
-    def service_env(service: str) -> dict[str, str]:
-        extra = {"KVMESH_CACHE_SALT": cache_salt} if service in ENGINE_SERVICES else {}
+    def service_env(service: str, model_index: int = 0) -> dict[str, str]:
+        extra = {"KVMESH_CACHE_SALT": cache_salts[model_index]} if service in ENGINE_SERVICES else {}
         if planner is not None and service in ENGINE_SERVICES:
             extra["KVMESH_GRACE_S"] = str(drain_grace)  # a drained worker's requests move on after this
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
         return {**env, **extra}
 
-    services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service))]
+    services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service, spec.model_index))]
     if cluster:
         services = [replace(p, env={**p.env, **_bus_env(cluster[0], p)}) for p in services]
     if len(cluster) > 1:  # spread the services: each starts at the next server and fails over along the list
@@ -449,6 +509,19 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
     await supervisor.stop([server.name for server in cluster], timeout=5)
     return rc or (1 if unclean else 0)
+
+
+def bus_namespaces(specs: list[ServiceSpec], full: dict[str, ServiceSpec], models: int) -> dict[str, tuple[str, ...]]:
+    """Bus user -> the subject namespaces it may use: a model's workers its model's, the gateway every model's."""
+    out: dict[str, tuple[str, ...]] = {}
+    for spec in specs:
+        replicas = full.get(spec.service, spec).replicas if spec.model_index == 0 else spec.replicas
+        for i in range(replicas):
+            if spec.service == "gateway":
+                out[spec.instance_name(i)] = tuple(model_namespace(k) for k in range(models))
+            elif spec.service in MODEL_SERVICES:
+                out[spec.instance_name(i)] = (model_namespace(spec.model_index),)
+    return out
 
 
 def _bus_env(server: LocalNats, proc: ProcessSpec) -> dict[str, str]:
