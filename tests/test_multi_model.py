@@ -193,3 +193,21 @@ def test_compose_second_model_overlay_runs_what_kvmesh_up_runs() -> None:
     assert sorted(gateway["command"][3:]) == sorted(specs[("gateway", 0)].args)
     assert gateway["command"][3:7] == ["--model", "/model", "--served-model-name", "demo"]
     assert {v["target"] for v in gateway["volumes"]} == {"/model", "/model2"}
+
+
+def test_each_models_planner_reads_only_its_models_series() -> None:
+    from services.gateway.metrics import GatewayMetrics
+    from services.gateway.router import Router
+    from shared.planner.observe import parse_metrics
+
+    a = GatewayMetrics(Router(), "a")
+    b = a.for_model("b", Router())
+    for metrics, n in ((a, 7), (b, 3)):
+        for _ in range(n):
+            metrics.finished("stop")
+        metrics.prompt_tokens.labels(metrics.model).inc(10 * n)
+    text = a.render().decode()
+    assert 'model_name="b"' in text and 'workers_alive{model_name="b",role="decode"}' in text
+    seen = {m: parse_metrics(text, 0, model=m) for m in ("a", "b", None)}
+    assert {m: (o.finished, o.prompt_tokens) for m, o in seen.items()} == {
+        "a": (7.0, 70.0), "b": (3.0, 30.0), None: (10.0, 100.0)}

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG, ConfigError
@@ -245,10 +246,6 @@ def run(args: argparse.Namespace) -> int:
         print("kvmesh up: --sim-workers-per-process does not combine with --planner (it scales one process per "
               "worker)", file=sys.stderr)
         return 2
-    if args.planner and opts.more_models:
-        print("kvmesh up: --planner scales a one-model mesh; with several --model give each its worker counts "
-              "(--decode NAME=N,...)", file=sys.stderr)
-        return 2
     if args.planner:
         try:
             planner = planner_config(args, opts)
@@ -301,8 +298,8 @@ def run(args: argparse.Namespace) -> int:
                                                                         if k == "CUDA_VISIBLE_DEVICES"))
         return 0
     disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
-    if planner is not None and not planner.budget and opts.devices:
-        planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity (per model)
+    if planner is not None and not planner.budget and opts.devices and not opts.more_models:
+        planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
                           planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace))
@@ -419,11 +416,19 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     specs = mesh_services(opts)
     # With a planner, every instance it may start is planned now: bus identities and GPU placement for the
     # most workers of each role (a mesh at its maxima), so a new worker is a process like the first ones.
-    full = {s.service: s for s in mesh_services(replace(opts, prefill=planner.limits["prefill"].max,
-                                                        decode=planner.limits["decode"].max))} if planner else {}
+    # Several models: each model is planned apart, within the same limits.
+    full: dict[tuple[str, int], ServiceSpec] = {}
+    if planner:
+        full = {(s.service, s.model_index): s for s in mesh_services(opts.with_models(tuple(
+            replace(m, prefill=planner.limits["prefill"].max, decode=planner.limits["decode"].max)
+            for m in opts.models)))}
+        if opts.more_models:  # a later model's instances are numbered after the earlier models' maxima
+            specs = [replace(s, first_index=f.first_index, placement=f.placement)
+                     if (f := full.get((s.service, s.model_index))) else s for s in specs]
     # One bus identity per process, named as the process (shared/bus/roles.py Identity.of): a leaked
     # credential speaks only for that process, never for the other workers of its role.
-    instances = [spec.instance_name(i) for spec in specs for i in range(full.get(spec.service, spec).replicas)]
+    instances = [spec.instance_name(i) for spec in specs
+                 for i in range(full.get((spec.service, spec.model_index), spec).replicas)]
     if not nats_url:
         cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
                                     config_dir=secrets_dir, tls=nats_tls,
@@ -463,11 +468,11 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     problem = await wait_healthy(f"{base}/health", startup_timeout, supervisor, stop)
     order = {p.name: i for i, p in enumerate(services)}
 
-    def process_for(role: str, index: int) -> ProcessSpec:
-        spec = full[role]
+    def process_for(role: str, index: int, model_index: int = 0) -> ProcessSpec:
+        spec = full[role, model_index]
         proc = ProcessSpec(spec.instance_name(index), (sys.executable, "-m", spec.module, *spec.args,
                                                        *spec.instance_args(index)),
-                           {**spec.env, **service_env(role), **spec.instance_env(index)})
+                           {**spec.env, **service_env(role, model_index), **spec.instance_env(index)})
         if cluster:
             proc = replace(proc, env={**proc.env, **cluster[0].role_env(proc.name)})
         if len(cluster) > 1:
@@ -475,7 +480,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
             proc = replace(proc, env={**proc.env, "NATS_URL": _rotate(nats_url, i), "NATS_NO_RANDOMIZE": "1"})
         return proc
 
-    running_planner = None
+    running_planners = []
     rc = 0
     if config_failures:
         emit(f"[kvmesh] {', '.join(config_failures)} cannot start with this configuration (see its error above)")
@@ -488,17 +493,23 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     else:
         simulated = " with SIMULATED engine workers (--engine sim)" if opts.engine == "sim" else ""
         emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health){simulated}; Ctrl-C stops it")
-        if planner is not None:
-            scaler = SupervisorScaler(supervisor, process_for,
-                                      {"prefill": list(range(opts.prefill)), "decode": list(range(opts.decode))},
-                                      {r: full[r].replicas for r in ("prefill", "decode")},
+        for k, m in enumerate(opts.models if planner is not None else ()):
+            # One planner per model: it reads that model's series and scales that model's workers.
+            scaler = SupervisorScaler(supervisor, partial(process_for, model_index=k),
+                                      {"prefill": list(range(m.prefill)), "decode": list(range(m.decode))},
+                                      {r: full[r, k].replicas for r in ("prefill", "decode")},
                                       drain_timeout_s=drain_grace + DRAIN_MARGIN_S)
-            running_planner = await start_planner(planner, scaler, f"{base}/metrics", opts.host, planner_port, emit)
+            own = planner
+            if opts.more_models and not planner.budget and opts.devices:
+                own = replace(planner, budget=m.prefill + m.decode)  # the GPU plan's capacity for the model
+            running_planners.append(await start_planner(
+                own, scaler, f"{base}/metrics", opts.host, planner_port if k == 0 else 0, emit,
+                model=m.name if opts.more_models else None))
         await stop.wait()
         if config_failures:
             rc = EXIT_CONFIG
     emit("[kvmesh] stopping (Ctrl-C again to kill)")
-    if running_planner is not None:
+    for running_planner in running_planners:
         await running_planner.close()
     timeout = (grace if grace is not None else DEFAULT_GRACE_S) + DRAIN_MARGIN_S
     servers = {server.name for server in cluster}
@@ -511,12 +522,12 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     return rc or (1 if unclean else 0)
 
 
-def bus_namespaces(specs: list[ServiceSpec], full: dict[str, ServiceSpec], models: int) -> dict[str, tuple[str, ...]]:
+def bus_namespaces(specs: list[ServiceSpec], full: dict[tuple[str, int], ServiceSpec],
+                   models: int) -> dict[str, tuple[str, ...]]:
     """Bus user -> the subject namespaces it may use: a model's workers its model's, the gateway every model's."""
     out: dict[str, tuple[str, ...]] = {}
     for spec in specs:
-        replicas = full.get(spec.service, spec).replicas if spec.model_index == 0 else spec.replicas
-        for i in range(replicas):
+        for i in range(full.get((spec.service, spec.model_index), spec).replicas):
             if spec.service == "gateway":
                 out[spec.instance_name(i)] = tuple(model_namespace(k) for k in range(models))
             elif spec.service in MODEL_SERVICES:
