@@ -40,7 +40,7 @@ from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_li
 from shared.models.model_config import load_model_config
 from shared.service_runner import DEFAULT_GRACE_S
 from shared.spec_config import SpeculativeConfig
-from shared.subjects import model_namespace
+from shared.subjects import NAMESPACE_ENV, model_namespace
 
 READY = "kvmesh is up at"  # tests wait for this line
 # A service drains for up to its grace period, then its NATS connection for up to 5 s more
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         for spec in mesh_services(opts):
             for proc in spec.processes(sys.executable, {}):
                 print(f"{proc.name}: {' '.join(proc.argv[1:])}" + "".join(f" {k}={v}" for k, v in proc.env.items()
-                                                                        if k == "CUDA_VISIBLE_DEVICES"))
+                                                                        if k in ("CUDA_VISIBLE_DEVICES", NAMESPACE_ENV)))
         return 0
     disk = None if args.kvstore_disk_dir.lower() == "none" else str(Path(args.kvstore_disk_dir).resolve())
     if planner is not None and not planner.budget and opts.devices and not opts.more_models:
