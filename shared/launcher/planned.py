@@ -50,7 +50,7 @@ async def start_planner(config: PlannerConfig, scaler: Scaler, metrics_url: str,
         log.setLevel(logging.INFO)
         log.propagate = False
     reader = GatewayMetrics(metrics_url, model=model)
-    planner = Planner(config, build_policy(config), scaler, reader)
+    planner = Planner(config, build_policy(config), scaler, reader, name=f"planner {model}" if model else "planner")
     endpoint = PlannerEndpoint(planner, host if host not in ("0.0.0.0", "::", "") else "127.0.0.1", port)
     url = await endpoint.start()
     lim = config.limits
