@@ -8,8 +8,8 @@ default: a request without `model`, and the gateway-wide endpoints (/health_gene
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -61,7 +61,7 @@ class ServedModels:
     def default(self) -> ServedModel:
         return self.models[0]
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[ServedModel]:
         return iter(self.models)
 
     def __len__(self) -> int:
