@@ -21,7 +21,8 @@ from services.gateway.score import ScoreRequest, serve_score
 from services.gateway.sglang_generate import GenerateFormatter, NativeGenerateRequest
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.sampling import first_message
-from services.gateway.prepare import check_model, prepare_chat, prepare_completion
+from services.gateway.prepare import prepare_chat, prepare_completion
+from services.gateway.served_models import ServedModel
 from services.gateway.tokenize import detokenize_body, kvmesh_version, tokenize_body
 from services.gateway.formatters import ChatFormatter, CompletionFormatter
 from services.gateway.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
@@ -85,10 +86,9 @@ def create_app(ctx: GatewayContext) -> FastAPI:
             raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
         return await serve_generation(ctx, request, body, route, prepare, formatter)
 
-    def card() -> ModelCard:
+    def card(model: ServedModel) -> ModelCard:
         # root is the served name, never the model's path on the server's disk.
-        name = ctx.config.served_model_name
-        return ModelCard(id=name, created=ctx.created, root=name, max_model_len=ctx.max_model_len())
+        return ModelCard(id=model.name, created=model.created, root=model.name, max_model_len=model.max_model_len())
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -110,12 +110,11 @@ def create_app(ctx: GatewayContext) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(dump(ModelList(data=[card()])))
+        return JSONResponse(dump(ModelList(data=[card(m) for m in ctx.served])))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        check_model(ctx, model_id)
-        return JSONResponse(dump(card()))
+        return JSONResponse(dump(card(ctx.served.resolve(model_id))))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> JSONResponse:
@@ -140,7 +139,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
 
     @app.post("/v1/score")
     async def score(body: ScoreRequest) -> JSONResponse:
-        return await serve_score(ctx, body)
+        return await serve_score(ctx.for_model(body.model), body)
 
     @app.get("/get_load")
     async def load() -> JSONResponse:

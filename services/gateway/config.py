@@ -7,8 +7,18 @@ ROUTING = ("kv", "round-robin")
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class ModelEntry:
+    """One served model: its checkpoint (tokenizer + config.json), the name clients use, and the subject
+    namespace of its tokenizer and workers (shared/subjects.py model_namespace)."""
+
     model_dir: str
+    served_model_name: str
+    namespace: str = ""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: str  # the first (default) model's
     served_model_name: str
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (tests)
@@ -43,6 +53,13 @@ class GatewayConfig:
     # "kv": the worker caching most of the prompt, weighed by load (router.py); "round-robin": the next alive
     # worker in turn, blind to caches (the baseline KV-aware routing is measured against: `kvmesh bench scale`).
     routing: str = "kv"
+    # The mesh's other models (`--model A --model B`), each on its own workers (services/gateway/served_models.py).
+    more_models: tuple[ModelEntry, ...] = ()
+
+    @property
+    def models(self) -> tuple[ModelEntry, ...]:
+        """Every served model, the default one first."""
+        return (ModelEntry(self.model_dir, self.served_model_name), *self.more_models)
 
     def __post_init__(self) -> None:
         assert self.routing in ROUTING, f"routing must be one of {', '.join(ROUTING)}"
@@ -52,3 +69,7 @@ class GatewayConfig:
         assert self.default_max_tokens >= 0
         assert self.migration_limit >= 0
         assert self.max_model_len is None or self.max_model_len > 0
+        names = [m.served_model_name for m in self.models]
+        assert len(set(names)) == len(names), f"two models served as one name: {', '.join(names)}"
+        spaces = [m.namespace for m in self.models]
+        assert len(set(spaces)) == len(spaces), "each model needs its own subject namespace"

@@ -39,8 +39,9 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
                            prepare: Callable[[GatewayContext, B], Awaitable[Prepared]],
                            formatter: type[Formatter]) -> Response:
     arrival = time.monotonic()
+    ctx = ctx.for_model(body.model)  # the model's own tokenizer and workers; 404 model_not_found for an unknown one
     operation = "text_completion" if route in ("/v1/completions", "/generate") else "chat"
-    model = body.model or ctx.config.served_model_name
+    model = ctx.served_model_name
     # GenAI semantic conventions name the span "{operation} {model}".
     span = ctx.tracer.start_span(f"{operation} {model}", kind=trace.SpanKind.SERVER, attributes={
         "gen_ai.operation.name": operation, "gen_ai.request.model": model, "http.route": route,

@@ -1,5 +1,7 @@
-"""/health: ready when a tokenizer answers and at least one decode worker is beating."""
+"""/health: ready when every served model has a tokenizer that answers and at least one decode worker beating."""
 from __future__ import annotations
+
+import asyncio
 
 from services.gateway.context import GatewayContext
 from services.gateway.prepare import encode
@@ -8,17 +10,27 @@ from shared.protocol.tokenizer import EncodeRequest
 
 
 async def check_health(ctx: GatewayContext) -> tuple[bool, dict[str, object]]:
+    views = [ctx.for_model(m.name) for m in ctx.served]
+    tokenizers = await asyncio.gather(*(_tokenizer_ok(v) for v in views))
     missing: list[str] = []
-    tokenizer = await _tokenizer_ok(ctx)
-    if not tokenizer:
-        missing.append("tokenizer")
-    workers = [w.worker_id for w in ctx.router.alive()]
-    if not workers:
-        missing.append("decode")
+    several = len(views) > 1
+    workers: list[str] = []
+    per_model: dict[str, object] = {}
+    for view, tokenizer in zip(views, tokenizers):
+        own = sorted(w.worker_id for w in view.router.alive())
+        workers += own
+        suffix = f" ({view.served_model_name})" if several else ""
+        if not tokenizer:
+            missing.append("tokenizer" + suffix)
+        if not own:
+            missing.append("decode" + suffix)
+        per_model[view.served_model_name] = {"tokenizer": tokenizer, "decode_workers": own}
     if ctx.draining:
         missing.append("gateway (shutting down)")
-    status: dict[str, object] = {"status": "ok" if not missing else "unavailable", "tokenizer": tokenizer,
+    status: dict[str, object] = {"status": "ok" if not missing else "unavailable", "tokenizer": all(tokenizers),
                                  "decode_workers": sorted(workers)}
+    if several:
+        status["models"] = per_model
     if missing:
         status["missing"] = missing
     return not missing, status

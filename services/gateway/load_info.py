@@ -26,8 +26,11 @@ def _worker(beat: LoadBeat) -> dict[str, Any]:
 
 
 def _beats(ctx: GatewayContext) -> tuple[list[LoadBeat], list[LoadBeat]]:
-    decode = sorted((w.beat for w in ctx.router.alive() if w.beat is not None), key=lambda b: b.worker_id)
-    return decode, ctx.metrics.prefill_workers.alive()
+    """Every served model's decode and prefill workers (worker ids are unique in the mesh)."""
+    decode = sorted((w.beat for m in ctx.served for w in m.router.alive() if w.beat is not None),
+                    key=lambda b: b.worker_id)
+    prefill = sorted((b for m in ctx.served for b in m.metrics.prefill_workers.alive()), key=lambda b: b.worker_id)
+    return decode, prefill
 
 
 def get_load(ctx: GatewayContext) -> dict[str, Any]:
@@ -53,6 +56,8 @@ def server_info(ctx: GatewayContext) -> dict[str, Any]:
         "vocab_size": ctx.vocab_size, "draining": ctx.draining,
         "router": {"expiry_s": ctx.router.config.expiry_s, "max_waiting": ctx.router.config.max_waiting},
         "migration_limit": c.migration_limit,
+        "served_models": [{"id": m.name, "max_model_len": m.max_model_len(), "vocab_size": m.vocab_size}
+                          for m in ctx.served],
         "load": get_load(ctx),
         "internal_states": internal,  # SGLang's name for the per-worker states
     }

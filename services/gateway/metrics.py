@@ -5,10 +5,12 @@ client sees, plus the queue/prefill/decode split each worker reports with a requ
 Per-worker series (running, waiting, KV usage, preemptions, prefix-cache queries and hits, tokens per
 engine step, cache config, offload, KV pushes and handout, speculative decoding) come from the workers' load
 beats, labelled with `worker` and `role`; workers send a beat as soon as those change, so the gauges trail the
-engine by tens of milliseconds.
+engine by tens of milliseconds. Every series carries `model_name` (vLLM's label): a gateway serving several
+models has one GatewayMetrics per model (`for_model`), all in one registry.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator
 
@@ -79,10 +81,13 @@ class KVStoreFigures(Collector):
 
 
 class _WorkerCollector(Collector):
+    """Every served model's workers (one collector: the series' names are registered once)."""
+
     def __init__(self, router: Router, prefill: PrefillWorkers, model: str) -> None:
-        self._router = router
-        self._prefill = prefill
-        self._model = model
+        self._models = [(model, router, prefill)]
+
+    def add(self, router: Router, prefill: PrefillWorkers, model: str) -> None:
+        self._models.append((model, router, prefill))
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         labels = ["model_name", "worker", "role"]
@@ -137,47 +142,48 @@ class _WorkerCollector(Collector):
                                            labels=labels + ["path"])
         alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
                                   labels=["model_name", "role"])
-        decode = [w.beat for w in self._router.alive() if w.beat is not None]
-        prefill = self._prefill.alive()
-        for b in decode + prefill:
-            v = [self._model, b.worker_id, b.role]
-            running.add_metric(v, b.running)
-            waiting.add_metric(v, b.waiting)
-            usage.add_metric(v, 1.0 - b.free_blocks / b.total_blocks if b.total_blocks else 0.0)
-            preempt.add_metric(v, b.num_preemptions)
-            queries.add_metric(v, b.prefix_cache_queries)
-            hits.add_metric(v, b.prefix_cache_hits)
-            offloaded.add_metric(v, b.offloaded_blocks)
-            dropped.add_metric(v, b.offload_dropped_blocks)
-            tier_hits.add_metric(v + ["host"], b.host_tier_hit_tokens)
-            tier_hits.add_metric(v + ["kvstore"], b.kvstore_hit_tokens)
-            host_bytes.add_metric(v, b.host_tier_bytes)
-            pushes.add_metric(v, b.kv_pushes)
-            push_bytes.add_metric(v, b.kv_push_bytes)
-            push_wait.add_metric(v, b.kv_push_wait_seconds)
-            if b.role == "decode":
-                replays.add_metric(v, b.stream_replays)
-                replay_misses.add_metric(v, b.stream_replay_misses)
-            handout.add_metric(v, b.kv_handout_seconds)
-            if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
-                cumulative, acc = [], 0
-                for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
-                    acc += n
-                    cumulative.append((le, acc))
-                iteration.add_metric(v, cumulative, b.iteration_tokens_sum)
-            if b.spec_num_drafts:
-                drafts.add_metric(v, b.spec_num_drafts)
-                draft_tokens.add_metric(v, b.spec_num_draft_tokens)
-                accepted.add_metric(v, b.spec_num_accepted_tokens)
-                for pos, n in enumerate(b.spec_num_accepted_tokens_per_pos):
-                    per_pos.add_metric(v + [str(pos)], n)
-            if b.spec_verify_graph_replays or b.spec_verify_padded_eager or b.spec_verify_eager:
-                for path, n in (("graph", b.spec_verify_graph_replays), ("padded_eager", b.spec_verify_padded_eager),
-                                ("eager", b.spec_verify_eager)):
-                    verify_steps.add_metric(v + [path], n)
-            config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
-        alive.add_metric([self._model, "decode"], len(decode))
-        alive.add_metric([self._model, "prefill"], len(prefill))
+        for model, router, prefill_workers in self._models:
+            decode = [w.beat for w in router.alive() if w.beat is not None]
+            prefill = prefill_workers.alive()
+            alive.add_metric([model, "decode"], len(decode))
+            alive.add_metric([model, "prefill"], len(prefill))
+            for b in decode + prefill:
+                v = [model, b.worker_id, b.role]
+                running.add_metric(v, b.running)
+                waiting.add_metric(v, b.waiting)
+                usage.add_metric(v, 1.0 - b.free_blocks / b.total_blocks if b.total_blocks else 0.0)
+                preempt.add_metric(v, b.num_preemptions)
+                queries.add_metric(v, b.prefix_cache_queries)
+                hits.add_metric(v, b.prefix_cache_hits)
+                offloaded.add_metric(v, b.offloaded_blocks)
+                dropped.add_metric(v, b.offload_dropped_blocks)
+                tier_hits.add_metric(v + ["host"], b.host_tier_hit_tokens)
+                tier_hits.add_metric(v + ["kvstore"], b.kvstore_hit_tokens)
+                host_bytes.add_metric(v, b.host_tier_bytes)
+                pushes.add_metric(v, b.kv_pushes)
+                push_bytes.add_metric(v, b.kv_push_bytes)
+                push_wait.add_metric(v, b.kv_push_wait_seconds)
+                if b.role == "decode":
+                    replays.add_metric(v, b.stream_replays)
+                    replay_misses.add_metric(v, b.stream_replay_misses)
+                handout.add_metric(v, b.kv_handout_seconds)
+                if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
+                    cumulative, acc = [], 0
+                    for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
+                        acc += n
+                        cumulative.append((le, acc))
+                    iteration.add_metric(v, cumulative, b.iteration_tokens_sum)
+                if b.spec_num_drafts:
+                    drafts.add_metric(v, b.spec_num_drafts)
+                    draft_tokens.add_metric(v, b.spec_num_draft_tokens)
+                    accepted.add_metric(v, b.spec_num_accepted_tokens)
+                    for pos, n in enumerate(b.spec_num_accepted_tokens_per_pos):
+                        per_pos.add_metric(v + [str(pos)], n)
+                if b.spec_verify_graph_replays or b.spec_verify_padded_eager or b.spec_verify_eager:
+                    for path, n in (("graph", b.spec_verify_graph_replays), ("padded_eager", b.spec_verify_padded_eager),
+                                    ("eager", b.spec_verify_eager)):
+                        verify_steps.add_metric(v + [path], n)
+                config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
         yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
                     pushes, push_bytes, push_wait, handout, replays, replay_misses, iteration, config, drafts,
                     draft_tokens, accepted, per_pos, verify_steps, alive)
@@ -237,7 +243,8 @@ class GatewayMetrics:
                               "(vLLM's older name of inter_token_latency_seconds)", m, buckets=_ITL_BUCKETS, registry=r)
         self.request_tpot = Histogram(f"{PREFIX}request_time_per_output_token_seconds", "A choice's decode time "
                                       "per output token after the first", m, buckets=_ITL_BUCKETS, registry=r)
-        r.register(_WorkerCollector(router, self.prefill_workers, model))
+        self._workers = _WorkerCollector(router, self.prefill_workers, model)
+        r.register(self._workers)
         self.kvstore = KVStoreFigures(model)
         r.register(self.kvstore)
         self._queries = 0
@@ -246,6 +253,18 @@ class GatewayMetrics:
         # the gateway's profile).
         self._per_token = (self.itl.labels(model), self.tpot.labels(model))
         self.model_generation_tokens = self.generation_tokens.labels(model)
+
+    def for_model(self, model: str, router: Router) -> GatewayMetrics:
+        """The same registry's series for another model the gateway serves, with its own decode workers (router)
+        and prefill workers."""
+        view = copy.copy(self)
+        view.model = model
+        view.prefill_workers = PrefillWorkers(router.config.expiry_s)
+        view._queries = view._hits = 0
+        view._per_token = (self.itl.labels(model), self.tpot.labels(model))
+        view.model_generation_tokens = self.generation_tokens.labels(model)
+        self._workers.add(router, view.prefill_workers, model)
+        return view
 
     def prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
         self._queries += prompt_tokens

@@ -15,8 +15,9 @@ from services.gateway.errors import APIError, bad_request, unavailable
 from services.gateway.sampling import sampling_params, stop_regexes
 from services.gateway.reasoning import END as REASONING_END, ReasoningPlan, plan_reasoning
 from services.gateway.tools import ToolPlan, plan_tools
+from services.gateway.served_models import model_not_found
 from services.gateway.schemas import MAX_CHOICES, MAX_STOPS, ChatCompletionRequest, ChatMessageIn, CompletionRequest, _Common
-from shared import bus, subjects
+from shared import bus
 from shared.protocol import errors as codes
 from shared.sampling_params import SamplingParams
 from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest, ToolCall, ToolCallFunction
@@ -63,9 +64,10 @@ class Prepared:
 
 
 def check_model(ctx: GatewayContext, model: str | None) -> str:
-    served = ctx.config.served_model_name
+    """The name of the model the request's view serves (GatewayContext.for_model chose it from `model`)."""
+    served = ctx.served_model_name
     if model is not None and model != served:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        raise model_not_found(model)
     return served
 
 
@@ -158,7 +160,7 @@ async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None 
                  param: str | None = None) -> list[int]:
     try:
         # Asked again if the gateway's connection moved servers meanwhile (tokenizing twice is harmless).
-        reply = await bus.request_idempotent(ctx.nc, subjects.TOKENIZER_ENCODE, req,
+        reply = await bus.request_idempotent(ctx.nc, ctx.subjects.tokenizer_encode, req,
                                              timeout=timeout or ctx.config.tokenizer_timeout_s, expect=EncodeReply)
     except bus.NoRespondersError:
         raise unavailable("no tokenizer service is available", code="no_tokenizer") from None

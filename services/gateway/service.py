@@ -18,15 +18,17 @@ from opentelemetry import trace
 
 from services.gateway.app import create_app
 from services.gateway.beat_check import beat_problem
-from services.gateway.config import ROUTING, GatewayConfig
+from services.gateway.config import ROUTING, GatewayConfig, ModelEntry
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
 from services.gateway.input_lag import InputLag
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router, RouterConfig
+from services.gateway.served_models import ServedModel, ServedModels
 from shared import bus, subjects
 from shared.bus.limits import BEAT_MAX_BYTES, EVENT_MAX_BYTES
+from shared.subjects import Subjects, model_namespace
 from shared.bus import MicroService
 from shared.models.model_config import load_model_config
 from shared.models.tokenizer import load_tokenizer
@@ -72,17 +74,28 @@ class GatewayService(Service):
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
 
+    async def _load_models(self) -> ServedModels:
+        """Each served model's tokenizer, limits, router and metrics (services/gateway/served_models.py)."""
+        cfg = self.config
+        models: list[ServedModel] = []
+        metrics: GatewayMetrics | None = None
+        for entry in cfg.models:
+            tokenizer = await asyncio.to_thread(load_tokenizer, entry.model_dir)
+            model_config = load_model_config(entry.model_dir)
+            router = Router(RouterConfig(expiry_s=cfg.worker_expiry_s, max_waiting=cfg.max_waiting, policy=cfg.routing))
+            name = entry.served_model_name
+            metrics = GatewayMetrics(router, name) if metrics is None else metrics.for_model(name, router)
+            longest = model_config.max_position_embeddings
+            models.append(ServedModel(
+                name=name, model_dir=entry.model_dir, subjects=Subjects(entry.namespace), tokenizer=tokenizer,
+                vocab_size=model_config.vocab_size, model_max_len=min(cfg.max_model_len or longest, longest),
+                router=router, metrics=metrics, created=int(time.time())))
+        return ServedModels(models)
+
     async def start(self, nc: Client) -> None:
         cfg = self.config
-        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir)
-        model_config = load_model_config(cfg.model_dir)
-        router = Router(RouterConfig(expiry_s=cfg.worker_expiry_s, max_waiting=cfg.max_waiting, policy=cfg.routing))
-        self.ctx = ctx = GatewayContext(
-            config=cfg, nc=nc, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
-            model_max_len=min(cfg.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings),
-            router=router, metrics=GatewayMetrics(router, cfg.served_model_name),
-            tracer=trace.get_tracer("kvmesh.gateway"), created=int(time.time()),
-        )
+        self.ctx = ctx = GatewayContext(config=cfg, nc=nc, served=await self._load_models(),
+                                        tracer=trace.get_tracer("kvmesh.gateway"))
         ctx.metrics.max_inflight.labels(ctx.metrics.model).set(cfg.max_inflight_requests)
         self._input_lag = InputLag(nc)
         await self._input_lag.start()
@@ -90,52 +103,24 @@ class GatewayService(Service):
         ctx.input_lag_limit_s = self._input_lag.limit
         ctx.metrics.input_lag.labels(ctx.metrics.model).set_function(self._input_lag.seconds)
 
-        async def on_event(ev: BlockStored | BlockRemoved, msg: bus.RequestContext) -> None:
-            # A worker speaks only for itself: the id in the event must be the subject's (the bus lets each
-            # worker publish only on its own subject).
-            if not _speaks_for_itself(ev.worker_id, msg.subject):
-                log.warning("ignoring a block event for %r on %r", ev.worker_id, msg.subject)
-                return
-            if isinstance(ev, BlockStored):
-                router.on_stored(ev)
-            else:
-                router.on_removed(ev)
-
         async def on_kvstore_event(ev: BlockStored | BlockRemoved | StatsReply, _: bus.RequestContext) -> None:
             if isinstance(ev, StatsReply):
                 ctx.metrics.kvstore.on_stats(ev)
             elif ev.tier == "kvstore":
-                (router.on_kvstore_stored if isinstance(ev, BlockStored) else router.on_kvstore_removed)(ev)
+                # One kvstore for every model: each model's blocks are salted apart, so only its router matches them.
+                for model in ctx.served:
+                    r = model.router
+                    (r.on_kvstore_stored if isinstance(ev, BlockStored) else r.on_kvstore_removed)(ev)
 
-        def believable(beat: LoadBeat, msg: bus.RequestContext, role: str) -> bool:
-            problem = beat_problem(beat, msg.subject, ctx.model_max_len, role)
-            if problem is not None:
-                log.warning("ignoring a load beat: %s", problem)
-            return problem is None
-
-        async def on_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
-            if believable(beat, msg, "decode"):
-                router.on_beat(beat)
-
-        async def on_prefill_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
-            router.heard()  # the gateway hears beats: the router judges decode workers' silence by it
-            if believable(beat, msg, "prefill"):
-                ctx.metrics.prefill_workers.on_beat(beat)
-
-        # Mesh state, not any request's work: no span per beat or block event (shared/bus/server.py, subscribe).
-        self._subs = [
-            await bus.subscribe(nc, subjects.DECODE_EVENTS_ALL, on_event, (BlockStored, BlockRemoved), traced=False,
-                                max_bytes=EVENT_MAX_BYTES),
-            await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event, (BlockStored, BlockRemoved, StatsReply),
-                                traced=False, max_bytes=EVENT_MAX_BYTES),
-            await bus.subscribe(nc, subjects.DECODE_LOAD_ALL, on_beat, LoadBeat, traced=False, max_bytes=BEAT_MAX_BYTES),
-            await bus.subscribe(nc, subjects.PREFILL_LOAD_ALL, on_prefill_beat, LoadBeat, traced=False,
-                                max_bytes=BEAT_MAX_BYTES),
-        ]
-        self._deaf_watch = asyncio.ensure_future(_keep_workers_while_deaf(nc, router))
+        self._subs = [await bus.subscribe(nc, subjects.KVSTORE_EVENTS, on_kvstore_event,
+                                          (BlockStored, BlockRemoved, StatsReply), traced=False,
+                                          max_bytes=EVENT_MAX_BYTES)]
+        for model in ctx.served:
+            self._subs += await _follow_workers(nc, model)
+        self._deaf_watch = asyncio.ensure_future(_keep_workers_while_deaf(nc, [m.router for m in ctx.served]))
         self._micro = await bus.add_micro_service(nc, subjects.SERVICE_GATEWAY, VERSION, [],
                                                   description="OpenAI-compatible HTTP gateway",
-                                                  metadata={"model": cfg.served_model_name})
+                                                  metadata={"model": ",".join(m.name for m in ctx.served)})
         uv = uvicorn.Config(create_app(ctx), host=cfg.host, port=cfg.port, lifespan="off", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=None)
         self._server = _Server(uv)
@@ -145,7 +130,7 @@ class GatewayService(Service):
                 self._serving.result()  # e.g. the port is taken: raise it here
                 raise RuntimeError("uvicorn stopped before it started")
             await asyncio.sleep(0.02)
-        log.info("gateway listening on %s for model %s", self.url, cfg.served_model_name)
+        log.info("gateway listening on %s for model(s) %s", self.url, ", ".join(m.name for m in ctx.served))
 
     async def stop_intake(self) -> None:
         if self.ctx is not None:
@@ -183,8 +168,11 @@ class GatewayService(Service):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="HF checkpoint directory (tokenizer + config.json)")
-    parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
+    parser.add_argument("--model", dest="models", required=True, action="append",
+                        help="HF checkpoint directory (tokenizer + config.json); repeat it for each model of the mesh "
+                             "(the i-th model's tokenizer and workers use the i-th model's subjects)")
+    parser.add_argument("--served-model-name", default=None, action="append",
+                        help="name clients use (default: the directory name); one per --model, in the same order")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-inflight-requests", type=int, default=GatewayConfig.max_inflight_requests,
@@ -220,9 +208,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> GatewayService:
+    from shared.models.model_source import resolve_model
+
+    names, dirs = args.served_model_name or [], args.models
+    if len(names) > len(dirs):
+        raise SystemExit(f"gateway: {len(names)} --served-model-name for {len(dirs)} --model")
+    # A .gguf (or a directory holding one) -> its cached checkpoint directory, as for every service's --model.
+    models = [ModelEntry(resolve_model(model), name or Path(resolve_model(model)).resolve().name, model_namespace(i))
+              for i, (model, name) in enumerate(zip(dirs, [*names, *[None] * (len(dirs) - len(names))]))]
     return GatewayService(GatewayConfig(
-        model_dir=args.model,
-        served_model_name=args.served_model_name or Path(args.model).resolve().name,
+        model_dir=models[0].model_dir, served_model_name=models[0].served_model_name, more_models=tuple(models[1:]),
         host=args.host, port=args.port, max_waiting=args.max_waiting, max_inflight_requests=args.max_inflight_requests,
         max_input_lag_s=args.max_input_lag, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
@@ -244,7 +239,48 @@ def _speaks_for_itself(worker_id: str, subject: str) -> bool:
         return False
 
 
-async def _keep_workers_while_deaf(nc, router: Router, period_s: float = 0.1) -> None:  # noqa: ANN001
+async def _follow_workers(nc: Client, model: ServedModel) -> list[Subscription]:
+    """Subscribes a model's router and worker gauges to its workers' block events and load beats (its own
+    subjects: another model's workers never enter its router)."""
+    router, sub = model.router, model.subjects
+
+    async def on_event(ev: BlockStored | BlockRemoved, msg: bus.RequestContext) -> None:
+        # A worker speaks only for itself: the id in the event must be the subject's (the bus lets each
+        # worker publish only on its own subject).
+        if not _speaks_for_itself(ev.worker_id, msg.subject):
+            log.warning("ignoring a block event for %r on %r", ev.worker_id, msg.subject)
+            return
+        if isinstance(ev, BlockStored):
+            router.on_stored(ev)
+        else:
+            router.on_removed(ev)
+
+    def believable(beat: LoadBeat, msg: bus.RequestContext, role: str) -> bool:
+        problem = beat_problem(beat, msg.subject, model.model_max_len, role)
+        if problem is not None:
+            log.warning("ignoring a load beat: %s", problem)
+        return problem is None
+
+    async def on_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
+        if believable(beat, msg, "decode"):
+            router.on_beat(beat)
+
+    async def on_prefill_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
+        router.heard()  # the gateway hears beats: the router judges decode workers' silence by it
+        if believable(beat, msg, "prefill"):
+            model.metrics.prefill_workers.on_beat(beat)
+
+    # Mesh state, not any request's work: no span per beat or block event (shared/bus/server.py, subscribe).
+    return [
+        await bus.subscribe(nc, sub.decode_events_all, on_event, (BlockStored, BlockRemoved), traced=False,
+                            max_bytes=EVENT_MAX_BYTES),
+        await bus.subscribe(nc, sub.decode_load_all, on_beat, LoadBeat, traced=False, max_bytes=BEAT_MAX_BYTES),
+        await bus.subscribe(nc, sub.prefill_load_all, on_prefill_beat, LoadBeat, traced=False,
+                            max_bytes=BEAT_MAX_BYTES),
+    ]
+
+
+async def _keep_workers_while_deaf(nc, routers: list[Router], period_s: float = 0.1) -> None:  # noqa: ANN001
     """While the gateway's own NATS connection is down (its server died; it is reconnecting), no beat can
     reach it: that says nothing about the workers, so none of them expires for it. Just after a reconnect
     every worker counts as just heard from; one that really died meanwhile expires a beat period later."""
@@ -252,5 +288,6 @@ async def _keep_workers_while_deaf(nc, router: Router, period_s: float = 0.1) ->
     while True:
         if not nc.is_connected or nc.stats["reconnects"] != reconnects:
             reconnects = nc.stats["reconnects"]
-            router.heard_from_all()
+            for router in routers:
+                router.heard_from_all()
         await asyncio.sleep(period_s)

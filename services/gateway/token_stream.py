@@ -85,7 +85,7 @@ class TokenStream:
 
     async def open(self) -> None:
         """Sends the request and waits for the first chunk, so refusals become HTTP statuses."""
-        subject = subjects.decode_generate(self.worker_id) if self.worker_id else subjects.DECODE_GENERATE
+        subject = subjects.decode_generate(self.worker_id) if self.worker_id else self.ctx.subjects.decode_generate_any
         try:
             self._first = await self._send(subject)
         except WorkerLost:  # it died before the first token (e.g. while prefilling): start over elsewhere
@@ -99,7 +99,7 @@ class TokenStream:
             self.ctx.router.forget(self.worker_id)
             self.worker_id = None
             try:
-                self._first = await self._send(subjects.DECODE_GENERATE)
+                self._first = await self._send(self.ctx.subjects.decode_generate_any)
             except bus.NoRespondersError:
                 raise unavailable("no decode worker is available", code="no_decode_worker") from None
 
@@ -118,7 +118,7 @@ class TokenStream:
 
     async def _send(self, subject: str) -> TokenChunk:
         # Routed to one worker: only its chunks count.
-        sender = None if subject == subjects.DECODE_GENERATE else subjects.worker_from_subject(subject)
+        sender = None if subject == self.ctx.subjects.decode_generate_any else subjects.worker_from_subject(subject)
         stream = await self._request(subject, self._req, sender)
         self.sent = True
         try:

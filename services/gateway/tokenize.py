@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import bad_request
-from services.gateway.prepare import chat_messages, check_model, encode
+from services.gateway.prepare import chat_messages, encode
 from services.gateway.schemas import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                       TokenizeCompletionRequest, TokenizeResponse)
 from shared.prompt_check import PromptError, check_token_ids
@@ -13,7 +13,7 @@ from shared.protocol.tokenizer import EncodeRequest
 
 
 async def tokenize_body(ctx: GatewayContext, body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
-    check_model(ctx, body.model)
+    ctx = ctx.for_model(body.model)
     if isinstance(body, TokenizeChatRequest):
         req = EncodeRequest(messages=chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt)
     else:
@@ -24,7 +24,7 @@ async def tokenize_body(ctx: GatewayContext, body: TokenizeChatRequest | Tokeniz
 
 
 def detokenize_body(ctx: GatewayContext, body: DetokenizeRequest) -> DetokenizeResponse:
-    check_model(ctx, body.model)
+    ctx = ctx.for_model(body.model)
     try:
         check_token_ids(body.tokens, ctx.vocab_size, param="tokens")
     except PromptError as e:

@@ -46,6 +46,8 @@ class Identity:
     user: str
     role: str
     worker_id: str | None = None
+    # The models whose subjects it may use (shared/subjects.py namespaces): a worker serves one, the gateway all.
+    namespaces: tuple[str, ...] = ("",)
 
     def __post_init__(self) -> None:
         assert self.role in ROLES, f"unknown role {self.role!r}"
@@ -80,28 +82,48 @@ def _queued(subject: str, queue: str) -> str:
     return f"{subject} {queue}"
 
 
-def permissions(role: str, worker_id: str | None = None, user: str | None = None) -> dict[str, object]:
-    """nats-server's permissions block for an identity (see Identity; by default the role's shared user)."""
+def permissions(role: str, worker_id: str | None = None, user: str | None = None,
+                namespaces: tuple[str, ...] = ("",)) -> dict[str, object]:
+    """nats-server's permissions block for an identity (see Identity; by default the role's shared user), on
+    the model-scoped subjects of each of `namespaces` (shared/subjects.py Subjects; "" the first model's)."""
     w = worker_id or "*"
     own_inbox = f"{inbox_prefix(user or role)}.>"
-    publish = {
-        "gateway": [s.TOKENIZER_ENCODE, s.TOKENIZER_DECODE, s.DECODE_GENERATE, "kvmesh.decode.generate.*",
-                    "kvmesh.decode.replay.*", s.DECODE_CANCEL, s.PREFILL_CANCEL, SERVICE_DISCOVERY],
+    publish: list[str] = []
+    subscribe: list[str] = []
+    for ns in namespaces:
+        m = s.Subjects(ns)
+        publish += {
+            "gateway": [m.tokenizer_encode, m.tokenizer_decode, m.decode_generate_any],
+            "tokenizer": [],
+            "decode": [m.decode_events(w) if w != "*" else m.decode_events_all,
+                       m.decode_load(w) if w != "*" else m.decode_load_all,
+                       m.decode_suffix(w) if w != "*" else m.decode_suffix_all, m.prefill_prefill],
+            "prefill": [m.prefill_load(w) if w != "*" else m.prefill_load_all],
+            "kvstore": [],
+        }[role]
+        subscribe += {
+            "gateway": [m.decode_load_all, m.decode_events_all, m.prefill_load_all],
+            "tokenizer": [_queued(m.tokenizer_encode, m.queue_tokenizer), _queued(m.tokenizer_decode, m.queue_tokenizer)],
+            "decode": [_queued(m.decode_generate_any, m.queue_decode),
+                       _queued(f"kvmesh.decode.generate.{w}", f"{m.queue_decode}.{w}"),
+                       _queued(f"kvmesh.decode.replay.{w}", f"{m.queue_decode}.{w}"), m.decode_suffix_all],
+            "prefill": [_queued(m.prefill_prefill, m.queue_prefill)],
+            "kvstore": [],
+        }[role]
+    # Subjects every model shares: per-worker subjects (worker ids are unique in the mesh), cancels, the kvstore.
+    publish += {
+        "gateway": ["kvmesh.decode.generate.*", "kvmesh.decode.replay.*", s.DECODE_CANCEL, s.PREFILL_CANCEL,
+                    SERVICE_DISCOVERY],
         "tokenizer": [],
-        "decode": [f"kvmesh.decode.events.{w}", f"kvmesh.decode.load.{w}", f"kvmesh.decode.suffix.{w}",
-                   s.PREFILL_PREFILL, s.PREFILL_CANCEL,
-                   *_kvstore()],
-        "prefill": ["kvmesh.decode.kv.push.*", f"kvmesh.prefill.load.{w}", *_kvstore()],
+        "decode": [s.PREFILL_CANCEL, *_kvstore()],
+        "prefill": ["kvmesh.decode.kv.push.*", *_kvstore()],
         "kvstore": [s.KVSTORE_EVENTS],
     }[role]
-    subscribe = {
-        "gateway": [s.DECODE_LOAD_ALL, s.DECODE_EVENTS_ALL, s.PREFILL_LOAD_ALL, s.KVSTORE_EVENTS],
-        "tokenizer": [_queued(s.TOKENIZER_ENCODE, s.QUEUE_TOKENIZER), _queued(s.TOKENIZER_DECODE, s.QUEUE_TOKENIZER)],
-        "decode": [_queued(s.DECODE_GENERATE, s.QUEUE_DECODE),
-                   _queued(f"kvmesh.decode.generate.{w}", f"{s.QUEUE_DECODE}.{w}"),
-                   _queued(f"kvmesh.decode.replay.{w}", f"{s.QUEUE_DECODE}.{w}"),
-                   s.DECODE_CANCEL, f"kvmesh.decode.kv.push.{w}", s.DECODE_SUFFIX_ALL],
-        "prefill": [_queued(s.PREFILL_PREFILL, s.QUEUE_PREFILL), s.PREFILL_CANCEL],
+    subscribe += {
+        "gateway": [s.KVSTORE_EVENTS],
+        "tokenizer": [],
+        "decode": [s.DECODE_CANCEL, f"kvmesh.decode.kv.push.{w}"],
+        "prefill": [s.PREFILL_CANCEL],
         "kvstore": [_queued(subject, s.QUEUE_KVSTORE) for subject in _kvstore()],
     }[role]
     subscribe.append(SERVICE_DISCOVERY)  # every service (the gateway too) answers nats.micro's PING/INFO/STATS
@@ -114,7 +136,7 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
 
 
 def identity_permissions(identity: Identity) -> dict[str, object]:
-    return permissions(identity.role, identity.worker_id, identity.user)
+    return permissions(identity.role, identity.worker_id, identity.user, identity.namespaces)
 
 
 def password_variable(role: str) -> str:
@@ -137,7 +159,8 @@ def server_auth_config() -> str:
 
     users = []
     for role in ROLES:
-        perms = json.dumps(permissions(role), indent=None)
+        # A compose role user serves whichever model its container runs: every model's subjects.
+        perms = json.dumps(permissions(role, namespaces=("", s.ANY_NAMESPACE)), indent=None)
         users.append(f'    {{user: "{role}", password: ${password_variable(role)}, permissions: {perms}}}')
     return ("# Generated from shared/bus/roles.py (tests/test_bus_auth.py checks it): one user per kvmesh role.\n"
             f"max_pending: {SERVER_MAX_PENDING}  # shared/bus/limits.py says why\n"

@@ -23,6 +23,6 @@ CPU_LAYOUT_NOTE = ("[kvmesh] engine workers on CPU: no prefill worker by default
 def cpu_default_layout(opts: MeshOptions, prefill_given: bool, planned: bool) -> tuple[MeshOptions, str | None]:
     """The options to start with and the line to log, or (opts, None) when the layout stays as it is: GPU workers,
     simulated workers (no model computes), a --prefill the user gave, or a planner that scales prefill itself."""
-    if opts.devices or opts.engine != "real" or prefill_given or planned or opts.prefill == 0:
+    if opts.devices or opts.engine != "real" or prefill_given or planned or opts.total("prefill") == 0:
         return opts, None
-    return replace(opts, prefill=0), CPU_LAYOUT_NOTE
+    return opts.with_models(tuple(replace(m, prefill=0) for m in opts.models)), CPU_LAYOUT_NOTE

@@ -161,9 +161,12 @@ class PlanError(ValueError):
 
 
 def evaluate(opts: MeshOptions, gpu_bytes: dict[str, int], needs: WorkerNeeds, max_model_len: int,
-             changes: tuple[str, ...] = ()) -> GpuPlan:
+             changes: tuple[str, ...] = (), only: frozenset[str] | None = None) -> GpuPlan:
+    """The plan of opts' engine workers (only: those instance names, one model's of several)."""
     workers = []
     for name, p in placement(opts).items():
+        if only is not None and name not in only:
+            continue
         tp = opts.tp(name.split("-")[0])
         rank = needs.per_rank(tp)
         workers.append(WorkerPlan(name, p.device, p.gpu_memory_utilization,
@@ -219,6 +222,45 @@ def plan_mesh(opts: MeshOptions, gpu_bytes: dict[str, int], needs: WorkerNeeds, 
     return replace(plan, changes=(
         f"{_why(asked)}: {layout}max_model_len {tokens} instead of {max_len} (the KV of one full-length "
         "request must fit each worker's share; --max-model-len sets it)",))
+
+
+def model_workers(opts: MeshOptions) -> list[frozenset[str]]:
+    """Each model's engine worker instance names, numbered as mesh_services numbers them (per role, model by
+    model)."""
+    out, seen = [], {"decode": 0, "prefill": 0}
+    for m in opts.models:
+        names = set()
+        for role in seen:
+            names |= {f"{role}-{seen[role] + i}" for i in range(getattr(m, role))}
+            seen[role] += getattr(m, role)
+        out.append(frozenset(names))
+    return out
+
+
+def plan_models(opts: MeshOptions, gpu_bytes: dict[str, int], needs: list[WorkerNeeds], model_max_lens: list[int],
+                block_size: int = 16) -> list[GpuPlan]:
+    """Several models on the GPUs (placement() spreads every model's workers together): per model, its
+    workers' shares against its own needs. The layout is the one asked for (a model's workers are its own
+    pool: none is dropped for another's sake); a model whose workers cannot hold its full context gets the
+    longest that fits, and PlanError when not even MIN_MODEL_LEN does."""
+    missing = [d for d in opts.devices if d not in gpu_bytes]
+    if missing:
+        raise PlanError(f"no memory size for GPU(s) {', '.join(missing)}: give --gpu-memory SIZE (or DEVICE=SIZE)")
+    plans = []
+    for m, names, need, model_len in zip(opts.models, model_workers(opts), needs, model_max_lens):
+        max_len = m.max_model_len or model_len
+        plan = evaluate(opts, gpu_bytes, need, max_len, only=names)
+        plan = replace(plan, prefill=m.prefill, decode=m.decode)
+        if not plan.fits:
+            tokens = min(_longest_that_fits(plan, block_size), max_len)
+            if tokens < MIN_MODEL_LEN:
+                raise PlanError(f"model {m.name} does not fit: {_why(plan)}; even {MIN_MODEL_LEN} tokens of context "
+                                "leave no room. Use fewer workers per GPU, GPUs with more memory or --kv-cache-dtype "
+                                "fp8\n" + plan.table())
+            plan = replace(evaluate(opts, gpu_bytes, need, tokens, only=names), prefill=m.prefill, decode=m.decode,
+                           changes=(f"{m.name}: {_why(plan)}: max_model_len {tokens} instead of {max_len}",))
+        plans.append(plan)
+    return plans
 
 
 def _why(plan: GpuPlan) -> str:

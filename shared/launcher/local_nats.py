@@ -6,7 +6,7 @@ import asyncio
 import json
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shared.bus.natsd import free_port, nats_server_binary
@@ -51,6 +51,8 @@ class LocalNats:
     routes: tuple[str, ...] = ()
     name: str = NAME
     route_password: str = field(default="", repr=False)
+    # user -> the models' subject namespaces it may use (shared/subjects.py); absent: the first model's only.
+    namespaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
@@ -59,7 +61,8 @@ class LocalNats:
 
     @classmethod
     def cluster(cls, size: int, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
-                config_dir: Path | None = None, tls: bool = False, monitor: bool = False) -> list[LocalNats]:
+                config_dir: Path | None = None, tls: bool = False, monitor: bool = False,
+                namespaces: dict[str, tuple[str, ...]] | None = None) -> list[LocalNats]:
         """`size` servers routed to each other (size 1: one plain server named "nats"), sharing the
         users, passwords and TLS certificate, so a client may connect to any of them. monitor: each also
         serves nats-server's (unauthenticated) monitoring pages on a port of its own."""
@@ -69,12 +72,13 @@ class LocalNats:
         def http() -> int:
             return free_port(host) if monitor else 0
         if size == 1:
-            return [cls(host, free_port(host), http(), passwords or {}, config_dir, files)]
+            return [cls(host, free_port(host), http(), passwords or {}, config_dir, files,
+                        namespaces=namespaces or {})]
         cluster_ports = [free_port(host) for _ in range(size)]
         route_password = secrets.token_urlsafe(24)
         return [cls(host, free_port(host), http(), passwords or {}, config_dir, files, port,
                     tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}",
-                    route_password)
+                    route_password, namespaces or {})
                 for i, port in enumerate(cluster_ports)]
 
     def role_env(self, user: str) -> dict[str, str]:
@@ -88,7 +92,8 @@ class LocalNats:
     def write_config(self) -> Path:
         """nats-server's config (JSON is valid nats-server config), readable by this user only."""
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
-        users = [{"user": user, "password": pw, "permissions": identity_permissions(Identity.of(user))}
+        users = [{"user": user, "password": pw, "permissions": identity_permissions(
+                     replace(Identity.of(user), namespaces=self.namespaces.get(user, ("",))))}
                  for user, pw in self.passwords.items()]
         config: dict = {"host": self.host, "port": self.port, "max_pending": SERVER_MAX_PENDING}
         if self.http_port:

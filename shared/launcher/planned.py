@@ -38,7 +38,9 @@ class RunningPlanner:
 
 
 async def start_planner(config: PlannerConfig, scaler: Scaler, metrics_url: str, host: str, port: int,
-                        emit: Callable[[str], None]) -> RunningPlanner:
+                        emit: Callable[[str], None], model: str | None = None) -> RunningPlanner:
+    """model: plan that served model's workers from its own series (a mesh of several models has a planner
+    per model); None: the mesh's one model."""
     # The planner's decisions go to the launcher's output like the services' lines.
     log = logging.getLogger("kvmesh.planner")
     if not log.handlers:
@@ -47,12 +49,12 @@ async def start_planner(config: PlannerConfig, scaler: Scaler, metrics_url: str,
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    reader = GatewayMetrics(metrics_url)
-    planner = Planner(config, build_policy(config), scaler, reader)
+    reader = GatewayMetrics(metrics_url, model=model)
+    planner = Planner(config, build_policy(config), scaler, reader, name=f"planner {model}" if model else "planner")
     endpoint = PlannerEndpoint(planner, host if host not in ("0.0.0.0", "::", "") else "127.0.0.1", port)
     url = await endpoint.start()
     lim = config.limits
-    emit(f"[kvmesh] planner ({config.mode}) every {config.interval_s:g}s: prefill {lim['prefill'].min}..{lim['prefill'].max}, "
+    emit(f"[kvmesh] planner{f' for {model}' if model else ''} ({config.mode}) every {config.interval_s:g}s: prefill {lim['prefill'].min}..{lim['prefill'].max}, "
          f"decode {lim['decode'].min}..{lim['decode'].max}, at most {config.capacity} engine workers; decisions at "
          f"{url}/decisions, metrics at {url}/metrics")
     return RunningPlanner(planner, endpoint, reader)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from shared.subjects import NAMESPACE_ENV, model_namespace
 
 # Start order: the services others call first, the gateway (whose /health needs the rest) last.
 SERVICES: tuple[str, ...] = ("kvstore", "tokenizer", "prefill", "decode", "gateway")
@@ -24,6 +26,28 @@ SERVICE_ENV: Mapping[str, str] = {"PYTHONUNBUFFERED": "1"}
 # {worker id: {"user", "password", "inbox_prefix"}}: what NATS_USER/NATS_PASSWORD/NATS_INBOX_PREFIX are to a
 # one-worker process.
 PACK_IDENTITIES_ENV = "KVMESH_PACK_IDENTITIES"
+
+
+@dataclass(frozen=True)
+class ModelServing:
+    """One model of the mesh and its own pools: tokenizer, prefill and decode workers (a model is served by
+    its own workers only, on its own subjects: shared/subjects.py)."""
+
+    model: str
+    served_model_name: str | None = None  # None: the gateway's default (the directory's name)
+    prefill: int = 0
+    decode: int = 1
+    tokenizer: int = 1
+    max_model_len: int | None = None  # None: the workers' default (the checkpoint's); set by the GPU plan
+
+    def __post_init__(self) -> None:
+        assert self.prefill >= 0, "--prefill must be >= 0"
+        assert self.tokenizer >= 1 and self.decode >= 1, "each model needs at least one tokenizer and one decode worker"
+        assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
 
 
 @dataclass(frozen=True)
@@ -74,6 +98,9 @@ class MeshOptions:
     speculative_config: str | None = None
     # Decode workers publish finished outputs to each other's suffix tables (needs suffix speculation).
     share_suffix_outputs: bool = False
+    # The mesh's other models (`kvmesh up --model A --model B`): the fields above from `model` to `max_model_len`
+    # are the first model's; every engine and gateway flag applies to all of them.
+    more_models: tuple[ModelServing, ...] = ()
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -100,6 +127,34 @@ class MeshOptions:
             "--share-suffix-outputs needs suffix speculation (--speculative-config '{\"method\": \"suffix\"}')"
         assert not (self.engine == "sim" and max(self.decode_tp, self.prefill_tp) > 1), \
             "--engine sim runs no model: --decode-tp/--prefill-tp do not apply"
+        if self.more_models:
+            names = [m.name for m in self.models]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            assert not dup, (f"two models would be served as {', '.join(dup)}: give each its own "
+                             "--served-model-name")
+            assert self.sim_workers_per_process == 1, "--sim-workers-per-process serves one model"
+
+    @property
+    def models(self) -> tuple[ModelServing, ...]:
+        """Every model of the mesh, the first one (the top-level fields) first."""
+        first = ModelServing(self.model, self.served_model_name, self.prefill, self.decode, self.tokenizer,
+                             self.max_model_len)
+        return (first, *self.more_models)
+
+    def with_models(self, models: tuple[ModelServing, ...]) -> MeshOptions:
+        """These options serving `models` (the first one's fields at the top level)."""
+        m = models[0]
+        return replace(self, model=m.model, served_model_name=m.served_model_name, prefill=m.prefill,
+                       decode=m.decode, tokenizer=m.tokenizer, max_model_len=m.max_model_len,
+                       more_models=tuple(models[1:]))
+
+    def only(self, index: int) -> MeshOptions:
+        """These options serving only the index-th model (what its own workers are started with)."""
+        return self.with_models((self.models[index],))
+
+    def total(self, role: str) -> int:
+        """Workers of a role over every model."""
+        return sum(getattr(m, role) for m in self.models)
 
     def replicas(self, service: str) -> int:
         return 1 if service == "gateway" else int(getattr(self, service))
@@ -138,7 +193,7 @@ def placement(opts: MeshOptions) -> dict[str, Placement]:
     --gpu-memory-utilization for all its ranks)."""
     if not opts.devices:
         return {}
-    names = [f"decode-{i}" for i in range(opts.decode)] + [f"prefill-{i}" for i in range(opts.prefill)]
+    names = [f"decode-{i}" for i in range(opts.total("decode"))] + [f"prefill-{i}" for i in range(opts.total("prefill"))]
     devices_of: dict[str, tuple[str, ...]] = {}
     cursor = 0
     for name in names:
@@ -189,13 +244,17 @@ class ServiceSpec:
     env: Mapping[str, str]
     placement: Mapping[str, Placement] = field(default_factory=dict)  # instance name -> GPU (local runs only)
     pack: int = 1  # simulated engine workers per process (services/sim_pack.py)
+    # Several models: the role's instances of the models before this one come first (instance names, hence
+    # worker ids and bus identities, stay unique in the mesh: `decode-2` may be the second model's first).
+    first_index: int = 0
+    model_index: int = 0  # which of the mesh's models it serves (MeshOptions.models order)
 
     @property
     def module(self) -> str:
         return service_module(self.service)
 
     def instance_name(self, index: int) -> str:
-        return f"{self.service}-{index}"
+        return f"{self.service}-{self.first_index + index}"
 
     def instance_args(self, index: int) -> tuple[str, ...]:
         # Decode workers are addressed by id (per-worker subjects, router affinity) and every engine
@@ -235,15 +294,39 @@ class ServiceSpec:
 
 
 def mesh_services(opts: MeshOptions) -> list[ServiceSpec]:
+    """Every service of the mesh; with several models, each model's tokenizer, prefill and decode specs (the
+    later models' on their own subject namespace) in start order, one kvstore and one gateway for all."""
     where = placement(opts)
-    return [ServiceSpec(name, opts.replicas(name), _service_args(name, opts), dict(SERVICE_ENV),
-                        {k: v for k, v in where.items() if k.startswith(name + "-")}, opts.sim_workers_per_process)
-            for name in SERVICES]
+    specs: list[ServiceSpec] = []
+    seen = dict.fromkeys(SERVICES, 0)
+    for name in SERVICES:
+        for k in range(len(opts.models) if name in MODEL_SERVICES - {"gateway"} else 1):
+            own = opts.only(k) if name in MODEL_SERVICES - {"gateway"} else opts
+            if opts.more_models and own is not opts:
+                own = replace(own, served_model_name=opts.models[k].name)
+            env = dict(SERVICE_ENV)
+            if model_namespace(k):
+                env[NAMESPACE_ENV] = model_namespace(k)
+            specs.append(ServiceSpec(name, own.replicas(name), _service_args(name, own), env,
+                                     {n: v for n, v in where.items() if n.startswith(name + "-")},
+                                     opts.sim_workers_per_process, seen[name], k))
+            seen[name] += own.replicas(name)
+    return specs
+
+
+def model_specs(specs: list[ServiceSpec], index: int) -> dict[str, ServiceSpec]:
+    """The index-th model's tokenizer, prefill and decode specs by service (the planner scales them)."""
+    return {s.service: s for s in specs if s.service in MODEL_SERVICES - {"gateway"} and s.model_index == index}
 
 
 def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
     args: list[str] = []
-    if service in MODEL_SERVICES:
+    if service == "gateway" and opts.more_models:
+        # Every model, with its name given explicitly: the engines fold it into block hashes, so each model's
+        # workers and the gateway must agree on it.
+        for m in opts.models:
+            args += ["--model", m.model, "--served-model-name", m.name]
+    elif service in MODEL_SERVICES:
         args += ["--model", opts.model]
     if service == "gateway":
         args += ["--host", opts.host, "--port", str(opts.port)]
@@ -259,7 +342,7 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--max-inflight-requests", str(opts.max_inflight_requests)]
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
-    if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name:
+    if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name and not opts.more_models:
         args += ["--served-model-name", opts.served_model_name]
     if service in ENGINE_SERVICES and opts.kvstore == 0:
         args += ["--no-kvstore"]  # else every cache miss would ask a kvstore nobody serves

@@ -11,33 +11,37 @@ import asyncio
 import importlib.util
 import json
 import os
-import secrets
 import signal
 import socket
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG, ConfigError
+from shared.models.errors import CheckpointError
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
-                                     plan_mesh, worker_needs)
+                                     plan_mesh, plan_models, worker_needs)
 from shared.launcher.cpu_layout import cpu_default_layout
 from shared.launcher.gpus import parse_devices
 from shared.launcher.local_nats import LocalNats, identity_passwords
+from shared.launcher.model_flags import COUNT_ROLES, ModelFlagError, served_models
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
 from shared.private_dir import UnsafeDirectory, private_dir, user_cache_dir
-from shared.salt_tag import salt_tag
+from shared.salt_tag import model_salts, salt_tag
 from shared.engine.sim_profile import ProfileError
 from shared.launcher.planned import start_planner
-from shared.launcher.process_spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, PACK_IDENTITIES_ENV, SERVICES,
-                                  MeshOptions, ProcessSpec, mesh_services)
+from shared.launcher.process_spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, MODEL_SERVICES,
+                                          PACK_IDENTITIES_ENV, SERVICES, MeshOptions, ProcessSpec, ServiceSpec,
+                                          mesh_services)
 from shared.planner.config import PlannerConfig, PlannerConfigError, RoleLimits
 from shared.planner.scaler import SupervisorScaler
 from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
 from shared.models.model_config import load_model_config
 from shared.service_runner import DEFAULT_GRACE_S
 from shared.spec_config import SpeculativeConfig
+from shared.subjects import NAMESPACE_ENV, model_namespace
 
 READY = "kvmesh is up at"  # tests wait for this line
 # A service drains for up to its grace period, then its NATS connection for up to 5 s more
@@ -47,15 +51,21 @@ DRAIN_MARGIN_S = 10.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = MeshOptions()
-    parser.add_argument("--model", default=None, help=f"HF model directory or .gguf file (default {DEFAULT_MODEL}, written as the demo model if missing)")
-    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: the gateway's choice)")
+    parser.add_argument("--model", action="append", default=None,
+                        help=f"HF model directory or .gguf file (default {DEFAULT_MODEL}, written as the demo model if "
+                             "missing); repeat it to serve several models, each with its own workers")
+    parser.add_argument("--served-model-name", action="append", default=None,
+                        help="model name in the API (default: the model directory's name); repeatable, one per "
+                             "--model in the same order")
     parser.add_argument("--host", default=d.host, help=f"gateway bind address (default {d.host})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gateway port (default {DEFAULT_PORT})")
-    parser.add_argument("--prefill", type=int, default=None,
+    per_model = "; with several models N for each, or NAME=N,NAME=N per model"
+    parser.add_argument("--prefill", default=None, metavar="N",
                         help=f"prefill workers (default {d.prefill} on GPUs, or 0 when the GPU plan needs it; 0 on CPU, where "
-                             "a prefill worker shares decode's cores; 0: all prefill local)")
-    parser.add_argument("--decode", type=int, default=None, help=f"decode workers (default {d.decode})")
-    parser.add_argument("--tokenizer", type=int, default=d.tokenizer, help=f"tokenizer workers (default {d.tokenizer})")
+                             f"a prefill worker shares decode's cores; 0: all prefill local){per_model}")
+    parser.add_argument("--decode", default=None, metavar="N", help=f"decode workers (default {d.decode}){per_model}")
+    parser.add_argument("--tokenizer", default=None, metavar="N",
+                        help=f"tokenizer workers (default {d.tokenizer}){per_model}")
     parser.add_argument("--kvstore", type=int, default=d.kvstore, help=f"kvstore replicas (default {d.kvstore}; 0: none)")
     parser.add_argument("--remote-prefill-threshold", type=int, default=None, metavar="TOKENS",
                         help="uncached prompt tokens from which decode prefills remotely (0: always; default: decode's own)")
@@ -179,13 +189,17 @@ def _speculative_config(text: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = Path(args.model) if args.model else DEFAULT_MODEL
+    given = args.model or []
+    model = Path(given[0]) if given else DEFAULT_MODEL
     try:
+        models = served_models([str(model), *given[1:]], args.served_model_name or [],
+                               {r: getattr(args, r) for r in COUNT_ROLES},
+                               {r: getattr(MeshOptions, r) for r in COUNT_ROLES})
+        first = models[0]
         opts = MeshOptions(
-            model=str(model), host=args.host, port=args.port, served_model_name=args.served_model_name,
-            prefill=MeshOptions.prefill if args.prefill is None else args.prefill,
-            decode=MeshOptions.decode if args.decode is None else args.decode,
-            tokenizer=args.tokenizer, kvstore=args.kvstore, max_model_len=args.max_model_len,
+            model=str(model), host=args.host, port=args.port, served_model_name=first.served_model_name,
+            prefill=first.prefill, decode=first.decode, tokenizer=first.tokenizer, more_models=models[1:],
+            kvstore=args.kvstore, max_model_len=args.max_model_len,
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
@@ -201,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
         )
-    except (AssertionError, ConfigError) as e:
+        opts = opts.with_models(tuple(replace(m, max_model_len=args.max_model_len) for m in opts.models))
+    except (AssertionError, ConfigError, ModelFlagError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
     if opts.engine == "sim":
@@ -246,11 +261,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvmesh up: {e}", file=sys.stderr)
             return 2
         lim = planner.limits
-        opts = replace(opts, prefill=min(lim["prefill"].max, max(lim["prefill"].min, opts.prefill)),
-                       decode=min(lim["decode"].max, max(lim["decode"].min, opts.decode)))
-        if opts.prefill == 0 and opts.remote_prefill_threshold is None:
+        opts = opts.with_models(tuple(
+            replace(m, prefill=min(lim["prefill"].max, max(lim["prefill"].min, m.prefill)),
+                    decode=min(lim["decode"].max, max(lim["decode"].min, m.decode))) for m in opts.models))
+        if opts.total("prefill") == 0 and opts.remote_prefill_threshold is None:
             # Prefill workers may come later: decode must keep asking for them (it prefills locally meanwhile).
             opts = replace(opts, remote_prefill_threshold=planner.remote_prefill_threshold)
+    if opts.more_models:
+        try:
+            # (the default first model is the demo model, written below when missing)
+            opts = opts.with_models(tuple(m if i == 0 and args.model is None else replace(m, model=checkpoint_dir(m.model))
+                                          for i, m in enumerate(opts.models)))
+        except CheckpointError as e:
+            print(f"kvmesh up: {e}", file=sys.stderr)
+            return 2
+        model = Path(opts.model)
     if not (model / "config.json").is_file():
         if args.model is not None:
             print(f"kvmesh up: {model} is not a model directory (no config.json)", file=sys.stderr)
@@ -278,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
         for spec in mesh_services(opts):
             for proc in spec.processes(sys.executable, {}):
                 print(f"{proc.name}: {' '.join(proc.argv[1:])}" + "".join(f" {k}={v}" for k, v in proc.env.items()
-                                                                        if k == "CUDA_VISIBLE_DEVICES"))
+                                                                        if k in ("CUDA_VISIBLE_DEVICES", NAMESPACE_ENV)))
         return 0
     disk_dir = args.kvstore_disk_dir or str(user_cache_dir("kvmesh", "kvstore"))
     disk = None if disk_dir.lower() == "none" or opts.kvstore == 0 else str(Path(disk_dir).resolve())
@@ -288,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     except UnsafeDirectory as e:
         print(f"kvmesh up: --kvstore-disk-dir: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    if planner is not None and not planner.budget and opts.devices:
+    if planner is not None and not planner.budget and opts.devices and not opts.more_models:
         planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
@@ -320,6 +345,8 @@ def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> M
         print("[kvmesh] engine workers on CPU: no GPU plan", flush=True)
         return opts
     sizes = parse_gpu_memory(gpu_memory, opts.devices) or gpu_memory_from_nvidia_smi(opts.devices)
+    if opts.more_models:
+        return _plan_models(opts, sizes)
     cfg = load_model_config(opts.model)
     d = WORKER_DEFAULTS
     needs = worker_needs(cfg, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens,
@@ -329,6 +356,33 @@ def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> M
     keep_len = plan.max_model_len == (opts.max_model_len or cfg.max_position_embeddings)
     return replace(opts, prefill=plan.prefill, decode=plan.decode,
                    max_model_len=opts.max_model_len if keep_len else plan.max_model_len)
+
+
+def _plan_models(opts: MeshOptions, sizes: dict[str, int]) -> MeshOptions:
+    """Several models: each model's workers checked against their shares with that model's needs (the layout
+    is kept; a model's context shrinks to what its workers hold)."""
+    d = WORKER_DEFAULTS
+    cfgs = [load_model_config(m.model) for m in opts.models]
+    needs = [worker_needs(c, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens,
+                          opts.max_num_seqs or d.max_num_seqs) for c in cfgs]
+    plans = plan_models(opts, sizes, needs, [c.max_position_embeddings for c in cfgs], d.block_size)
+    for m, plan in zip(opts.models, plans):
+        print(f"[{m.name}] " + plan.table(), flush=True)
+    return opts.with_models(tuple(
+        replace(m, max_model_len=m.max_model_len if plan.max_model_len == (m.max_model_len or c.max_position_embeddings)
+                else plan.max_model_len) for m, plan, c in zip(opts.models, plans, cfgs)))
+
+
+def checkpoint_dir(model: str) -> str:
+    """A model of a several-model mesh as its checkpoint directory: a .gguf is converted once here (cached), so
+    every model's workers and the gateway start from the same directory and its config.json plans the GPUs."""
+    from shared.models.model_source import gguf_file_of, resolve_model
+
+    if gguf_file_of(model) is not None:
+        return resolve_model(model)
+    if not (Path(model) / "config.json").is_file():
+        raise CheckpointError(Path(model), "config.json", "not a model directory (no config.json)")
+    return model
 
 
 def missing_services() -> list[str]:
@@ -370,7 +424,8 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     # Only the engine workers hash blocks; the kvstore keeps them by hash and the gateway routes with the
     # hash root the workers' beats carry, so no other service gets it.
     # A salt given in the environment (the user's own secret) keeps the disk tier's records usable across runs.
-    cache_salt = os.environ.get("KVMESH_CACHE_SALT") or secrets.token_hex(16)
+    # Each model its own: no block of one model ever matches another's.
+    cache_salts = model_salts(os.environ.get("KVMESH_CACHE_SALT"), len(opts.models))
     env: dict[str, str] = {}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
@@ -379,14 +434,23 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     specs = mesh_services(opts)
     # With a planner, every instance it may start is planned now: bus identities and GPU placement for the
     # most workers of each role (a mesh at its maxima), so a new worker is a process like the first ones.
-    full = {s.service: s for s in mesh_services(replace(opts, prefill=planner.limits["prefill"].max,
-                                                        decode=planner.limits["decode"].max))} if planner else {}
+    # Several models: each model is planned apart, within the same limits.
+    full: dict[tuple[str, int], ServiceSpec] = {}
+    if planner:
+        full = {(s.service, s.model_index): s for s in mesh_services(opts.with_models(tuple(
+            replace(m, prefill=planner.limits["prefill"].max, decode=planner.limits["decode"].max)
+            for m in opts.models)))}
+        if opts.more_models:  # a later model's instances are numbered after the earlier models' maxima
+            specs = [replace(s, first_index=f.first_index, placement=f.placement)
+                     if (f := full.get((s.service, s.model_index))) else s for s in specs]
     # One bus identity per process, named as the process (shared/bus/roles.py Identity.of): a leaked
     # credential speaks only for that process, never for the other workers of its role.
-    instances = [spec.instance_name(i) for spec in specs for i in range(full.get(spec.service, spec).replicas)]
+    instances = [spec.instance_name(i) for spec in specs
+                 for i in range(full.get((spec.service, spec.model_index), spec).replicas)]
     if not nats_url:
         cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
-                                    config_dir=secrets_dir, tls=nats_tls, monitor=nats_monitor)
+                                    config_dir=secrets_dir, tls=nats_tls, monitor=nats_monitor,
+                                    namespaces=bus_namespaces(specs, full, len(opts.models)))
         for server in cluster:
             await supervisor.start(server.process())
         for server in cluster:
@@ -402,16 +466,16 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         nats_url = ",".join(server.url for server in cluster)
     env["NATS_URL"] = nats_url
 
-    def service_env(service: str) -> dict[str, str]:
-        extra = {"KVMESH_CACHE_SALT": cache_salt} if service in ENGINE_SERVICES else {}
+    def service_env(service: str, model_index: int = 0) -> dict[str, str]:
+        extra = {"KVMESH_CACHE_SALT": cache_salts[model_index]} if service in ENGINE_SERVICES else {}
         if planner is not None and service in ENGINE_SERVICES:
             extra["KVMESH_GRACE_S"] = str(drain_grace)  # a drained worker's requests move on after this
         if service == "kvstore" and kvstore_disk_dir:
             extra["KVMESH_KVSTORE_DISK_DIR"] = kvstore_disk_dir  # blocks survive the mesh's restarts
-            extra["KVMESH_KVSTORE_SALT_TAG"] = salt_tag(cache_salt)  # and records of another salt are wiped
+            extra["KVMESH_KVSTORE_SALT_TAG"] = salt_tag(",".join(cache_salts))  # and records of another salt are wiped
         return {**env, **extra}
 
-    services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service))]
+    services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service, spec.model_index))]
     if cluster:
         services = [replace(p, env={**p.env, **_bus_env(cluster[0], p)}) for p in services]
     if len(cluster) > 1:  # spread the services: each starts at the next server and fails over along the list
@@ -423,11 +487,11 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     problem = await wait_healthy(f"{base}/health", startup_timeout, supervisor, stop)
     order = {p.name: i for i, p in enumerate(services)}
 
-    def process_for(role: str, index: int) -> ProcessSpec:
-        spec = full[role]
+    def process_for(role: str, index: int, model_index: int = 0) -> ProcessSpec:
+        spec = full[role, model_index]
         proc = ProcessSpec(spec.instance_name(index), (sys.executable, "-m", spec.module, *spec.args,
                                                        *spec.instance_args(index)),
-                           {**spec.env, **service_env(role), **spec.instance_env(index)})
+                           {**spec.env, **service_env(role, model_index), **spec.instance_env(index)})
         if cluster:
             proc = replace(proc, env={**proc.env, **cluster[0].role_env(proc.name)})
         if len(cluster) > 1:
@@ -435,7 +499,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
             proc = replace(proc, env={**proc.env, "NATS_URL": _rotate(nats_url, i), "NATS_NO_RANDOMIZE": "1"})
         return proc
 
-    running_planner = None
+    running_planners = []
     rc = 0
     if config_failures:
         emit(f"[kvmesh] {', '.join(config_failures)} cannot start with this configuration (see its error above)")
@@ -448,17 +512,23 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     else:
         simulated = " with SIMULATED engine workers (--engine sim)" if opts.engine == "sim" else ""
         emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health){simulated}; Ctrl-C stops it")
-        if planner is not None:
-            scaler = SupervisorScaler(supervisor, process_for,
-                                      {"prefill": list(range(opts.prefill)), "decode": list(range(opts.decode))},
-                                      {r: full[r].replicas for r in ("prefill", "decode")},
+        for k, m in enumerate(opts.models if planner is not None else ()):
+            # One planner per model: it reads that model's series and scales that model's workers.
+            scaler = SupervisorScaler(supervisor, partial(process_for, model_index=k),
+                                      {"prefill": list(range(m.prefill)), "decode": list(range(m.decode))},
+                                      {r: full[r, k].replicas for r in ("prefill", "decode")},
                                       drain_timeout_s=drain_grace + DRAIN_MARGIN_S)
-            running_planner = await start_planner(planner, scaler, f"{base}/metrics", opts.host, planner_port, emit)
+            own = planner
+            if opts.more_models and not planner.budget and opts.devices:
+                own = replace(planner, budget=m.prefill + m.decode)  # the GPU plan's capacity for the model
+            running_planners.append(await start_planner(
+                own, scaler, f"{base}/metrics", opts.host, planner_port if k == 0 else 0, emit,
+                model=m.name if opts.more_models else None))
         await stop.wait()
         if config_failures:
             rc = EXIT_CONFIG
     emit("[kvmesh] stopping (Ctrl-C again to kill)")
-    if running_planner is not None:
+    for running_planner in running_planners:
         await running_planner.close()
     timeout = (grace if grace is not None else DEFAULT_GRACE_S) + DRAIN_MARGIN_S
     servers = {server.name for server in cluster}
@@ -469,6 +539,19 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
     await supervisor.stop([server.name for server in cluster], timeout=5)
     return rc or (1 if unclean else 0)
+
+
+def bus_namespaces(specs: list[ServiceSpec], full: dict[tuple[str, int], ServiceSpec],
+                   models: int) -> dict[str, tuple[str, ...]]:
+    """Bus user -> the subject namespaces it may use: a model's workers its model's, the gateway every model's."""
+    out: dict[str, tuple[str, ...]] = {}
+    for spec in specs:
+        for i in range(full.get((spec.service, spec.model_index), spec).replicas):
+            if spec.service == "gateway":
+                out[spec.instance_name(i)] = tuple(model_namespace(k) for k in range(models))
+            elif spec.service in MODEL_SERVICES:
+                out[spec.instance_name(i)] = (model_namespace(spec.model_index),)
+    return out
 
 
 def _bus_env(server: LocalNats, proc: ProcessSpec) -> dict[str, str]:

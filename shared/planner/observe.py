@@ -130,8 +130,9 @@ def observe(now: Snapshot, before: Snapshot | None) -> Observation:
         ttft=now.ttft.minus(b.ttft), itl=now.itl.minus(b.itl), isl=now.isl.minus(b.isl), osl=now.osl.minus(b.osl))
 
 
-def parse_metrics(text: str, at: float | None = None) -> Snapshot:
-    """A Snapshot from the gateway's Prometheus text."""
+def parse_metrics(text: str, at: float | None = None, model: str | None = None) -> Snapshot:
+    """A Snapshot from the gateway's Prometheus text (model: only that served model's series, for a mesh of
+    several models, each planned apart)."""
     workers: dict[str, int] = {}
     running: dict[str, float] = {}
     waiting: dict[str, float] = {}
@@ -141,6 +142,8 @@ def parse_metrics(text: str, at: float | None = None) -> Snapshot:
     hists: dict[str, Histogram] = {}
     for fam in text_string_to_metric_families(text):
         name = fam.name
+        if model is not None:
+            fam.samples = [s for s in fam.samples if s.labels.get("model_name", model) == model]
         if name == P + "workers_alive":
             for s in fam.samples:
                 workers[s.labels.get("role", "")] = int(s.value)
@@ -181,16 +184,17 @@ def parse_metrics(text: str, at: float | None = None) -> Snapshot:
 class GatewayMetrics:
     """Reads a gateway's /metrics over HTTP."""
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 5.0, model: str | None = None) -> None:
         import httpx
 
         self.url = url
+        self.model = model  # None: every model's series together (a one-model mesh)
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
     async def __call__(self) -> Snapshot:
         r = await self._client.get(self.url)
         r.raise_for_status()
-        return parse_metrics(r.text)
+        return parse_metrics(r.text, model=self.model)
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -62,8 +62,9 @@ class PlannerMetrics:
 
 class Planner:
     def __init__(self, config: PlannerConfig, policy, scaler: Scaler,  # noqa: ANN001 - LoadPolicy | SlaPolicy
-                 read: Callable[[], Awaitable[Snapshot]], history: int = 1000) -> None:
+                 read: Callable[[], Awaitable[Snapshot]], history: int = 1000, name: str = "planner") -> None:
         self.config = config
+        self.name = name  # in its log lines: "planner <model>" where each model of a mesh has its own
         self.policy = policy
         self.scaler = scaler
         self.read = read
@@ -146,7 +147,7 @@ class Planner:
             if math.isfinite(v):
                 self.metrics.figure.labels(k).set(v)
         if d.changed:
-            log.info("planner: %s -> %s (%s)", _fmt(before), _fmt(applied), proposal.reason)
+            log.info("%s: %s -> %s (%s)", self.name, _fmt(before), _fmt(applied), proposal.reason)
             # Shrink first, so a fixed budget is never exceeded, then grow.
             for r in sorted(ROLES, key=lambda r: applied[r] - before[r]):
                 if applied[r] == before[r]:
@@ -157,7 +158,7 @@ class Planner:
                 except Exception as e:  # noqa: BLE001 - the planner outlives a failed scale; the next interval retries
                     d.outcome = f"scaling {r} to {applied[r]} failed: {e}"
                     self.metrics.errors.labels(r).inc()
-                    log.warning("planner: %s", d.outcome)
+                    log.warning("%s: %s", self.name, d.outcome)
         for r in ROLES:
             self.metrics.workers.labels(r).set(self.scaler.count(r))
         self.decisions.append(d)
@@ -170,7 +171,7 @@ class Planner:
             try:
                 await self.tick()
             except Exception:  # noqa: BLE001 - a gateway restarting, a metrics read timing out: try next interval
-                log.warning("planner: interval skipped", exc_info=True)
+                log.warning("%s: interval skipped", self.name, exc_info=True)
             next_at += self.config.interval_s
             try:
                 await asyncio.wait_for(stop.wait(), max(0.0, next_at - loop.time()))
