@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from services.gateway.app import create_app
 from services.gateway.beat_check import beat_problem
-from services.gateway.config import ROUTING, GatewayConfig
+from services.gateway.config import ROUTING, SCHEDULING_POLICIES, GatewayConfig
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
@@ -143,6 +143,8 @@ class GatewayService(Service):
                 raise RuntimeError("uvicorn stopped before it started")
             await asyncio.sleep(0.02)
         log.info("gateway listening on %s for model %s", self.url, cfg.served_model_name)
+        if open_to_network(cfg.host) and not cfg.api_key:
+            log.warning(NO_KEY_WARNING, cfg.host)
 
     async def stop_intake(self) -> None:
         if self.ctx is not None:
@@ -179,6 +181,15 @@ class GatewayService(Service):
         await asyncio.shield(self._serving)
 
 
+NO_KEY_WARNING = ("SECURITY: the gateway listens on %s, beyond this machine, with no API key: anyone who can reach "
+                  "it can use the model. Set KVMESH_API_KEY (or bind to 127.0.0.1).")
+
+
+def open_to_network(host: str) -> bool:
+    """Whether a bind address reaches beyond loopback."""
+    return not (host in ("localhost", "::1") or host.startswith("127."))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint directory (tokenizer + config.json)")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: the directory name)")
@@ -211,6 +222,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: they start after it, as vLLM)")
 
 
+    parser.add_argument("--trusted-hosts", default=None, metavar="NAMES",
+                        help="comma-separated host names the Host header may name, against DNS rebinding ('*': "
+                             "any; default: localhost, 127.0.0.1 and ::1 when bound to loopback, any otherwise)")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="fcfs (default): a request's priority other than 0 is a 400; priority: requests with "
+                             "a higher priority are served first (vLLM's rule)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let a request bring its own chat_template (rendered in a separate process with CPU, "
+                             "memory and output limits); default: such a request is a 400, as vLLM")
+    parser.add_argument("--max-request-tokens", type=int, default=None, metavar="TOKENS",
+                        help="tokens of work one request may ask (its prompts plus n, best_of or beams x max_tokens); "
+                             "default: 16 context lengths")
     parser.add_argument("--routing", choices=ROUTING, default="kv",
                         help="kv (default): the decode worker caching most of the prompt, weighed by load; "
                              "round-robin: each alive worker in turn, blind to caches (a baseline)")
@@ -226,7 +249,9 @@ def build(args: argparse.Namespace) -> GatewayService:
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-        routing=args.routing,
+        routing=args.routing, scheduling_policy=args.scheduling_policy,
+        trust_request_chat_template=args.trust_request_chat_template, max_request_tokens=args.max_request_tokens,
+        trusted_hosts=tuple(h.strip() for h in args.trusted_hosts.split(",") if h.strip()) if args.trusted_hosts else None,
     ))
 
 

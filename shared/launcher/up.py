@@ -221,6 +221,10 @@ def run(args: argparse.Namespace) -> int:
         # Else the gateway would crash-loop, and whatever holds the port might even answer /health.
         print(f"kvmesh up: {opts.host}:{opts.port} is in use; pick another port with --port", file=sys.stderr)
         return 2
+    if opts.host not in ("localhost", "::1") and not opts.host.startswith("127.") and not os.environ.get("KVMESH_API_KEY"):
+        print(f"kvmesh up: WARNING: SECURITY: the gateway will listen on {opts.host}, beyond this machine, with no "
+              "API key: anyone who can reach it can use the model. Set KVMESH_API_KEY (or bind to 127.0.0.1).",
+              file=sys.stderr)
     if args.nats_servers < 1:
         print("kvmesh up: --nats-servers must be at least 1", file=sys.stderr)
         return 2
