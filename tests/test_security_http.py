@@ -61,13 +61,17 @@ class Watch:
         while not self._stop.is_set():
             try:
                 last = None
-                for chunk in client.completions.create(model="tiny", prompt="another user's story", max_tokens=30,
-                                                       stream=True, extra_body={"ignore_eos": True}):
+                stream = client.completions.create(model="tiny", prompt="another user's story", max_tokens=40,
+                                                   stream=True, extra_body={"ignore_eos": True})
+                for _ in stream:
                     now = time.monotonic()
                     if last is not None:
                         self.worst_gap = max(self.worst_gap, now - last)
                     last = now
                     self.chunks += 1
+                    if self._stop.is_set():
+                        stream.close()
+                        break
             except Exception as e:  # noqa: BLE001 - reported by the assertion
                 self.errors.append(repr(e))
                 return
@@ -367,6 +371,10 @@ def test_requests_are_admitted_by_their_cost(mesh) -> None:  # noqa: ANN001
         r = post(mesh, "/v1/completions", {"model": "tiny", "prompt": ["x"] * 9, "n": 1, "best_of": 8,
                                            "use_beam_search": True, "max_tokens": 2})
         assert "best_of" in error(r)["message"]
+        # Beam search sends every live beam's whole context each step.
+        r = post(mesh, "/v1/completions", {"model": "tiny", "prompt": words, "n": 8, "use_beam_search": True,
+                                           "max_tokens": limit // 4})
+        assert error(r)["code"] == "request_too_costly" and "beam search" in error(r)["message"]
     ok = post(mesh, "/v1/score", {"query": "a question", "items": [" yes", " no"], "label_token_ids": [1, 2]})
     assert ok.status_code == 200 and len(ok.json()["scores"]) == 2
 

@@ -24,6 +24,8 @@ from services.gateway.input_lag import FLOOR_FACTOR
 
 # Default bound on one request's work, in context lengths: n=8 full-length choices fit, 64 do not.
 REQUEST_COST_CONTEXTS = 16
+# Beam search's own bound, in request budgets of context tokens sent (check_beam_cost).
+BEAM_RESEND_BUDGETS = 32
 
 # The routes that generate (each one is counted in ctx.in_flight while it runs).
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/invocations", "/v1/responses",
@@ -72,6 +74,18 @@ def check_cost(ctx: GatewayContext, prompts: Sequence[Sequence[int]], width: int
                           f"{max(map(len, prompts), default=0)} tokens, {width} sequence(s) each of up to {max_tokens} "
                           f"tokens), more than one request may ({budget}, --max-request-tokens): send fewer prompts, "
                           f"a smaller n/best_of or {param}", param=param, code="request_too_costly")
+
+
+def check_beam_cost(ctx: GatewayContext, prompts: Sequence[Sequence[int]], width: int, max_tokens: int) -> None:
+    """Beam search runs here, one engine step at a time, each step sending every live beam's whole context
+    (services/gateway/beam_search.py): tokens sent grow with width x max_tokens x context. A 400 past
+    BEAM_RESEND_BUDGETS request budgets of them."""
+    sent = sum(width * max_tokens * (len(p) + max_tokens) for p in prompts)
+    limit = BEAM_RESEND_BUDGETS * cost_budget(ctx)
+    if sent > limit:
+        raise bad_request(f"beam search of width {width} over {max_tokens} tokens would send {sent} tokens of "
+                          f"context to the engines, more than {limit}: a smaller best_of/n, max_tokens or prompt",
+                          param="max_tokens", code="request_too_costly")
 
 
 def _count_bound(ctx: GatewayContext, others: int) -> None:

@@ -14,7 +14,7 @@ from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, bad_request, unavailable
 from pydantic import ValidationError
 
-from services.gateway.overload import check_cost
+from services.gateway.overload import check_beam_cost, check_cost
 from shared.models.template_args import refused_names
 from services.gateway.sampling import StopRegex, first_message, sampling_params, stop_regexes
 from services.gateway.reasoning import END as REASONING_END, ReasoningPlan, plan_reasoning
@@ -234,6 +234,8 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
                           param="min_tokens")
     beam = beam_settings(body)
     check_cost(ctx, prompts, beam.width if beam is not None else body.n, max_tokens, param=max_tokens_param)
+    if beam is not None:
+        check_beam_cost(ctx, prompts, beam.width, max_tokens)
     try:
         structured = tools.constraint() if tools is not None else None
     except (ValidationError, ValueError) as e:  # a tool's parameters schema too large or too deep

@@ -131,6 +131,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine workers' batch limit (default: theirs, 128); the load planner reads it too")
     parser.add_argument("--routing", choices=["kv", "round-robin"], default=None,
                         help="the gateway's routing: kv (default, KV-aware) or round-robin (a baseline)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="the gateway lets a request bring its own chat_template (rendered in a limited child "
+                             "process); default: a 400, as vLLM")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+                        help="the gateway's: fcfs (default; a request's priority other than 0 is a 400) or priority")
+    parser.add_argument("--trusted-hosts", default=None, metavar="NAMES",
+                        help="host names the gateway answers to, against DNS rebinding ('*': any; default: loopback "
+                             "names when --host is loopback)")
     parser.add_argument("--max-inflight-requests", type=int, default=None, metavar="N",
                         help="the gateway serves at most N generation requests at once; past it 429 with Retry-After "
                              "(default: the gateway's, 1024; 0: no bound)")
@@ -188,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
             sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
             max_inflight_requests=args.max_inflight_requests,
+            trust_request_chat_template=args.trust_request_chat_template, scheduling_policy=args.scheduling_policy,
+            trusted_hosts=args.trusted_hosts,
             max_num_seqs=args.max_num_seqs,
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
