@@ -213,6 +213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens when a request gives none, capped by the context left; 0: the whole context")
     parser.add_argument("--stream-idle-timeout", type=float, default=120.0,
                         help="seconds a decode worker may stay silent mid-request")
+    parser.add_argument("--stream-write-timeout", type=float, default=GatewayConfig.stream_write_timeout_s,
+                        metavar="SECONDS", help="longest wait for one write to a streaming client; past it the "
+                                                "stream ends and the worker drops the request")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split reasoning from the answer (default: when the chat template writes <think> blocks)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
@@ -246,6 +249,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         host=args.host, port=args.port, max_waiting=args.max_waiting, max_inflight_requests=args.max_inflight_requests,
         max_input_lag_s=args.max_input_lag, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
+        stream_write_timeout_s=args.stream_write_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,

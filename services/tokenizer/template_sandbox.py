@@ -80,7 +80,7 @@ class TemplateSandbox:
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.tokenizer.template_sandbox", self.model_dir, str(self.limits.max_ids),
             str(self.limits.cpu_s), str(self.limits.memory_bytes),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=_child_env(),
             limit=16 * self.limits.max_ids + (1 << 16))  # a line of max_ids ids, each up to ~15 bytes
         assert self._proc.stdout is not None
         try:
@@ -105,6 +105,12 @@ class TemplateSandbox:
         if self._proc is not None:
             self.kills -= 1  # a close is no kill for a limit
             await self._kill()
+
+
+def _child_env() -> dict[str, str]:
+    """The tokenizer's environment without the mesh's credentials and secrets (NATS_*, KVMESH_*): the child runs
+    code a client wrote, inside Jinja's sandbox, and needs none of them."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("NATS_", "KVMESH_"))}
 
 
 # ---------------------------------------------------------------------------------------------- the child
