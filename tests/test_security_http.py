@@ -327,7 +327,7 @@ def test_sglang_generate_streams_increments(mesh) -> None:  # noqa: ANN001
     body = {"text": "a story", "stream": True, "return_logprob": True, "top_logprobs_num": 5, "logprob_start_len": 0,
             "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
     events = []
-    with httpx.stream("POST", f"{mesh.url}/generate", json=body, timeout=60) as s:
+    with watched(mesh), httpx.stream("POST", f"{mesh.url}/generate", json=body, timeout=60) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))
@@ -385,21 +385,20 @@ def test_requests_are_admitted_by_their_cost(mesh) -> None:  # noqa: ANN001
 def test_a_client_that_stops_reading_loses_its_stream(mesh) -> None:  # noqa: ANN001
     ctx = mesh.gateway.ctx
     host, port = mesh.url.removeprefix("http://").rsplit(":", 1)
-    # The first event alone (every prompt position's 20 likeliest tokens) is far more than the socket buffers hold.
-    prompt = list(range(5, 5 + mesh.gateway.ctx.max_model_len() - 120))
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 100, "prompt_logprobs": 20, "n": 2,
+    # 64 choices, each first event with every prompt position's 20 likeliest tokens: ~8 MB, more than the socket
+    # buffers on both ends hold (Linux lets loopback's grow to 4 MiB).
+    prompts = [list(range(5 + k, 105 + k)) for k in range(8)]
+    body = json.dumps({"model": "tiny", "prompt": prompts, "max_tokens": 4, "prompt_logprobs": 20, "n": 8,
                        "stream": True, "ignore_eos": True}).encode()
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read a byte of the answer
-    try:
+    with contextlib.closing(s):
         s.connect((host, int(port)))
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
         mesh.wait_until(lambda: ctx.in_flight >= 1, timeout=10)
         # Its place among the requests in flight is given back and the worker drops it, the socket still open.
-        mesh.wait_until(lambda: ctx.in_flight == 0 and mesh.held("d0") == 0, timeout=WRITE_TIMEOUT_S + 30)
-    finally:
-        s.close()
+        mesh.wait_until(lambda: ctx.in_flight == 0 and mesh.held("d0") == 0, timeout=WRITE_TIMEOUT_S + 90)
     ok = post(mesh, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200
 

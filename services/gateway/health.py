@@ -1,7 +1,9 @@
 """/health: ready when a tokenizer answers and at least one decode worker is beating.
 
-/health is open to anyone (no API key), so it must not be a way to make the gateway work: the tokenizer's
-answer is kept for TOKENIZER_TTL_S and callers arriving meanwhile share one round trip.
+/health is open to anyone (no API key), so it must not be a way to make the gateway work: a tokenizer's answer
+is kept for TOKENIZER_TTL_S, and callers arriving while a round trip is out share it (so the tokenizer never
+sees more than one probe at a time). A failure is not kept: the next call asks again, and /health turns ready
+as soon as a tokenizer answers.
 """
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ class TokenizerProbe:
         self.ctx = ctx
         self.ttl_s = ttl_s
         self.rounds = 0  # tokenizer round trips made (tests read it)
-        self._answer: tuple[float, bool] | None = None  # (when, ok)
+        self._answer: tuple[float, bool] | None = None  # (when, True): the last success
         self._pending: asyncio.Future[bool] | None = None
 
     async def ok(self) -> bool:
         if self._answer is not None and time.monotonic() - self._answer[0] < self.ttl_s:
-            return self._answer[1]
+            return True
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._ask())
         return await asyncio.shield(self._pending)
@@ -44,7 +46,7 @@ class TokenizerProbe:
             ok = False
         finally:
             self._pending = None
-        self._answer = (time.monotonic(), ok)
+        self._answer = (time.monotonic(), ok) if ok else None
         return ok
 
 
