@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
-from services.gateway.context import GatewayContext
-from services.gateway.errors import APIError, bad_request, unavailable
 from pydantic import ValidationError
 
+from services.gateway.context import GatewayContext
+from services.gateway.errors import APIError, bad_request, unavailable
 from services.gateway.overload import check_beam_cost, check_cost
-from shared.models.template_args import refused_names
 from services.gateway.sampling import StopRegex, first_message, sampling_params, stop_regexes
 from services.gateway.reasoning import END as REASONING_END, ReasoningPlan, plan_reasoning
 from services.gateway.tools import ToolPlan, plan_tools
@@ -25,6 +23,7 @@ from shared.protocol import errors as codes
 from shared.sampling_params import SamplingParams
 from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest, ToolCall, ToolCallFunction
 from shared.prompt_check import PromptError, check_prompt
+from shared.models.template_args import refused_names
 
 
 @dataclass(frozen=True)
