@@ -199,7 +199,7 @@ def test_disconnects_cancel_in_the_worker(mesh) -> None:  # noqa: ANN001
     host, port = mesh.url.removeprefix("http://").split(":")
     payload = json.dumps({**body, "stream": False}).encode()
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
         mesh.wait_until(lambda: mesh.held("d0") > 0, timeout=5)
     mesh.wait_until(lambda: d0.num_cancels > before and mesh.held("d0") == 0, timeout=2)

@@ -9,13 +9,13 @@ from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway.overload import admit_early
-from services.gateway.intake import Intake, default_body_limit
+from services.gateway.intake import Intake, default_body_limit, default_trusted_hosts
 from services.gateway.context import GatewayContext
 from services.gateway.endpoint import serve_generation
 from services.gateway.errors import bad_request, install_error_handlers
 from services.gateway import anthropic_messages
 from services.gateway.openai_responses import ResponsesFormatter, ResponsesRequest, to_chat
-from services.gateway.health import check_health
+from services.gateway.health import HealthProbes, check_health
 from services.gateway.load_info import get_load, server_info
 from services.gateway.score import ScoreRequest, serve_score
 from services.gateway.sglang_generate import GenerateFormatter, NativeGenerateRequest
@@ -47,7 +47,8 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     # Before anything is parsed: the API key, admission (429 past the bound on requests at once), then the body
     # size (413 above the limit).
     app.add_middleware(Intake, api_key=ctx.config.api_key, on_error=ctx.metrics.error, admit=partial(admit_early, ctx),
-                       max_body_bytes=lambda: ctx.config.max_body_bytes or default_body_limit(ctx.max_model_len()))
+                       max_body_bytes=lambda: ctx.config.max_body_bytes or default_body_limit(ctx.max_model_len()),
+                       trusted_hosts=ctx.config.trusted_hosts or default_trusted_hosts(ctx.config.host))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -128,9 +129,11 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": kvmesh_version()})
 
+    probe = app.state.tokenizer_probe = HealthProbes(ctx)
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok, status = await check_health(ctx)
+        ok, status = await check_health(ctx, probe)
         return JSONResponse(status, status_code=200 if ok else 503)
 
     @app.api_route("/ping", methods=["GET", "POST"])

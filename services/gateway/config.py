@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROUTING = ("kv", "round-robin")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,24 @@ class GatewayConfig:
     default_max_tokens: int = 256
     api_key: str | None = None  # when set, every path but /health, /metrics, /version needs `Authorization: Bearer <key>`
     max_body_bytes: int | None = None  # request body limit (413 above); default: 1 MiB + 64 bytes per context token
+    # Tokens of work one request may ask (prompts + n/best_of/beams x max_tokens, services/gateway/overload.py);
+    # None: 16 context lengths.
+    max_request_tokens: int | None = None
+    # Host header names served (any port), against DNS rebinding; None: loopback names when bound to loopback,
+    # any otherwise (intake.default_trusted_hosts); ("*",): any.
+    trusted_hosts: tuple[str, ...] | None = None
+    # vLLM's --scheduling-policy: "fcfs" refuses a request's priority other than 0; "priority" honours it.
+    scheduling_policy: str = "fcfs"
+    # vLLM's --trust-request-chat-template: a request may bring its own chat template (rendered in a separate,
+    # limited process: services/tokenizer/template_sandbox.py). Off: such a request is a 400.
+    trust_request_chat_template: bool = False
     tokenizer_timeout_s: float = 10.0
     stream_idle_timeout_s: float = 120.0  # longest silence from a decode worker (covers a long prefill)
     # Token messages one stream's inbox holds unread before NATS' client drops them and the stream ends with a
-    # 503 error event (the gateway fell behind). None: nats-py's default.
-    stream_pending_msgs: int | None = None
+    # 503 error event (the gateway fell behind, or its client stopped reading). None: nats-py's default (512 Ki).
+    stream_pending_msgs: int | None = 4096
+    # Longest wait for one write to a streaming client; past it the stream ends and the worker drops the request.
+    stream_write_timeout_s: float = 30.0
     health_timeout_s: float = 1.0
     # A decode worker whose beats stop for this long is dead to the router, and its requests migrate.
     worker_expiry_s: float = 2.0
@@ -62,6 +76,8 @@ class GatewayConfig:
         return (ModelEntry(self.model_dir, self.served_model_name), *self.more_models)
 
     def __post_init__(self) -> None:
+        assert self.scheduling_policy in SCHEDULING_POLICIES, \
+            f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
         assert self.routing in ROUTING, f"routing must be one of {', '.join(ROUTING)}"
         assert self.max_waiting > 0, "max_waiting must be positive"
         assert self.max_inflight_requests >= 0, "max_inflight_requests must be 0 (no bound) or positive"

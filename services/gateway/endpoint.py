@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from services.gateway.overload import admit
@@ -24,7 +24,7 @@ from services.gateway.prepare import Prepared
 from services.gateway.formatters import Formatter, usage
 from services.gateway.request_scope import RequestScope
 from services.gateway.schemas import ChatCompletionRequest, _Common
-from services.gateway.streaming import stream_events
+from services.gateway.streaming import BoundedStreamingResponse, stream_events
 
 B = TypeVar("B", bound=_Common)
 T = TypeVar("T")
@@ -86,8 +86,8 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
             fmt.reason(p.reasoning)
         if body.stream:
             streaming = True  # from here the SSE body owns the request's scope
-            return StreamingResponse(stream_events(scope, opened, fmt, body.include_usage, body.continuous_usage),
-                                     media_type="text/event-stream",
+            return BoundedStreamingResponse(stream_events(scope, opened, fmt, body.include_usage, body.continuous_usage),
+                                     ctx.config.stream_write_timeout_s, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def collect() -> JSONResponse:

@@ -16,9 +16,16 @@ when clients retry in a tight loop, and again once the request is counted (ctx.b
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.gateway.context import GatewayContext
-from services.gateway.errors import APIError
+from services.gateway.errors import APIError, bad_request
 from services.gateway.input_lag import FLOOR_FACTOR
+
+# Default bound on one request's work, in context lengths: n=8 full-length choices fit, 64 do not.
+REQUEST_COST_CONTEXTS = 16
+# Beam search's own bound, in request budgets of context tokens sent (check_beam_cost).
+BEAM_RESEND_BUDGETS = 32
 
 # The routes that generate (each one is counted in ctx.in_flight while it runs).
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate", "/invocations", "/v1/responses",
@@ -43,6 +50,42 @@ def admit_early(ctx: GatewayContext, path: str) -> None:
         raise _refused(ctx, "input_lag", f"the gateway is {lag:.2f}s behind its input, more than its bound of "
                                          f"{limit:.2g}s (--max-input-lag {bound:g}, or {FLOOR_FACTOR:g}x the "
                                          f"machine's recent floor)", ctx.retry.for_lag(lag))
+
+
+def request_cost(prompts: Sequence[Sequence[int]], width: int, max_tokens: int) -> int:
+    """Tokens of work one request may ask of the engines: each prompt computed once (its width's sequences
+    share its KV through the prefix cache), and each of its `width` sequences (n, best_of or beams) generating up
+    to max_tokens."""
+    return sum(len(p) + width * max_tokens for p in prompts)
+
+
+def cost_budget(ctx: GatewayContext) -> int:
+    """The most tokens of work one request may ask (--max-request-tokens; default REQUEST_COST_CONTEXTS contexts)."""
+    return ctx.config.max_request_tokens or REQUEST_COST_CONTEXTS * ctx.max_model_len()
+
+
+def check_cost(ctx: GatewayContext, prompts: Sequence[Sequence[int]], width: int, max_tokens: int,
+               param: str = "max_tokens") -> None:
+    """A 400 naming the figures when one request asks more work than the budget: admitted by what it costs
+    (tokens x width), not by counting it as one request among others."""
+    cost, budget = request_cost(prompts, width, max_tokens), cost_budget(ctx)
+    if cost > budget:
+        raise bad_request(f"this request asks for {cost} tokens of work ({len(prompts)} prompt(s) of up to "
+                          f"{max(map(len, prompts), default=0)} tokens, {width} sequence(s) each of up to {max_tokens} "
+                          f"tokens), more than one request may ({budget}, --max-request-tokens): send fewer prompts, "
+                          f"a smaller n/best_of or {param}", param=param, code="request_too_costly")
+
+
+def check_beam_cost(ctx: GatewayContext, prompts: Sequence[Sequence[int]], width: int, max_tokens: int) -> None:
+    """Beam search runs here, one engine step at a time, each step sending every live beam's whole context
+    (services/gateway/beam_search.py): tokens sent grow with width x max_tokens x context. A 400 past
+    BEAM_RESEND_BUDGETS request budgets of them."""
+    sent = sum(width * max_tokens * (len(p) + max_tokens) for p in prompts)
+    limit = BEAM_RESEND_BUDGETS * cost_budget(ctx)
+    if sent > limit:
+        raise bad_request(f"beam search of width {width} over {max_tokens} tokens would send {sent} tokens of "
+                          f"context to the engines, more than {limit}: a smaller best_of/n, max_tokens or prompt",
+                          param="max_tokens", code="request_too_costly")
 
 
 def _count_bound(ctx: GatewayContext, others: int) -> None:

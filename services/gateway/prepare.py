@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from services.gateway.context import GatewayContext
 from services.gateway.errors import APIError, bad_request, unavailable
-from services.gateway.sampling import sampling_params, stop_regexes
+from services.gateway.overload import check_beam_cost, check_cost
+from services.gateway.sampling import StopRegex, first_message, sampling_params, stop_regexes
 from services.gateway.reasoning import END as REASONING_END, ReasoningPlan, plan_reasoning
 from services.gateway.tools import ToolPlan, plan_tools
 from services.gateway.served_models import model_not_found
@@ -22,6 +24,7 @@ from shared.protocol import errors as codes
 from shared.sampling_params import SamplingParams
 from shared.protocol.tokenizer import ChatMessage, EncodeReply, EncodeRequest, ToolCall, ToolCallFunction
 from shared.prompt_check import PromptError, check_prompt
+from shared.models.template_args import refused_names
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Prepared:
     echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
     tools: ToolPlan | None = None  # chat with tools: how the answer's tool calls are made and found
     reasoning: ReasoningPlan | None = None  # chat with a reasoning model: where its <think> text ends
-    stop_regex: list[re.Pattern[str]] = dataclasses.field(default_factory=list)  # SGLang's stop_regex
+    stop_regex: list[StopRegex] = dataclasses.field(default_factory=list)  # SGLang's stop_regex
     stream: bool = False  # streamed answer (the stop matcher holds back less)
     beam: BeamSettings | None = None  # use_beam_search (services/gateway/beam_search.py)
 
@@ -80,8 +83,9 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
     batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     if not batch:
         raise bad_request("prompt must not be empty", param="prompt", code="empty_prompt")
-    if len(batch) * body.n > MAX_CHOICES:
-        raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts x n)", param="prompt")
+    width = max(body.n, body.best_of or 0)  # best_of sequences are computed, n are returned
+    if len(batch) * width > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts x max(n, best_of))", param="prompt")
     prompts = []
     for one in batch:
         if isinstance(one, str):
@@ -98,6 +102,12 @@ async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Pr
 
 async def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Prepared:
     model = check_model(ctx, body.model)
+    if body.chat_template is not None and not ctx.config.trust_request_chat_template:
+        raise bad_request("a request's own chat_template is served only when the gateway runs with "
+                          "--trust-request-chat-template", param="chat_template", code="chat_template_not_trusted")
+    if refused := refused_names(body.chat_template_kwargs or {}):
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(refused)}: these are tokenizer arguments, "
+                          "not chat template variables", param="chat_template_kwargs")
     template = body.chat_template or getattr(ctx.tokenizer, "chat_template", None)
     tools = plan_tools(body, template, ctx.config.tool_call_parser)
     if body.continue_final_message and body.add_generation_prompt:
@@ -178,6 +188,10 @@ async def encode(ctx: GatewayContext, req: EncodeRequest, timeout: float | None 
 def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[int]], max_tokens: int | None,
             logprobs: int | None, max_tokens_param: str = "max_tokens", echo: list[str] | None = None,
             tools: ToolPlan | None = None) -> Prepared:
+    if body.priority != 0 and ctx.config.scheduling_policy != "priority":
+        # Any client could otherwise put itself ahead of every other (and stay there): vLLM's rule.
+        raise bad_request("priority other than 0 is served only under --scheduling-policy priority",
+                          param="priority", code="priority_not_enabled")
     if len(body.stop_list()) > MAX_STOPS:
         raise bad_request(f"at most {MAX_STOPS} stop strings are supported", param="stop")
     vocab = ctx.vocab_size
@@ -220,7 +234,13 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
         raise bad_request(f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
                           param="min_tokens")
     beam = beam_settings(body)
-    structured = tools.constraint() if tools is not None else None
+    check_cost(ctx, prompts, beam.width if beam is not None else body.n, max_tokens, param=max_tokens_param)
+    if beam is not None:
+        check_beam_cost(ctx, prompts, beam.width, max_tokens)
+    try:
+        structured = tools.constraint() if tools is not None else None
+    except (ValidationError, ValueError) as e:  # a tool's parameters schema too large or too deep
+        raise bad_request(first_message(e), param="tools", code="structured_output_too_large") from None
     samplings = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, vocab=vocab, echo=echo is not None,
                                 structured=structured,
                                 encode=lambda text: ctx.tokenizer.encode(text, add_special_tokens=False))

@@ -7,9 +7,10 @@ one is the caller's 400 rather than a worker's error.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
+from typing import Any
 
+import re2
 from pydantic import ValidationError
 
 from services.gateway.errors import bad_request
@@ -17,6 +18,16 @@ from services.gateway.schemas import StructuredOutputsParams, _Common
 from shared.prompt_check import PromptError, check_token_ids
 from shared.sampling_params import SamplingParams, StructuredOutput
 
+
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "json_schema", "regex", "ebnf")
+MAX_LOGIT_BIAS = 300  # OpenAI's cap on logit_bias entries
+MAX_STOP_REGEXES = 16
+MAX_STOP_REGEX_CHARS = 512  # a stop pattern is a short marker; RE2's program grows with the pattern
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a refused pattern is the caller's 400, not a line in the gateway's log
+_RE2_OPTIONS.max_mem = 1 << 20  # RE2 refuses a pattern whose program would need more (e.g. a{1000}{1000})
+StopRegex = Any  # re2's compiled pattern: search(text) and .pattern, as re.Pattern
 
 Encode = Callable[[str], list[int]]  # text -> token ids, without special tokens (the served tokenizer)
 
@@ -41,7 +52,11 @@ def sampling_params(body: _Common, *, max_tokens: int, logprobs: int | None, voc
             raise bad_request(e.message, param=e.param, code=e.code) from None
     if body.allowed_token_ids is not None and not body.allowed_token_ids:
         raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
-    structured = structured or structured_output(body)
+    try:
+        structured = structured or structured_output(body)
+    except (ValidationError, ValueError) as e:  # too large or too deep (shared/sampling_params.py)
+        param = next((n for n in STRUCTURED_FIELDS if getattr(body, n, None) is not None), "response_format")
+        raise bad_request(first_message(e), param=param, code="structured_output_too_large") from None
     out = []
     for i in range(body.n):
         try:
@@ -80,19 +95,26 @@ def bad_words_ids(words: list[str] | None, encode: Encode | None, vocab: int) ->
     return out
 
 
-def stop_regexes(body: _Common) -> list[re.Pattern[str]]:
-    """SGLang's stop_regex, compiled (a pattern that does not compile, or matches the empty string, is a 400)."""
+def stop_regexes(body: _Common) -> list[StopRegex]:
+    """SGLang's stop_regex, compiled with RE2 (linear time in the text searched, whatever the pattern: a
+    backtracking engine lets one short pattern freeze the gateway's event loop). A pattern longer than
+    MAX_STOP_REGEX_CHARS, one RE2 refuses (backreferences, lookaround) or one matching the empty string is a 400."""
     raw = body.stop_regex
     patterns = [raw] if isinstance(raw, str) else list(raw or [])
-    if len(patterns) > 16:
-        raise bad_request("at most 16 stop_regex patterns are supported", param="stop_regex")
+    if len(patterns) > MAX_STOP_REGEXES:
+        raise bad_request(f"at most {MAX_STOP_REGEXES} stop_regex patterns are supported", param="stop_regex")
     out = []
     for p in patterns:
+        if len(p) > MAX_STOP_REGEX_CHARS:
+            raise bad_request(f"stop_regex: a pattern of {len(p)} characters is too long (at most "
+                              f"{MAX_STOP_REGEX_CHARS})", param="stop_regex", code="stop_regex_too_long")
         try:
-            compiled = re.compile(p)
-        except re.error as e:
-            raise bad_request(f"stop_regex {p!r} is not a valid regular expression: {e}", param="stop_regex") from None
-        if compiled.fullmatch(""):
+            compiled = re2.compile(p, _RE2_OPTIONS)
+        except re2.error as e:
+            why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else str(e)
+            raise bad_request(f"stop_regex {p!r} is not a regular expression RE2 accepts (no backreferences or "
+                              f"lookaround; its memory is bounded): {why}", param="stop_regex") from None
+        if compiled.fullmatch("") is not None:
             raise bad_request(f"stop_regex {p!r} matches the empty string (it would stop at once)", param="stop_regex")
         out.append(compiled)
     return out
@@ -171,6 +193,9 @@ def logit_bias_ids(raw: dict[str, float] | None, vocab: int) -> dict[int, float]
     Every bad key is named in one error (a client fixing them one 400 at a time would need as many calls)."""
     if not raw:
         return None
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias: at most {MAX_LOGIT_BIAS} entries (got {len(raw)})", param="logit_bias",
+                          code="invalid_value")
     out: dict[int, float] = {}
     not_ids, outside, out_of_range = [], [], []
     for key, value in raw.items():

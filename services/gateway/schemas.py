@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from services.gateway.wire_safe import check_sendable
-from shared.sampling_params import MAX_TOP_LOGPROBS
+from shared.sampling_params import MAX_SCHEMA_DEPTH, MAX_TOP_LOGPROBS, json_depth
 
 MAX_N = 8
+MAX_PRIORITY = 1000
+MAX_STOP_CHARS = 1024
 MAX_CHOICES = 64  # prompts x n in one completions request
 MAX_STOPS = 16
 
@@ -74,7 +76,8 @@ class _Common(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     min_tokens: int = Field(0, ge=0)
-    priority: int = 0
+    # Higher first; honoured only under --scheduling-policy priority (vLLM's rule), else any value but 0 is a 400.
+    priority: StrictInt = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     user: str | None = None
     # OpenAI's logit_bias: token id (a string key in JSON) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
@@ -123,6 +126,15 @@ class _Common(_Request):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given when stream is true")
         return self
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        # Every stop string is looked for in every piece of text the answer makes (their count: prepare.py).
+        stops = [v] if isinstance(v, str) else v or []
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters")
+        return v
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -181,6 +193,17 @@ class FunctionDef(_Request):
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # A tool's schema becomes a grammar (tool_choice required or named) and a template variable: bounded as
+        # structured outputs are (shared/sampling_params.py), before anything serializes it.
+        depth = json_depth(v)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the parameters schema nests {depth} levels deep, more than the {MAX_SCHEMA_DEPTH} "
+                             "allowed (objects and arrays each count a level)")
+        return v
 
 
 class Tool(_Request):

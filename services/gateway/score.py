@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
-from services.gateway.overload import admit
+from services.gateway.overload import admit, check_cost
 from services.gateway.context import GatewayContext
 from services.gateway.errors import bad_request
 from services.gateway.generation import Generation
@@ -70,6 +70,9 @@ async def serve_score(ctx: GatewayContext, body: ScoreRequest) -> JSONResponse:
         if len(ids) + 2 > limit:  # the label, and the one token generated after it
             raise bad_request(f"query + item of {len(ids)} tokens leaves no room in the {limit}-token context",
                               param="items", code="context_length_exceeded")
+    pairs = [ids + [label] for ids in prompts for label in labels]
+    # Each pair is a whole prefill with logprobs at every prompt position (the prefix cache has no logits to give).
+    check_cost(ctx, pairs, 1, 1, param="items")
     prepared = Prepared(request_id=uuid.uuid4().hex, prompts=[ids + [label] for ids in prompts for label in labels],
                         samplings=[SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)], priority=0, stops=[],
                         logprobs=None, max_tokens=1, model=model)

@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from services.gateway.app import create_app
 from services.gateway.beat_check import beat_problem
-from services.gateway.config import ROUTING, GatewayConfig, ModelEntry
+from services.gateway.config import ROUTING, SCHEDULING_POLICIES, GatewayConfig, ModelEntry
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
@@ -131,6 +131,8 @@ class GatewayService(Service):
                 raise RuntimeError("uvicorn stopped before it started")
             await asyncio.sleep(0.02)
         log.info("gateway listening on %s for model(s) %s", self.url, ", ".join(m.name for m in ctx.served))
+        if open_to_network(cfg.host) and not cfg.api_key:
+            log.warning(NO_KEY_WARNING, cfg.host)
 
     async def stop_intake(self) -> None:
         if self.ctx is not None:
@@ -167,6 +169,15 @@ class GatewayService(Service):
         await asyncio.shield(self._serving)
 
 
+NO_KEY_WARNING = ("SECURITY: the gateway listens on %s, beyond this machine, with no API key: anyone who can reach "
+                  "it can use the model. Set KVMESH_API_KEY (or bind to 127.0.0.1).")
+
+
+def open_to_network(host: str) -> bool:
+    """Whether a bind address reaches beyond loopback."""
+    return not (host in ("localhost", "::1") or host.startswith("127."))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="models", required=True, action="append",
                         help="HF checkpoint directory (tokenizer + config.json); repeat it for each model of the mesh "
@@ -193,6 +204,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens when a request gives none, capped by the context left; 0: the whole context")
     parser.add_argument("--stream-idle-timeout", type=float, default=120.0,
                         help="seconds a decode worker may stay silent mid-request")
+    parser.add_argument("--stream-write-timeout", type=float, default=GatewayConfig.stream_write_timeout_s,
+                        metavar="SECONDS", help="longest wait for one write to a streaming client; past it the "
+                                                "stream ends and the worker drops the request")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split reasoning from the answer (default: when the chat template writes <think> blocks)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
@@ -202,6 +216,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: they start after it, as vLLM)")
 
 
+    parser.add_argument("--trusted-hosts", default=None, metavar="NAMES",
+                        help="comma-separated host names the Host header may name, against DNS rebinding ('*': "
+                             "any; default: localhost, 127.0.0.1 and ::1 when bound to loopback, any otherwise)")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                        help="fcfs (default): a request's priority other than 0 is a 400; priority: requests with "
+                             "a higher priority are served first (vLLM's rule)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let a request bring its own chat_template (rendered in a separate process with CPU, "
+                             "memory and output limits); default: such a request is a 400, as vLLM")
+    parser.add_argument("--max-request-tokens", type=int, default=None, metavar="TOKENS",
+                        help="tokens of work one request may ask (its prompts plus n, best_of or beams x max_tokens); "
+                             "default: 16 context lengths")
     parser.add_argument("--routing", choices=ROUTING, default="kv",
                         help="kv (default): the decode worker caching most of the prompt, weighed by load; "
                              "round-robin: each alive worker in turn, blind to caches (a baseline)")
@@ -221,10 +247,13 @@ def build(args: argparse.Namespace) -> GatewayService:
         host=args.host, port=args.port, max_waiting=args.max_waiting, max_inflight_requests=args.max_inflight_requests,
         max_input_lag_s=args.max_input_lag, max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
+        stream_write_timeout_s=args.stream_write_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-        routing=args.routing,
+        routing=args.routing, scheduling_policy=args.scheduling_policy,
+        trust_request_chat_template=args.trust_request_chat_template, max_request_tokens=args.max_request_tokens,
+        trusted_hosts=tuple(h.strip() for h in args.trusted_hosts.split(",") if h.strip()) if args.trusted_hosts else None,
     ))
 
 

@@ -2,8 +2,13 @@
 spelling, `stream`, `return_logprob`. The body becomes a completions request (the one path to the engine,
 services/gateway/sampling.py) and the answer is written in SGLang's shape: per choice `text`, `output_ids`
 and `meta_info` (id, finish_reason as {"type", "matched" | "length"}, prompt/completion/cached tokens, and
-the logprobs asked for). A batch (or n > 1) answers a list; a stream sends the text so far in every event
-(SGLang's default), then `data: [DONE]`.
+the logprobs asked for). A batch (or n > 1) answers a list.
+
+A stream sends increments, as SGLang's --incremental-streaming-output: each event's `text`, `output_ids` and
+output logprobs are what is new since the choice's previous event, the prompt's logprobs come once (in the
+choice's first event), and meta_info's counts are running totals; then `data: [DONE]`. Resending the whole
+output in every event (SGLang's default) costs the gateway CPU and bytes quadratic in the answer's length, for
+one request.
 """
 from __future__ import annotations
 
@@ -110,9 +115,15 @@ class GenerateFormatter(Formatter):
         self._ids[d.index].extend(d.token_ids)
         return super().add(d)
 
-    def _item(self, i: int, cached: int | None) -> dict[str, Any]:
+    def _item(self, i: int, cached: int | None, delta: Delta | None = None) -> dict[str, Any]:
+        """Choice i's answer; with `delta`, its streamed event (the delta's text, ids and logprobs)."""
         a = self._acc[i]
         prompt = self._prompt_ids(i)
+        if delta is not None:
+            text, ids, logprobs = delta.text, list(delta.token_ids), delta.logprobs
+            prompt_lps = delta.prompt_logprobs  # on the choice's first delta only
+        else:
+            text, ids, logprobs, prompt_lps = a.text, list(self._ids[i]), a.logprobs, a.prompt_logprobs
         finish = None
         if a.finish_reason == "length":
             finish = {"type": "length", "length": len(self._ids[i])}
@@ -124,18 +135,18 @@ class GenerateFormatter(Formatter):
             meta["cached_tokens"] = cached
         r = self.request
         if r.return_logprob:
-            meta["output_token_logprobs"] = [self._triple(lp.logprob, lp.token_id) for lp in a.logprobs]
+            meta["output_token_logprobs"] = [self._triple(lp.logprob, lp.token_id) for lp in logprobs]
             meta["output_top_logprobs"] = [[self._triple(p, t) for t, p in zip(lp.top_ids, lp.top_logprobs)]
-                                           for lp in a.logprobs]
-            if r.logprob_start_len >= 0:
+                                           for lp in logprobs]
+            if r.logprob_start_len >= 0 and (delta is None or prompt_lps is not None):
                 start = r.logprob_start_len
-                plps: list[TokenLogprob | None] = list(a.prompt_logprobs or [])
+                plps: list[TokenLogprob | None] = list(prompt_lps or [])
                 meta["input_token_logprobs"] = [self._triple(lp.logprob if lp else None, tok)
                                                 for lp, tok in zip(plps[start:], prompt[start:])]
                 meta["input_top_logprobs"] = [None if lp is None else
                                               [self._triple(p, t) for t, p in zip(lp.top_ids, lp.top_logprobs)]
                                               for lp in plps[start:]]
-        return {"text": a.text, "output_ids": list(self._ids[i]), "meta_info": meta, "index": i}
+        return {"text": text, "output_ids": ids, "meta_info": meta, "index": i}
 
     def _triple(self, logprob: float | None, token_id: int) -> list[Any]:
         """SGLang's (logprob, token id, text) entry; the text only with return_text_in_logprobs."""
@@ -143,10 +154,10 @@ class GenerateFormatter(Formatter):
         return [logprob, token_id, text]
 
     def chunk(self, d: Delta, include_usage: bool) -> dict[str, Any]:
-        # SGLang streams the text so far in every event (and the ids so far). The request's cached tokens are
-        # known to the whole answer only (a formatter sees deltas), so stream events leave them out.
+        # Increments (the module's docstring). The request's cached tokens are known to the whole answer only (a
+        # formatter sees deltas), so stream events leave them out.
         self.add(d)
-        return self._item(d.index, None)
+        return self._item(d.index, None, d)
 
     def final(self, u: Usage) -> Any:
         cached = (u.prompt_tokens_details or {}).get("cached_tokens", 0)

@@ -3,10 +3,21 @@ for chat and completions; typed `event:` lines for /v1/responses).
 
 An error after the 200 went out cannot change the status any more, so it travels as a chunk
 holding the OpenAI error object, followed by [DONE] as usual.
+
+A client that stops reading (or reads slower than tokens come) must not hold the gateway's memory and a place
+among the requests in flight for as long as the worker keeps generating: while a write to it waits, the stream's
+tokens queue in its reply inbox, which holds a finite number (GatewayConfig.stream_pending_msgs; past it the
+stream fails), and a write that waits longer than GatewayConfig.stream_write_timeout_s ends the stream: the
+worker is told to drop the request (the SSE body's client_gone) and its place is given back.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
 
 from opentelemetry import trace
 
@@ -15,6 +26,35 @@ from services.gateway.generation import Generation
 from services.gateway.formatters import Formatter, usage
 from services.gateway.request_scope import RequestScope
 from services.gateway.schemas import dump
+
+
+log = logging.getLogger(__name__)
+
+
+class BoundedStreamingResponse(StreamingResponse):
+    """A StreamingResponse whose every write must complete within write_timeout_s; past it the body is closed
+    (its generator sees the client as gone) and the response ends unfinished, which closes the connection."""
+
+    def __init__(self, content: AsyncIterator[str], write_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.write_timeout_s = write_timeout_s
+        self.stalled = False
+
+    async def stream_response(self, send: Any) -> None:
+        async def bounded(message: dict[str, Any]) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except asyncio.TimeoutError:
+                self.stalled = True
+                raise
+        try:
+            await super().stream_response(bounded)
+        except asyncio.TimeoutError:
+            log.info("ending a stream whose client read nothing for %.0f s", self.write_timeout_s)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()  # at once, not when collected: the worker is told now
 
 
 # Chunk events recorded on a request's "stream" span: the first ones (time to first tokens, the early rhythm),

@@ -19,6 +19,8 @@ from transformers import PreTrainedTokenizerBase
 
 from services.inflight import InFlight, MicroServiceDrain
 from shared import bus, subjects
+from services.tokenizer.template_sandbox import SandboxLimits, TemplateRefused, TemplateSandbox
+from shared.models.template_args import GATEWAY_ARGUMENTS, template_variables
 from shared.models.tokenizer import encode_chat, load_tokenizer
 from shared.prompt_check import PromptError, check_token_ids
 from shared.protocol import errors as codes
@@ -36,8 +38,12 @@ DEFAULT_MAX_INPUT_CHARS = 8 << 20
 class TokenizerService(MicroServiceDrain, Service):
     name = "tokenizer"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_input_chars: int = DEFAULT_MAX_INPUT_CHARS) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_input_chars: int = DEFAULT_MAX_INPUT_CHARS,
+                 sandbox_limits: SandboxLimits | None = None) -> None:
         self.tokenizer = tokenizer
+        # A request's own chat template renders in a limited child process (template_sandbox.py), started on use.
+        self.sandbox = TemplateSandbox(str(tokenizer.name_or_path), sandbox_limits or SandboxLimits(
+            max_ids=max_input_chars))
         self.max_input_chars = max_input_chars
         # len() counts the added special tokens too; tokenizer.vocab_size does not.
         self.vocab_size = len(tokenizer)
@@ -74,7 +80,10 @@ class TokenizerService(MicroServiceDrain, Service):
         if size > self.max_input_chars:
             raise bus.RemoteError(codes.BAD_REQUEST, f"input of {size} characters exceeds the tokenizer's limit of "
                                                      f"{self.max_input_chars}")
-        ids = await asyncio.to_thread(self._encode_sync, req)
+        if req.messages is not None and req.chat_template is not None:
+            ids = await self._encode_sandboxed(req)
+        else:
+            ids = await asyncio.to_thread(self._encode_sync, req)
         if not ids:
             raise bus.RemoteError(codes.BAD_REQUEST, "the prompt encodes to no tokens")
         return EncodeReply(token_ids=ids)
@@ -87,6 +96,21 @@ class TokenizerService(MicroServiceDrain, Service):
         texts = await asyncio.to_thread(self._decode_sync, req)
         return DecodeReply(texts=texts)
 
+    async def _encode_sandboxed(self, req: EncodeRequest) -> list[int]:
+        try:
+            return await self.sandbox.encode({
+                "messages": [m.model_dump(exclude_none=True) for m in req.messages or []],
+                "add_generation_prompt": req.add_generation_prompt, "chat_template": req.chat_template,
+                "tools": json.loads(req.tools_json) if req.tools_json else None,
+                "kwargs": json.loads(req.template_kwargs_json) if req.template_kwargs_json else None,
+                "add_special_tokens": bool(req.add_special_tokens)})
+        except (TemplateRefused, ValueError) as e:
+            raise bus.RemoteError(codes.BAD_REQUEST, f"chat template: {e}") from None
+
+    async def release(self, remaining_s: float) -> None:
+        await super().release(remaining_s)
+        await self.sandbox.close()
+
     # ------------------------------------------------------------------ work (runs in a thread)
 
     def _encode_sync(self, req: EncodeRequest) -> list[int]:
@@ -94,9 +118,14 @@ class TokenizerService(MicroServiceDrain, Service):
             try:
                 tools = json.loads(req.tools_json) if req.tools_json else None
                 messages = [m.model_dump(exclude_none=True) for m in req.messages]
-                kwargs = json.loads(req.template_kwargs_json) if req.template_kwargs_json else None
+                kwargs = json.loads(req.template_kwargs_json) if req.template_kwargs_json else {}
+                if not isinstance(kwargs, dict):
+                    raise ValueError("template_kwargs_json must be a JSON object")
+                # Set by the gateway from the request's own fields; the rest only as the template's variables.
+                passthrough = {k: kwargs.pop(k) for k in GATEWAY_ARGUMENTS if k in kwargs}
+                kwargs = {**template_variables(self.tokenizer.chat_template, kwargs), **passthrough}
                 return encode_chat(self.tokenizer, messages, req.add_generation_prompt, tools, kwargs,
-                                   chat_template=req.chat_template, add_special_tokens=bool(req.add_special_tokens))
+                                   add_special_tokens=bool(req.add_special_tokens))
             except (ValueError, TypeError, jinja2.TemplateError) as e:  # no template, or the template rejects the conversation
                 raise bus.RemoteError(codes.BAD_REQUEST, f"chat template: {e}") from None
         return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False))

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from shared.engine.block_events import BlockEvent
 from shared.engine.commands import Command
+from shared.engine.grammar_compile import GrammarCompiles
 from shared.engine.llm_engine import LLMEngine
 from shared.engine.outputs import RequestOutput
 
@@ -52,6 +53,7 @@ class EngineThread:
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self.grammar_compiles = GrammarCompiles()  # structured requests' constraints, compiled off this thread
 
     async def start(self, build: Callable[[], LLMEngine]) -> LLMEngine:
         """Start the thread: it calls build() (load, warm-up, profile) and then runs the step loop. Returns the
@@ -62,7 +64,11 @@ class EngineThread:
         return await asyncio.wrap_future(ready)
 
     async def run(self, command: Command[T]) -> T:
-        """Run a typed command on the engine thread between steps and return its result."""
+        """Run a typed command on the engine thread between steps and return its result. A command admitting a
+        structured request first waits for its constraint to compile on another thread (grammar_compile.py)."""
+        params = getattr(command, "params", None)
+        if params is not None and params.structured is not None and self.engine is not None:
+            await self.grammar_compiles.ready(self.engine, params.structured)
         if not command.delivers_output:
             return await self.call(command.run)
 
@@ -86,6 +92,7 @@ class EngineThread:
         return await asyncio.wrap_future(fut)
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.grammar_compiles.close()
         self._commands.put(None)
         if self._thread is not None:
             self._thread.join(timeout)

@@ -22,6 +22,8 @@ from shared.sampling_params import StructuredOutput
 # xgrammar 0.2.8 writes strings with maxLength/minLength/pattern-free bounds as [^"\\\r\n]{m,n}, which
 # lets raw control characters (U+0000-U+001F) into a JSON string: JSON forbids them (json.loads rejects
 # them). Its unbounded strings already exclude them; the bounded rule is narrowed the same way.
+COMPILER_CACHE_BYTES = 256 << 20  # xgrammar's compiled-grammar cache (on top of the 256 kept here)
+
 _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _STRICT_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
@@ -41,8 +43,25 @@ class GrammarBackend:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
-        self.compile = lru_cache(maxsize=256)(self._compile)
+        # xgrammar's own cache is unbounded unless told: every distinct schema a client sends would stay.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                            cache_limit_bytes=COMPILER_CACHE_BYTES)
+        # Errors are cached too: admission on the engine thread must not compile a refused constraint again
+        # (the compile thread already did: shared/engine/grammar_compile.py).
+        self._cached = lru_cache(maxsize=256)(self._compile_or_error)
+
+    def compile(self, so: StructuredOutput) -> Any:
+        """The compiled grammar, or ValueError naming what is wrong with the constraint."""
+        out = self._cached(so)
+        if isinstance(out, ValueError):
+            raise ValueError(str(out))
+        return out
+
+    def _compile_or_error(self, so: StructuredOutput) -> Any:
+        try:
+            return self._compile(so)
+        except ValueError as e:
+            return e
 
     def _compile(self, so: StructuredOutput) -> Any:
         """The compiled grammar, or ValueError naming what is wrong with the constraint."""

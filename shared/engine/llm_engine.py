@@ -7,6 +7,7 @@ graphs), the sampler, the block manager, and the KV tiers below the device (shar
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -67,6 +68,7 @@ class LLMEngine:
         self.overlap = AsyncSteps(self.scheduler, self.runner, self.sampler, self.tiers, self.iteration_tokens.observe
                                   ) if ex.can_overlap else None
         self._grammar: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -149,10 +151,12 @@ class LLMEngine:
         return seq
 
     def grammar(self) -> GrammarBackend:
-        """The structured-output backend, built on the first structured request (xgrammar loads slowly)."""
-        if self._grammar is None:
-            self._grammar = GrammarBackend(self.config.model, self.model_config.vocab_size,
-                                           self.model_config.eos_token_ids)
+        """The structured-output backend, built on the first structured request (xgrammar loads slowly). Also
+        called from the compile thread (shared/engine/grammar_compile.py): built once under a lock."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarBackend(self.config.model, self.model_config.vocab_size,
+                                               self.model_config.eos_token_ids)
         return self._grammar
 
     def _track(self, seq: Sequence, capture_kv_from_block: int | None) -> None:

@@ -19,6 +19,7 @@ import torch
 from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampled_ids import SampledIds
+from shared.engine.sampler_state import SamplerStates
 from shared.sampling_params import SamplingParams
 from shared.engine.sequence import Sequence
 
@@ -64,34 +65,36 @@ def apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         logits[r, t] = NEG_INF
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties, in place."""
-    seen, outputs = _Rows.empty(), _Rows.empty()
-    rep = [1.0] * len(seqs)
-    freq = [0.0] * len(seqs)
-    pres = [0.0] * len(seqs)
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], states: SamplerStates | None = None) -> None:
+    """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties, in place.
+    states: the sampler's per-sequence rows (sampler_state.py), kept across steps; None: built for this call."""
+    states = states if states is not None else SamplerStates()
+    rows, seen, counts, rep, freq, pres = [], [], [], [], [], []
+    vocab, dev = logits.shape[-1], logits.device
     for i, s in enumerate(seqs):
         p = s.params
-        if p.repetition_penalty != 1.0:
-            seen.add(i, set(s.token_ids))
-            rep[i] = p.repetition_penalty
-        if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
-            outputs.add(i, s.output_token_ids)
-            freq[i], pres[i] = p.frequency_penalty, p.presence_penalty
-    dev = logits.device
-    if seen.rows:
-        mask = torch.zeros_like(logits, dtype=torch.bool)
-        r, t = seen.tensors(dev)
-        mask[r, t] = True
-        rp = torch.tensor(rep).to(dev, non_blocking=True).unsqueeze(1)
-        logits.copy_(torch.where(mask, torch.where(logits > 0, logits / rp, logits * rp), logits))
-    if outputs.rows:
-        counts = torch.zeros_like(logits)
-        r, t = outputs.tensors(dev)
-        counts.index_put_((r, t), torch.ones(len(outputs.rows), device=dev), accumulate=True)
-        f = torch.tensor(freq).to(dev, non_blocking=True).unsqueeze(1)
-        pr = torch.tensor(pres).to(dev, non_blocking=True).unsqueeze(1)
-        logits.sub_(f * counts + pr * (counts > 0).float())
+        use_out = bool((p.presence_penalty or p.frequency_penalty) and s.num_output_tokens)
+        if p.repetition_penalty == 1.0 and not use_out:
+            continue
+        row_seen, row_counts = states.penalty_rows(s, vocab, dev)
+        rows.append(i)
+        seen.append(row_seen)
+        counts.append(row_counts)
+        rep.append(p.repetition_penalty)
+        freq.append(p.frequency_penalty if use_out else 0.0)
+        pres.append(p.presence_penalty if use_out else 0.0)
+    if not rows:
+        return
+    idx = torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True)
+    sub = logits.index_select(0, idx)
+    mask = torch.stack(seen)
+    rp = torch.tensor(rep).to(dev, non_blocking=True).unsqueeze(1)
+    sub = torch.where(mask, torch.where(sub > 0, sub / rp, sub * rp), sub)
+    c = torch.stack(counts)
+    f = torch.tensor(freq).to(dev, non_blocking=True).unsqueeze(1)
+    pr = torch.tensor(pres).to(dev, non_blocking=True).unsqueeze(1)
+    sub = sub - (f * c + pr * (c > 0).float())
+    logits.index_copy_(0, idx, sub)
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -141,6 +144,7 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)  # rows without a seed
+        self.states = SamplerStates()  # per-sequence penalty rows, bias and allowed ids, kept across steps
 
     def stop_ids(self, seq: Sequence) -> list[int]:
         ids = list(seq.params.stop_token_ids)
@@ -203,7 +207,7 @@ class Sampler:
         argmax is taken over). The rejection sampler (shared/engine/rejection_sampler.py) calls this too."""
         self._apply_bias_and_allowed(logits, seqs)
         apply_bad_words(logits, seqs)
-        apply_penalties(logits, seqs)
+        apply_penalties(logits, seqs, self.states)
         self._apply_min_tokens(logits, seqs)
 
     def _sample_processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -225,23 +229,28 @@ class Sampler:
         return sampled
 
     def _apply_bias_and_allowed(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        bias, values = _Rows.empty(), []
-        allowed, restricted = _Rows.empty(), []
+        # Each sequence's ids and values are tensors built once (sampler_state.py), not lists rebuilt every step.
+        dev = logits.device
+        bias_rows, bias_ids, bias_values = [], [], []
+        allowed_rows, allowed_ids, restricted = [], [], []
         for i, s in enumerate(seqs):
             if s.params.logit_bias:
-                bias.add(i, s.params.logit_bias.keys())
-                values.extend(s.params.logit_bias.values())
+                ids, values = self.states.bias(s, dev)
+                bias_rows.append(torch.full_like(ids, i))
+                bias_ids.append(ids)
+                bias_values.append(values)
             if s.params.allowed_token_ids is not None:
-                allowed.add(i, s.params.allowed_token_ids)
+                ids = self.states.allowed(s, dev)
+                allowed_rows.append(torch.full_like(ids, i))
+                allowed_ids.append(ids)
                 restricted.append(i)
-        if bias.rows:
-            r, t = bias.tensors(logits.device)
-            logits.index_put_((r, t), torch.tensor(values, dtype=logits.dtype).to(logits.device), accumulate=True)
+        if bias_rows:
+            logits.index_put_((torch.cat(bias_rows), torch.cat(bias_ids)),
+                              torch.cat(bias_values).to(logits.dtype), accumulate=True)
         if restricted:
             keep = torch.ones_like(logits, dtype=torch.bool)
-            keep[torch.tensor(restricted).to(logits.device)] = False
-            r, t = allowed.tensors(logits.device)
-            keep[r, t] = True
+            keep[torch.tensor(restricted).to(dev)] = False
+            keep[torch.cat(allowed_rows), torch.cat(allowed_ids)] = True
             logits.masked_fill_(~keep, NEG_INF)
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -89,6 +89,10 @@ class MeshOptions:
     sim_workers_per_process: int = 1
     routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
     max_inflight_requests: int | None = None  # the gateway's bound on requests at once (None: its default)
+    # The gateway's request-limit switches (docs/security.md): None/False: its defaults.
+    trust_request_chat_template: bool = False
+    scheduling_policy: str | None = None
+    trusted_hosts: str | None = None
     max_num_seqs: int | None = None  # engine workers' batch limit (None: the workers' default)
     # Tensor-parallel degree of each engine role's workers (each worker is that many processes: shared/engine/tp/).
     decode_tp: int = 1
@@ -340,6 +344,12 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--routing", opts.routing]
         if opts.max_inflight_requests is not None:
             args += ["--max-inflight-requests", str(opts.max_inflight_requests)]
+        if opts.trust_request_chat_template:
+            args.append("--trust-request-chat-template")
+        if opts.scheduling_policy:
+            args += ["--scheduling-policy", opts.scheduling_policy]
+        if opts.trusted_hosts:
+            args += ["--trusted-hosts", opts.trusted_hosts]
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
     if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name and not opts.more_models:

@@ -150,6 +150,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine workers' batch limit (default: theirs, 128); the load planner reads it too")
     parser.add_argument("--routing", choices=["kv", "round-robin"], default=None,
                         help="the gateway's routing: kv (default, KV-aware) or round-robin (a baseline)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="the gateway lets a request bring its own chat_template (rendered in a limited child "
+                             "process); default: a 400, as vLLM")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+                        help="the gateway's: fcfs (default; a request's priority other than 0 is a 400) or priority")
+    parser.add_argument("--trusted-hosts", default=None, metavar="NAMES",
+                        help="host names the gateway answers to, against DNS rebinding ('*': any; default: loopback "
+                             "names when --host is loopback)")
     parser.add_argument("--max-inflight-requests", type=int, default=None, metavar="N",
                         help="the gateway serves at most N generation requests at once; past it 429 with Retry-After "
                              "(default: the gateway's, 1024; 0: no bound)")
@@ -211,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
             sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
             max_inflight_requests=args.max_inflight_requests,
+            trust_request_chat_template=args.trust_request_chat_template, scheduling_policy=args.scheduling_policy,
+            trusted_hosts=args.trusted_hosts,
             max_num_seqs=args.max_num_seqs,
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
@@ -245,6 +255,10 @@ def run(args: argparse.Namespace) -> int:
         # Else the gateway would crash-loop, and whatever holds the port might even answer /health.
         print(f"kvmesh up: {opts.host}:{opts.port} is in use; pick another port with --port", file=sys.stderr)
         return 2
+    if opts.host not in ("localhost", "::1") and not opts.host.startswith("127.") and not os.environ.get("KVMESH_API_KEY"):
+        print(f"kvmesh up: WARNING: SECURITY: the gateway will listen on {opts.host}, beyond this machine, with no "
+              "API key: anyone who can reach it can use the model. Set KVMESH_API_KEY (or bind to 127.0.0.1).",
+              file=sys.stderr)
     if args.nats_servers < 1:
         print("kvmesh up: --nats-servers must be at least 1", file=sys.stderr)
         return 2
