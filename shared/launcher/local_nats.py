@@ -57,19 +57,30 @@ class LocalNats:
 
     @classmethod
     def cluster(cls, size: int, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
-                config_dir: Path | None = None, tls: bool = False) -> list[LocalNats]:
+                config_dir: Path | None = None, tls: bool = False, *, route_password: str | None = None,
+                seed_routes: tuple[str, ...] = (), tls_files: TlsFiles | None = None) -> list[LocalNats]:
         """`size` servers routed to each other (size 1: one plain server named "nats"), sharing the
-        users, passwords and TLS certificate, so a client may connect to any of them."""
+        users, passwords and TLS certificate, so a client may connect to any of them.
+
+        A mesh spread over hosts (shared/launcher/join_file.py) gives the cluster's route password, derived
+        from the mesh secret on every host: then even one server listens for routes, and `seed_routes`
+        (another host's servers, nats-route://host:port) are routed to as well. `tls_files`: a certificate
+        made elsewhere (a joining host's, signed by the mesh's CA) instead of a throwaway one."""
         assert size >= 1, "at least one nats-server"
-        files = make_tls(config_dir, host) if tls else None
-        if size == 1:
+        files = tls_files or (make_tls(config_dir, host) if tls else None)
+        if size == 1 and route_password is None:
             return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files)]
         cluster_ports = [free_port(host) for _ in range(size)]
-        route_password = secrets.token_urlsafe(24)
+        route_password = route_password or secrets.token_urlsafe(24)
         return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files, port,
-                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}",
-                    route_password)
+                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port) + tuple(seed_routes),
+                    f"{NAME}-{i}" if size > 1 else NAME, route_password)
                 for i, port in enumerate(cluster_ports)]
+
+    @property
+    def route_url(self) -> str:
+        """Where other servers route to this one (no credentials: each holds the route password itself)."""
+        return f"nats-route://{self.host}:{self.cluster_port}"
 
     def role_env(self, user: str) -> dict[str, str]:
         """What the process of identity `user` needs to connect (nothing for an open server without TLS)."""

@@ -23,6 +23,8 @@ from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_fro
                                      plan_mesh, worker_needs)
 from shared.launcher.cpu_layout import cpu_default_layout
 from shared.launcher.gpus import parse_devices
+from shared.launcher import mesh_secret
+from shared.launcher.join_file import JoinFile
 from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
@@ -156,6 +158,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-grace", type=float, default=5.0, metavar="S",
                         help="planner: seconds a removed worker may finish its requests before the rest move to "
                              "other workers (default 5)")
+    parser.add_argument("--advertise-host", default=None, metavar="ADDR",
+                        help="a mesh over several hosts: the address other hosts reach this one at; the local "
+                             "nats-server (clients and routes) and the decode workers' KV channel listen there")
+    parser.add_argument("--write-join", default=None, metavar="FILE",
+                        help="first host of a multi-host mesh: write the join file (route URLs, CA, mesh secret; "
+                             "readable by you only) other hosts join with; needs --advertise-host")
+    parser.add_argument("--join", default=None, metavar="FILE",
+                        help="join the mesh another host started with --write-join: run only this host's "
+                             "--prefill/--decode workers (default 0/1) and a nats-server routed into the mesh")
+    parser.add_argument("--host-name", default=None, metavar="NAME",
+                        help="--join: this host's tag in its worker names (default: the hostname)")
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -191,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
+            remote_workers=bool(args.write_join or args.join),
         )
     except (AssertionError, ConfigError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
@@ -217,6 +231,13 @@ def run(args: argparse.Namespace) -> int:
         print("kvmesh up: cannot start the mesh, service module(s) missing: "
               + ", ".join(f"services.{m} (services/{m}/__main__.py)" for m in missing), file=sys.stderr)
         return 2
+    if args.join or args.write_join:
+        problem = _multi_host_problem(args)
+        if problem:
+            print(f"kvmesh up: {problem}", file=sys.stderr)
+            return 2
+    if args.join:
+        return _run_joined(args, opts, model)
     if not args.dry_run and not _port_free(opts.host, opts.port):
         # Else the gateway would crash-loop, and whatever holds the port might even answer /health.
         print(f"kvmesh up: {opts.host}:{opts.port} is in use; pick another port with --port", file=sys.stderr)
@@ -276,7 +297,46 @@ def run(args: argparse.Namespace) -> int:
         planner = replace(planner, budget=opts.prefill + opts.decode)  # the GPU plan's capacity
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
-                          planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace))
+                          planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace,
+                          advertise_host=args.advertise_host,
+                          write_join=Path(args.write_join) if args.write_join else None))
+
+
+def _multi_host_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the multi-host flags (--join, --write-join), or None."""
+    if args.join and args.write_join:
+        return "--join and --write-join exclude each other (a host either starts the mesh or joins it)"
+    if os.environ.get("NATS_URL"):
+        return "--join/--write-join run this host's own nats-server: unset NATS_URL"
+    if args.write_join and not args.advertise_host:
+        return "--write-join needs --advertise-host (the address the other hosts reach this one at)"
+    if args.join and args.planner:
+        return "--planner runs on the host that started the mesh, not on a joined one"
+    return None
+
+
+def _run_joined(args: argparse.Namespace, opts: MeshOptions, model: Path) -> int:
+    from shared.launcher.join import host_tag, run_joined
+    from shared.launcher.join_file import JoinFile, JoinFileError
+    from shared.launcher.mesh_addr import address_towards
+
+    try:
+        join = JoinFile.read(Path(args.join))
+    except JoinFileError as e:
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return 2
+    if not (model / "config.json").is_file():
+        print(f"kvmesh up: {model} is not a model directory (no config.json): every host needs the model",
+              file=sys.stderr)
+        return 2
+    prefill = args.prefill or 0
+    decode = 1 if args.decode is None else args.decode
+    if prefill < 0 or decode < 0 or prefill + decode == 0:
+        print("kvmesh up: --join needs some workers to run (--prefill N and/or --decode M)", file=sys.stderr)
+        return 2
+    advertise = args.advertise_host or address_towards(join.routes[0])
+    return asyncio.run(run_joined(opts, join, advertise, host_tag(args.host_name), prefill, decode, args.grace,
+                                  args.nats_servers))
 
 
 def planner_config(args: argparse.Namespace, opts: MeshOptions) -> PlannerConfig:
@@ -321,15 +381,16 @@ def missing_services() -> list[str]:
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
              secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
              nats_servers: int = 1, planner: PlannerConfig | None = None, planner_port: int = 0,
-             drain_grace: float = 5.0) -> int:
+             drain_grace: float = 5.0, advertise_host: str | None = None, write_join: Path | None = None) -> int:
     with secrets_dir() as secrets:
         return await _up(opts, grace, startup_timeout, emit, secure_bus, secrets, kvstore_disk_dir, nats_tls,
-                         nats_servers, planner, planner_port, drain_grace)
+                         nats_servers, planner, planner_port, drain_grace, advertise_host, write_join)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
               secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False, nats_servers: int = 1,
-              planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0) -> int:
+              planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0,
+              advertise_host: str | None = None, write_join: Path | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -352,6 +413,11 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     # Only the engine workers hash blocks; the kvstore keeps them by hash and the gateway routes with the
     # hash root the workers' beats carry, so no other service gets it.
     cache_salt = secrets.token_hex(16)
+    # Other hosts join with a file holding the mesh secret, from which every host derives the route password,
+    # its own processes' passwords and this salt (shared/launcher/mesh_secret.py).
+    mesh_key = mesh_secret.new_secret() if write_join else None
+    if mesh_key:
+        cache_salt = mesh_secret.cache_salt(mesh_key)
     env: dict[str, str] = {}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
@@ -366,8 +432,10 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     # credential speaks only for that process, never for the other workers of its role.
     instances = [spec.instance_name(i) for spec in specs for i in range(full.get(spec.service, spec).replicas)]
     if not nats_url:
-        cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
-                                    config_dir=secrets_dir, tls=nats_tls)
+        cluster = LocalNats.cluster(nats_servers, advertise_host or "127.0.0.1",
+                                    passwords=identity_passwords(instances) if secure_bus else None,
+                                    config_dir=secrets_dir, tls=nats_tls,
+                                    route_password=mesh_secret.route_password(mesh_key) if mesh_key else None)
         for server in cluster:
             await supervisor.start(server.process())
         for server in cluster:
@@ -381,7 +449,13 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         for server in cluster:
             emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url}; {access})")
         nats_url = ",".join(server.url for server in cluster)
+        if mesh_key and write_join:
+            write_join_file(write_join, mesh_key, cluster, opts, secure_bus)
+            emit(f"[kvmesh] join file {write_join}: other hosts join with `kvmesh up --join {write_join.name} "
+                 f"--advertise-host THEIR_ADDR --decode N` (it holds the mesh secret: copy it as one)")
     env["NATS_URL"] = nats_url
+    if advertise_host:
+        env["KVMESH_KV_HOST"] = advertise_host  # other hosts' prefill workers push KV to this address
 
     def service_env(service: str) -> dict[str, str]:
         extra = {"KVMESH_CACHE_SALT": cache_salt} if service in ENGINE_SERVICES else {}
@@ -449,6 +523,13 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
     await supervisor.stop([server.name for server in cluster], timeout=5)
     return rc or (1 if unclean else 0)
+
+
+def write_join_file(path: Path, mesh_key: str, cluster: list[LocalNats], opts: MeshOptions, secure_bus: bool) -> Path:
+    tls = cluster[0].tls
+    return JoinFile(mesh_key, tuple(s.route_url for s in cluster), secure_bus,
+                    tls.ca.read_text() if tls else None, (tls.ca.parent / "ca.key").read_text() if tls else None,
+                    opts.served_model_name, opts.kvstore > 0, opts.prefill).write(path)
 
 
 def _bus_env(server: LocalNats, proc: ProcessSpec) -> dict[str, str]:

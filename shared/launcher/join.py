@@ -1,0 +1,127 @@
+"""`kvmesh up --join FILE`: this host's engine workers join a mesh that another host started.
+
+The host runs its own nats-server(s), routed into the mesh's cluster with the route password derived from the
+join file's secret (and TLS signed by the mesh's CA when the bus uses it); its workers connect to their own
+host's server, each as its own bus user whose password is derived from the secret and its instance name
+(`<role>-<host tag>_<n>`, unique across hosts). The decode workers' direct KV channel listens on
+`--advertise-host`, the address the other hosts reach this one at, and every KV transfer between hosts goes
+over TCP there (shared memory only between processes of one host). Stopping is `kvmesh up`'s: one Ctrl-C
+drains the workers, then the nats-server goes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import sys
+import urllib.request
+from dataclasses import replace
+
+from shared.launcher import mesh_secret
+from shared.launcher.join_file import JoinFile
+from shared.launcher.join_tls import sign_with_ca
+from shared.launcher.local_nats import LocalNats
+from shared.launcher.process_spec import ENGINE_SERVICES, MeshOptions, ProcessSpec, mesh_services
+from shared.launcher.secrets_dir import secrets_dir
+from shared.launcher.supervisor import Emit, Supervisor, describe_exit, print_line
+from shared.service_runner import DEFAULT_GRACE_S
+
+JOINED = "joined the mesh"  # tests wait for this line
+ROUTE_WAIT_S = 30.0
+DRAIN_MARGIN_S = 10.0
+
+
+def host_tag(name: str | None = None) -> str:
+    """This host's tag in its instance names: letters, digits and `_` only (a `-` would split the role)."""
+    tag = re.sub(r"[^A-Za-z0-9_]", "_", name or socket.gethostname().split(".")[0])[:24].strip("_")
+    return tag or "host"
+
+
+def joined_services(opts: MeshOptions, join: JoinFile, prefill: int, decode: int, tag: str) -> list[ProcessSpec]:
+    """The processes this host runs: its engine workers only (the gateway, tokenizer and kvstore run where the
+    mesh started), configured as the mesh's: its model id, its kvstore, remote prefill when any host has
+    prefill workers."""
+    base = replace(opts, decode=max(decode, 1), prefill=prefill + join.prefill, kvstore=1 if join.kvstore else 0,
+                   served_model_name=opts.served_model_name or join.served_model_name)
+    counts = {"prefill": prefill, "decode": decode}
+    specs = [replace(s, replicas=counts[s.service], host_tag=tag) for s in mesh_services(base)
+             if s.service in ENGINE_SERVICES and counts[s.service] > 0]
+    return [p for spec in specs for p in spec.processes(sys.executable, {})]
+
+
+async def run_joined(opts: MeshOptions, join: JoinFile, advertise_host: str, tag: str, prefill: int, decode: int,
+                     grace: float | None, nats_servers: int = 1, emit: Emit = print_line) -> int:
+    with secrets_dir() as secrets:
+        loop = asyncio.get_running_loop()
+        stop, hurry = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:
+            (hurry if stop.is_set() else stop).set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        procs = joined_services(opts, join, prefill, decode, tag)
+        names = [p.name for p in procs]
+        tls = sign_with_ca(secrets, join.tls_ca, join.tls_ca_key, advertise_host) if join.tls_ca and join.tls_ca_key \
+            else None
+        cluster = LocalNats.cluster(
+            nats_servers, advertise_host,
+            passwords=mesh_secret.process_passwords(join.secret, names) if join.secure_bus else None,
+            config_dir=secrets, route_password=mesh_secret.route_password(join.secret), seed_routes=join.routes,
+            tls_files=tls)
+        cluster = [replace(s, name=f"nats-{tag}" if len(cluster) == 1 else f"nats-{tag}_{i}")
+                   for i, s in enumerate(cluster)]
+        supervisor = Supervisor(emit)
+        for server in cluster:
+            await supervisor.start(server.process())
+        servers = [s.name for s in cluster]
+        for server in cluster:
+            if not await server.wait_ready(timeout=15):
+                emit(f"[kvmesh] {server.name} did not start")
+                await supervisor.stop(servers, timeout=5)
+                return 1
+        if not await _wait_routed(cluster[0], ROUTE_WAIT_S, stop):
+            emit(f"[kvmesh] {cluster[0].name} has no route to the mesh after {ROUTE_WAIT_S:g}s (is "
+                 f"{', '.join(join.routes)} reachable from {advertise_host}?); it keeps trying")
+        nats_url = ",".join(s.url for s in cluster)
+        env = {"NATS_URL": nats_url, "KVMESH_KV_HOST": advertise_host}
+        if grace is not None:
+            env["KVMESH_GRACE_S"] = str(grace)
+        salt = mesh_secret.cache_salt(join.secret)
+        for proc in procs:
+            await supervisor.start(replace(proc, env={**proc.env, **env, "KVMESH_CACHE_SALT": salt,
+                                                      **cluster[0].role_env(proc.name)}))
+        emit(f"[kvmesh] {JOINED} from {advertise_host} as host {tag}: {', '.join(names)} (nats {nats_url}, "
+             f"routes to {', '.join(join.routes)}); Ctrl-C stops them")
+        await stop.wait()
+        emit("[kvmesh] stopping (Ctrl-C again to kill)")
+        timeout = (grace if grace is not None else DEFAULT_GRACE_S) + DRAIN_MARGIN_S
+        codes = await supervisor.stop(names, timeout=timeout, hurry=hurry)
+        unclean = {n: c for n, c in codes.items() if c not in (0, None, -signal.SIGTERM)}
+        for name, code in unclean.items():
+            emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
+        await supervisor.stop(servers, timeout=5)
+        return 1 if unclean else 0
+
+
+async def _wait_routed(server: LocalNats, timeout: float, stop: asyncio.Event) -> bool:
+    """Until the server has a route to another server of the mesh (its /routez), or timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    url = f"{server.monitor_url}/routez"
+    while loop.time() < deadline and not stop.is_set():
+        try:
+            body = await asyncio.to_thread(_get_json, url)
+            if body.get("num_routes", 0) > 0:
+                return True
+        except (OSError, ValueError):
+            pass
+        await asyncio.sleep(0.2)
+    return False
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return json.load(r)
