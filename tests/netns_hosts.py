@@ -77,6 +77,16 @@ class Host:
     def heal(self) -> None:
         _ip("link", "set", self.link, "up")
 
+    def cut_from(self, other: Host) -> None:
+        """Packets between this host and `other` only are dropped (both ways); every other path stays up."""
+        self.run("ip", "route", "add", "blackhole", f"{other.address}/32")
+        other.run("ip", "route", "add", "blackhole", f"{self.address}/32")
+
+    def heal_cut(self, other: Host) -> None:
+        for host, peer in ((self, other), (other, self)):
+            subprocess.run(host.argv("ip", "route", "del", "blackhole", f"{peer.address}/32"), capture_output=True,
+                           timeout=30)
+
     def kill_all(self) -> int:
         """The host is lost: SIGKILL to every process in its namespace (nats-server included)."""
         n = 0

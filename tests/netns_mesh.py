@@ -145,7 +145,7 @@ class MultiHostMesh:
         """Sum of a gateway /metrics series over the samples matching the labels."""
         total = 0.0
         for line in httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines():
-            if not line.startswith(name + "{"):
+            if not line.startswith((name + "{", name + " ")):
                 continue
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])

@@ -114,7 +114,7 @@ async def _wait_routed(server: LocalNats, timeout: float, stop: asyncio.Event) -
     while loop.time() < deadline and not stop.is_set():
         try:
             body = await asyncio.to_thread(_get_json, url)
-            if body.get("num_routes", 0) > 0:
+            if body.get("routes"):
                 return True
         except (OSError, ValueError):
             pass
