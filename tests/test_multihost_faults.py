@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow,
 
 # Long enough that streams are still running when the fault comes (the tiny model decodes about a thousand
 # tokens a second on the CPU path).
-MAX_TOKENS = 900
+MAX_TOKENS = 600
 PROMPTS = [f"Story {i}: once upon a time" for i in range(6)]
 DECODERS = ("decode-c_0", "decode-d_0")
 
@@ -83,7 +83,7 @@ def _stream(client: openai.OpenAI, model: str, prompt: str, started: threading.E
     return text
 
 
-def _under_load(mesh: MultiHostMesh, fault, rounds: int = 2) -> dict[str, list[str]]:  # noqa: ANN001
+def _under_load(mesh: MultiHostMesh, fault, rounds: int = 1) -> dict[str, list[str]]:  # noqa: ANN001
     """Every prompt streamed `rounds` times at once; `fault()` runs once host c serves some of them."""
     client = _client(mesh)
     model = client.models.list().data[0].id
@@ -97,8 +97,11 @@ def _under_load(mesh: MultiHostMesh, fault, rounds: int = 2) -> dict[str, list[s
             time.sleep(0.01)
         fault()
         out: dict[str, list[str]] = {}
-        for p, f in futures:
-            out.setdefault(p, []).append(f.result(timeout=180))
+        try:
+            for p, f in futures:
+                out.setdefault(p, []).append(f.result(timeout=180))
+        except Exception as e:
+            raise AssertionError(f"a stream failed: {e}\n{mesh.output()}") from e
     return out
 
 
@@ -133,9 +136,7 @@ def test_multihost_decode_host_partitioned_mid_stream(mesh, reference) -> None:
         c.heal()
     # The link is back: c's workers beat again, rejoin and get traffic again.
     mesh.wait_decode_workers(lambda alive: set(DECODERS) <= alive, timeout=60)
-    before = mesh.metric("kvmesh:prefix_cache_queries_total", worker="decode-c_0")
-    _check(_under_load(mesh, lambda: None, rounds=1), reference)
-    assert mesh.metric("kvmesh:prefix_cache_queries_total", worker="decode-c_0") > before
+    _check(_under_load(mesh, lambda: None), reference)  # it waits for c to be serving streams again
     assert mesh.metric("kvmesh:request_errors_total") == errors
     _no_leaks(mesh)
 
