@@ -23,7 +23,6 @@ pytestmark = [pytest.mark.slow,
 # Long enough that streams are still running when the fault comes (the tiny model decodes about a thousand
 # tokens a second on the CPU path).
 MAX_TOKENS = 600
-PROMPTS = [f"Story {i}: once upon a time" for i in range(6)]
 DECODERS = ("decode-c_0", "decode-d_0")
 
 
@@ -51,15 +50,6 @@ def mesh(llama, tmp_path_factory):
             raise
 
 
-@pytest.fixture(scope="module")
-def reference(mesh) -> dict[str, str]:
-    """Each prompt's greedy text from the undisturbed mesh (tests/test_multihost.py checks a three-host mesh's
-    tokens against transformers)."""
-    client = _client(mesh)
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return dict(zip(PROMPTS, pool.map(lambda p: _complete(client, p), PROMPTS)))
-
-
 def _client(mesh: MultiHostMesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -83,12 +73,12 @@ def _stream(client: openai.OpenAI, model: str, prompt: str, started: threading.E
     return text
 
 
-def _under_load(mesh: MultiHostMesh, fault, rounds: int = 1) -> dict[str, list[str]]:  # noqa: ANN001
-    """Every prompt streamed `rounds` times at once; `fault()` runs once host c serves some of them."""
+def _under_load(mesh: MultiHostMesh, fault, prompts: list[str]) -> dict[str, list[str]]:  # noqa: ANN001
+    """Every prompt streamed at once; `fault()` runs once host c serves some of them."""
     client = _client(mesh)
     model = client.models.list().data[0].id
     started = threading.Event()
-    jobs = [p for p in PROMPTS for _ in range(rounds)]
+    jobs = list(prompts)
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [(p, pool.submit(_stream, client, model, p, started)) for p in jobs]
         deadline = time.monotonic() + 60
@@ -118,39 +108,48 @@ def _no_leaks(mesh: MultiHostMesh, workers=DECODERS, timeout: float = 90.0) -> N
         time.sleep(0.5)
 
 
-def _check(results: dict[str, list[str]], reference: dict[str, str]) -> None:
+def _check(mesh: MultiHostMesh, results: dict[str, list[str]]) -> None:
+    """Each stream's text equals an undisturbed run of its prompt, asked afterwards (greedy: any run is the
+    same). The prompts are new to each scenario: the router sends a prompt whose prefix a worker holds to that
+    worker, and host c must get some of them."""
+    client = _client(mesh)
+    with ThreadPoolExecutor(len(results)) as pool:
+        undisturbed = dict(zip(results, pool.map(lambda p: _complete(client, p), results)))
     for prompt, texts in results.items():
-        assert all(t == reference[prompt] for t in texts), prompt
+        assert all(t == undisturbed[prompt] for t in texts), prompt
 
 
-def test_multihost_decode_host_partitioned_mid_stream(mesh, reference) -> None:
+def _prompts(scenario: str) -> list[str]:
+    return [f"{scenario} {i}: once upon a time" for i in range(6)]
+
+
+def test_multihost_decode_host_partitioned_mid_stream(mesh) -> None:
     c = mesh.hosts["c"]
     migrations = mesh.metric("kvmesh:request_migrations_total")
     errors = mesh.metric("kvmesh:request_errors_total")
     try:
-        results = _under_load(mesh, c.partition)
-        _check(results, reference)
+        results = _under_load(mesh, c.partition, _prompts("Partition"))
         assert mesh.metric("kvmesh:request_migrations_total") > migrations  # c's streams moved to d
         assert "decode-c_0" not in mesh.health()["decode_workers"]
     finally:
         c.heal()
+    _check(mesh, results)
     # The link is back: c's workers beat again, rejoin and get traffic again.
     mesh.wait_decode_workers(lambda alive: set(DECODERS) <= alive, timeout=60)
-    _check(_under_load(mesh, lambda: None), reference)  # it waits for c to be serving streams again
+    _check(mesh, _under_load(mesh, lambda: None, _prompts("Rejoined")))  # it waits for c to serve streams
     assert mesh.metric("kvmesh:request_errors_total") == errors
     _no_leaks(mesh)
 
 
-def test_multihost_gateway_cut_from_a_decode_hosts_nats_server(mesh, reference) -> None:
+def test_multihost_gateway_cut_from_a_decode_hosts_nats_server(mesh) -> None:
     """Host a (the gateway's) loses its path to host c only (c's nats-server is not a's own): c still reaches b
     and d, but the gateway cannot hear it; its streams move to d and the mesh keeps serving."""
     a, c = mesh.hosts["a"], mesh.hosts["c"]
     errors = mesh.metric("kvmesh:request_errors_total")
     try:
-        _check(_under_load(mesh, lambda: a.cut_from(c)), reference)
+        results = _under_load(mesh, lambda: a.cut_from(c), _prompts("Cut"))
         assert "decode-c_0" not in mesh.health()["decode_workers"]
-        client = _client(mesh)
-        assert _complete(client, PROMPTS[1]) == reference[PROMPTS[1]]
+        _check(mesh, results)  # served by d meanwhile
     finally:
         a.heal_cut(c)
     mesh.wait_decode_workers(lambda alive: set(DECODERS) <= alive, timeout=60)
@@ -158,12 +157,12 @@ def test_multihost_gateway_cut_from_a_decode_hosts_nats_server(mesh, reference) 
     _no_leaks(mesh)
 
 
-def test_multihost_host_lost_under_load(mesh, reference) -> None:
+def test_multihost_host_lost_under_load(mesh) -> None:
     """Every process on host c (its nats-server included) is SIGKILLed mid-stream: its streams finish on d."""
     c = mesh.hosts["c"]
     errors = mesh.metric("kvmesh:request_errors_total")
     killed: list[int] = []
-    _check(_under_load(mesh, lambda: killed.append(c.kill_all())), reference)
+    _check(mesh, _under_load(mesh, lambda: killed.append(c.kill_all()), _prompts("Lost")))
     assert killed and killed[0] >= 2  # the launcher, the nats-server and the decode worker at least
     assert not c.pids()
     mesh.wait_decode_workers(lambda alive: "decode-c_0" not in alive, timeout=30)

@@ -49,6 +49,9 @@ class LocalNats:
     routes: tuple[str, ...] = ()
     name: str = NAME
     route_password: str = field(default="", repr=False)
+    # Bus users that are no service's identity, as nats-server user entries: a joined host's agent and the
+    # planner that asks it to scale (shared/launcher/host_agent.py).
+    extra_users: tuple[dict, ...] = field(default=(), repr=False)
 
     @classmethod
     def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
@@ -58,7 +61,8 @@ class LocalNats:
     @classmethod
     def cluster(cls, size: int, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
                 config_dir: Path | None = None, tls: bool = False, *, route_password: str | None = None,
-                seed_routes: tuple[str, ...] = (), tls_files: TlsFiles | None = None) -> list[LocalNats]:
+                seed_routes: tuple[str, ...] = (), tls_files: TlsFiles | None = None,
+                extra_users: tuple[dict, ...] = ()) -> list[LocalNats]:
         """`size` servers routed to each other (size 1: one plain server named "nats"), sharing the
         users, passwords and TLS certificate, so a client may connect to any of them.
 
@@ -69,12 +73,13 @@ class LocalNats:
         assert size >= 1, "at least one nats-server"
         files = tls_files or (make_tls(config_dir, host) if tls else None)
         if size == 1 and route_password is None:
-            return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files)]
+            return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files,
+                        extra_users=extra_users)]
         cluster_ports = [free_port(host) for _ in range(size)]
         route_password = route_password or secrets.token_urlsafe(24)
         return [cls(host, free_port(host), free_port(host), passwords or {}, config_dir, files, port,
                     tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port) + tuple(seed_routes),
-                    f"{NAME}-{i}" if size > 1 else NAME, route_password)
+                    f"{NAME}-{i}" if size > 1 else NAME, route_password, extra_users)
                 for i, port in enumerate(cluster_ports)]
 
     @property
@@ -94,7 +99,7 @@ class LocalNats:
         """nats-server's config (JSON is valid nats-server config), readable by this user only."""
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
         users = [{"user": user, "password": pw, "permissions": identity_permissions(Identity.of(user))}
-                 for user, pw in self.passwords.items()]
+                 for user, pw in self.passwords.items()] + list(self.extra_users)
         config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}",
                   "max_pending": SERVER_MAX_PENDING}
         if users:

@@ -24,7 +24,11 @@ from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_fro
 from shared.launcher.cpu_layout import cpu_default_layout
 from shared.launcher.gpus import parse_devices
 from shared.launcher import mesh_secret
+from shared.bus.roles import inbox_prefix
+from shared.launcher.host_agent import planner_entry
+from shared.launcher.join import host_tag
 from shared.launcher.join_file import JoinFile
+from shared.planner.remote_scaler import PLANNER_USER, RemoteHostScaler, RemoteScaleError
 from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
@@ -167,6 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join", default=None, metavar="FILE",
                         help="join the mesh another host started with --write-join: run only this host's "
                              "--prefill/--decode workers (default 0/1) and a nats-server routed into the mesh")
+    parser.add_argument("--planner-host", default=None, metavar="NAME",
+                        help="--planner with --write-join: scale the workers of the joined host of this --host-name "
+                             "(its launcher starts and drains them) instead of this host's")
     parser.add_argument("--host-name", default=None, metavar="NAME",
                         help="--join: this host's tag in its worker names (default: the hostname)")
     parser.add_argument("--log-level", default=None, help="log level for every service")
@@ -258,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvmesh up: {e}", file=sys.stderr)
             return 2
         lim = planner.limits
+        if args.planner_host:  # the limits are the other host's; this host keeps what it was given
+            lim = {r: RoleLimits(getattr(opts, r), getattr(opts, r)) for r in ("prefill", "decode")}
         opts = replace(opts, prefill=min(lim["prefill"].max, max(lim["prefill"].min, opts.prefill)),
                        decode=min(lim["decode"].max, max(lim["decode"].min, opts.decode)))
         if opts.prefill == 0 and opts.remote_prefill_threshold is None:
@@ -299,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
                           planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace,
                           advertise_host=args.advertise_host,
-                          write_join=Path(args.write_join) if args.write_join else None))
+                          write_join=Path(args.write_join) if args.write_join else None,
+                          planner_host=host_tag(args.planner_host) if args.planner_host else None))
 
 
 def _multi_host_problem(args: argparse.Namespace) -> str | None:
@@ -312,6 +322,8 @@ def _multi_host_problem(args: argparse.Namespace) -> str | None:
         return "--write-join needs --advertise-host (the address the other hosts reach this one at)"
     if args.join and args.planner:
         return "--planner runs on the host that started the mesh, not on a joined one"
+    if args.planner_host and not (args.planner and args.write_join):
+        return "--planner-host needs --planner and --write-join (the planner scales a host that joined this mesh)"
     return None
 
 
@@ -336,7 +348,7 @@ def _run_joined(args: argparse.Namespace, opts: MeshOptions, model: Path) -> int
         return 2
     advertise = args.advertise_host or address_towards(join.routes[0])
     return asyncio.run(run_joined(opts, join, advertise, host_tag(args.host_name), prefill, decode, args.grace,
-                                  args.nats_servers))
+                                  args.nats_servers, most={"prefill": args.prefill_max, "decode": args.decode_max}))
 
 
 def planner_config(args: argparse.Namespace, opts: MeshOptions) -> PlannerConfig:
@@ -381,16 +393,17 @@ def missing_services() -> list[str]:
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
              secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
              nats_servers: int = 1, planner: PlannerConfig | None = None, planner_port: int = 0,
-             drain_grace: float = 5.0, advertise_host: str | None = None, write_join: Path | None = None) -> int:
+             drain_grace: float = 5.0, advertise_host: str | None = None, write_join: Path | None = None,
+             planner_host: str | None = None) -> int:
     with secrets_dir() as secrets:
         return await _up(opts, grace, startup_timeout, emit, secure_bus, secrets, kvstore_disk_dir, nats_tls,
-                         nats_servers, planner, planner_port, drain_grace, advertise_host, write_join)
+                         nats_servers, planner, planner_port, drain_grace, advertise_host, write_join, planner_host)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
               secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False, nats_servers: int = 1,
               planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0,
-              advertise_host: str | None = None, write_join: Path | None = None) -> int:
+              advertise_host: str | None = None, write_join: Path | None = None, planner_host: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -435,7 +448,9 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         cluster = LocalNats.cluster(nats_servers, advertise_host or "127.0.0.1",
                                     passwords=identity_passwords(instances) if secure_bus else None,
                                     config_dir=secrets_dir, tls=nats_tls,
-                                    route_password=mesh_secret.route_password(mesh_key) if mesh_key else None)
+                                    route_password=mesh_secret.route_password(mesh_key) if mesh_key else None,
+                                    extra_users=(planner_entry(mesh_secret.process_password(mesh_key, PLANNER_USER)),)
+                                    if mesh_key and planner_host and secure_bus else ())
         for server in cluster:
             await supervisor.start(server.process())
         for server in cluster:
@@ -502,7 +517,10 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     else:
         simulated = " with SIMULATED engine workers (--engine sim)" if opts.engine == "sim" else ""
         emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health){simulated}; Ctrl-C stops it")
-        if planner is not None:
+        if planner is not None and planner_host:
+            remote = await remote_scaler(cluster[0], planner_host, mesh_key, emit)
+            running_planner = await start_planner(planner, remote, f"{base}/metrics", opts.host, planner_port, emit)
+        elif planner is not None:
             scaler = SupervisorScaler(supervisor, process_for,
                                       {"prefill": list(range(opts.prefill)), "decode": list(range(opts.decode))},
                                       {r: full[r].replicas for r in ("prefill", "decode")},
@@ -523,6 +541,26 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         emit(f"[kvmesh] {name} did not stop cleanly: {describe_exit(code)}")  # type: ignore[arg-type]
     await supervisor.stop([server.name for server in cluster], timeout=5)
     return rc or (1 if unclean else 0)
+
+
+async def remote_scaler(server: LocalNats, host: str, mesh_key: str | None, emit: Emit) -> RemoteHostScaler:
+    """The planner's connection to the bus (its own user) and the scaler of the joined host `host`."""
+    import nats
+
+    kwargs: dict = {"servers": [server.url], "name": PLANNER_USER, "max_reconnect_attempts": -1}
+    if server.passwords and mesh_key:
+        kwargs |= {"user": PLANNER_USER, "password": mesh_secret.process_password(mesh_key, PLANNER_USER),
+                   "inbox_prefix": inbox_prefix(PLANNER_USER)}
+    if server.tls:
+        import ssl
+
+        kwargs["tls"] = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(server.tls.ca))
+    scaler = RemoteHostScaler(await nats.connect(**kwargs), host, {"prefill": 0, "decode": 0})
+    try:
+        await scaler.refresh()
+    except RemoteScaleError as e:
+        emit(f"[kvmesh] planner: {e}; it scales that host once it answers")
+    return scaler
 
 
 def write_join_file(path: Path, mesh_key: str, cluster: list[LocalNats], opts: MeshOptions, secure_bus: bool) -> Path:
