@@ -14,11 +14,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import random
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -83,6 +88,48 @@ def measure(repeats: int) -> dict:
     return out
 
 
+def measure_ttft(repeats: int, workdir: Path) -> dict:
+    """TTFT of a fresh 4096-token prompt (max_tokens 1) on SmolLM2-135M through a three-host mesh: prefilled on
+    host b and its KV pushed to the decode worker on host c over TCP, then (c rejoined with local prefill
+    only) recomputed on c itself."""
+    import httpx
+    import openai
+
+    from shared.models.smollm2 import smollm2_checkpoint
+    from tests.netns_mesh import MultiHostMesh
+
+    model = smollm2_checkpoint()
+    rng = random.Random(0)
+    out: dict = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": 4096}
+    with NetnsHosts(3) as hosts:
+        m = MultiHostMesh(hosts, model, workdir)
+        m.start_first("a")
+        m.join("b", 0, 1)
+        for label, threshold in (("remote_prefill", "0"), ("local_recompute", "1000000")):
+            m.join("c", 1, 0, "--remote-prefill-threshold", threshold)
+            m.wait_ready({"decode-c_0"}, timeout=300)
+            m.wait_worker("prefill-b_0")
+            client = openai.OpenAI(base_url=f"{m.url}/v1", api_key="unused", max_retries=0, timeout=600)
+            name = client.models.list().data[0].id
+            seconds = []
+            for _ in range(repeats + 1):  # the first warms up
+                prompt = [rng.randrange(100, 40000) for _ in range(4096)]
+                t0 = time.perf_counter()
+                client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
+                seconds.append(time.perf_counter() - t0)
+            pushes = m.metric("kvmesh:kv_pushes_total", worker="prefill-b_0")
+            out[label] = {"ttft_seconds": seconds[1:], "median_ms": statistics.median(seconds[1:]) * 1e3,
+                          "prefill_worker_pushes_so_far": pushes}
+            print(f"{label}: TTFT {statistics.median(seconds[1:]) * 1e3:.0f} ms (pushes so far {pushes:.0f})",
+                  flush=True)
+            proc, _ = m.launchers.pop("c")
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            m.wait_decode_workers(lambda alive: not alive, timeout=60)
+        del httpx
+    return out
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--send":
         sender_main(sys.argv[2:])
@@ -90,10 +137,14 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ttft", action="store_true", help="also TTFT of a remote-prefilled 4k prompt vs recompute")
     a = p.parse_args()
     result = {"what": "KV of a 4096-token SmolLM2-135M prompt pushed between two network namespaces over TCP",
               "note": "CPU machine shared with other jobs; tbf shaping only (no netem in this kernel)",
-              **measure(a.repeats)}
+              "transfer": measure(a.repeats)}
+    if a.ttft:
+        with tempfile.TemporaryDirectory() as d:
+            result["ttft"] = measure_ttft(2, Path(d))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -111,6 +111,10 @@ class Host:
         self.run("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst,
                  "latency", latency)
 
+    def unshape(self) -> None:
+        subprocess.run(["tc", "qdisc", "del", "dev", self.link, "root"], capture_output=True, timeout=30)
+        subprocess.run(self.argv("tc", "qdisc", "del", "dev", "eth0", "root"), capture_output=True, timeout=30)
+
     def tcp_peers(self) -> list[tuple[str, str, str]]:
         """Established TCP connections on this host: (local address:port, peer address:port, process)."""
         out = self.run("ss", "-tnpH", "state", "established")

@@ -157,6 +157,29 @@ def test_multihost_gateway_cut_from_a_decode_hosts_nats_server(mesh) -> None:
     _no_leaks(mesh)
 
 
+def test_multihost_slow_link_to_a_decode_host(mesh) -> None:
+    """Host d's link is shaped (tbf: 2 Mbit/s, a queue of up to 200 ms; no netem in this kernel for a fixed
+    delay): its token streams and beats crawl, yet every stream completes with the undisturbed text, nobody
+    times out and nothing migrates. How the router splits the load is reported, not asserted: it weighs
+    workers by their reported load and prefix hits, not by the latency of their link."""
+    d = mesh.hosts["d"]
+    migrations = mesh.metric("kvmesh:request_migrations_total")
+    errors = mesh.metric("kvmesh:request_errors_total")
+    before = {w: mesh.metric("kvmesh:iteration_tokens_total_sum", worker=w) for w in DECODERS}
+    d.shape("2mbit", "200ms", "32kb")
+    try:
+        t0 = time.monotonic()
+        results = _under_load(mesh, lambda: None, _prompts("Slow"))
+        print(f"slow link: {time.monotonic() - t0:.1f}s; tokens by worker: "
+              f"{ {w: mesh.metric('kvmesh:iteration_tokens_total_sum', worker=w) - before[w] for w in DECODERS} }")
+    finally:
+        d.unshape()
+    _check(mesh, results)
+    assert mesh.metric("kvmesh:request_errors_total") == errors
+    assert mesh.metric("kvmesh:request_migrations_total") == migrations
+    _no_leaks(mesh)
+
+
 def test_multihost_host_lost_under_load(mesh) -> None:
     """Every process on host c (its nats-server included) is SIGKILLed mid-stream: its streams finish on d."""
     c = mesh.hosts["c"]

@@ -100,7 +100,7 @@ class LocalNats:
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
         users = [{"user": user, "password": pw, "permissions": identity_permissions(Identity.of(user))}
                  for user, pw in self.passwords.items()] + list(self.extra_users)
-        config = {"host": self.host, "port": self.port, "http": f"{self.host}:{self.http_port}",
+        config = {"host": self.host, "port": self.port, "http": f"{self.monitor_host}:{self.http_port}",
                   "max_pending": SERVER_MAX_PENDING}
         if users:
             config["authorization"] = {"users": users}
@@ -131,8 +131,14 @@ class LocalNats:
         return f"nats://{self.host}:{self.port}"
 
     @property
+    def monitor_host(self) -> str:
+        """Monitoring lists every connection and subscription: on a host's network address (a mesh over several
+        hosts) it stays on loopback, for this host's launcher only."""
+        return self.host if self.host.startswith("127.") or self.host in ("localhost", "::1") else "127.0.0.1"
+
+    @property
     def monitor_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://{self.monitor_host}:{self.http_port}"
 
     def process(self) -> ProcessSpec:
         if self.config_dir is not None or self.passwords or self.tls or self.cluster_port:
