@@ -5,6 +5,7 @@ tokens are transformers' (what a single-host mesh answers)."""
 from __future__ import annotations
 
 import stat
+import time
 
 import openai
 import pytest
@@ -30,7 +31,7 @@ def mesh(llama, tmp_path_factory):
     with NetnsHosts(3) as hosts:
         m = MultiHostMesh(hosts, llama.path, tmp_path_factory.mktemp("multihost-mesh"))
         try:
-            m.start_first("a")
+            m.start_first("a", "--nats-tls")  # the joining hosts sign their certificates with the mesh's CA
             joining = [m.join("b", 0, 1, wait=False), m.join("c", 1, 0, "--remote-prefill-threshold", "0", wait=False)]
             for lines in joining:
                 lines.wait_for(JOINED, timeout=60)
@@ -54,7 +55,10 @@ def test_multihost_prefill_on_one_host_decode_on_another(mesh, llama, hf_referen
     # The prompts were prefilled on b and their KV went to c over TCP, between the hosts' own addresses: the
     # prefill worker's connection to the decode worker's KV channel is there on c (shared memory never
     # crosses hosts, and NATS is only the fallback).
-    assert mesh.metric("kvmesh:kv_pushes_total", worker="prefill-b_0") >= 2, mesh.output()
+    deadline = time.monotonic() + 20  # the count rides on the prefill worker's next load beat
+    while mesh.metric("kvmesh:kv_pushes_total", worker="prefill-b_0") < 2:
+        assert time.monotonic() < deadline, mesh.output()
+        time.sleep(0.2)
     b, c = mesh.hosts["b"].address, mesh.hosts["c"].address
     kv_links = [(local, peer) for local, peer, proc in mesh.hosts["c"].tcp_peers()
                 if local.startswith(c + ":") and peer.startswith(b + ":") and "python" in proc]
@@ -63,4 +67,5 @@ def test_multihost_prefill_on_one_host_decode_on_another(mesh, llama, hf_referen
     text = mesh.join_file.read_text()
     assert stat.S_IMODE(mesh.join_file.stat().st_mode) == 0o600
     assert "password" not in text and mesh.hosts["a"].address in text
+    assert "one user per process, subject permissions, TLS" in mesh.output()
     assert "Violation" not in mesh.output()
