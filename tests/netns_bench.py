@@ -88,8 +88,8 @@ def measure(repeats: int) -> dict:
     return out
 
 
-def measure_ttft(repeats: int, workdir: Path) -> dict:
-    """TTFT of a fresh 4096-token prompt (max_tokens 1) on SmolLM2-135M through a three-host mesh: prefilled on
+def measure_ttft(repeats: int, workdir: Path, tokens: int = 4096) -> dict:
+    """TTFT of a fresh `tokens`-token prompt (max_tokens 1) on SmolLM2-135M through a three-host mesh: prefilled on
     host b and its KV pushed to the decode worker on host c over TCP, then (c rejoined with local prefill
     only) recomputed on c itself."""
     import httpx
@@ -100,7 +100,7 @@ def measure_ttft(repeats: int, workdir: Path) -> dict:
 
     model = smollm2_checkpoint()
     rng = random.Random(0)
-    out: dict = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": 4096}
+    out: dict = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": tokens}
     with NetnsHosts(3) as hosts:
         m = MultiHostMesh(hosts, model, workdir)
         m.start_first("a")
@@ -113,7 +113,7 @@ def measure_ttft(repeats: int, workdir: Path) -> dict:
             name = client.models.list().data[0].id
             seconds = []
             for _ in range(repeats + 1):  # the first warms up
-                prompt = [rng.randrange(100, 40000) for _ in range(4096)]
+                prompt = [rng.randrange(100, 40000) for _ in range(tokens)]
                 t0 = time.perf_counter()
                 client.completions.create(model=name, prompt=prompt, max_tokens=1, temperature=0)
                 seconds.append(time.perf_counter() - t0)
@@ -137,17 +137,23 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--json", default=None)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ttft", action="store_true", help="also TTFT of a remote-prefilled 4k prompt vs recompute")
+    p.add_argument("--ttft", action="store_true", help="also TTFT of a remote-prefilled prompt vs recompute")
+    p.add_argument("--ttft-tokens", type=int, default=4096)
+    p.add_argument("--no-transfer", action="store_true", help="keep the JSON's transfer figures, measure TTFT only")
     a = p.parse_args()
     result = {"what": "KV of a 4096-token SmolLM2-135M prompt pushed between two network namespaces over TCP",
-              "note": "CPU machine shared with other jobs; tbf shaping only (no netem in this kernel)",
-              "transfer": measure(a.repeats)}
+              "note": "CPU machine shared with other jobs; tbf shaping only (no netem in this kernel)"}
+    if a.json and a.no_transfer and Path(a.json).exists():
+        result = json.loads(Path(a.json).read_text())
+    else:
+        result["transfer"] = measure(a.repeats)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
     if a.ttft:
         with tempfile.TemporaryDirectory() as d:
-            result["ttft"] = measure_ttft(2, Path(d))
+            result["ttft"] = measure_ttft(2, Path(d), a.ttft_tokens)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+        Path(a.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
