@@ -93,7 +93,7 @@ class MultiHostMesh:
         lines = self._launch(host, letter, [
             "--host", host.address, "--port", str(GATEWAY_PORT), "--advertise-host", host.address,
             "--write-join", str(self.join_file), "--decode", "0", "--prefill", "0",
-            "--kvstore-disk-dir", "none", "--startup-timeout", "180", "--grace", "3", *extra])
+            "--kvstore-disk-dir", "none", "--startup-timeout", "420", "--grace", "3", *extra])
         lines.wait_for(r"join file ", timeout=30)
         return lines
 
@@ -107,8 +107,9 @@ class MultiHostMesh:
             lines.wait_for(JOINED, timeout=60)
         return lines
 
-    def wait_ready(self, decode_workers: set[str], timeout: float = 180.0) -> None:
-        """Until the gateway answers /health with at least these decode workers alive."""
+    def wait_ready(self, decode_workers: set[str], timeout: float = 420.0) -> None:
+        """Until the gateway answers /health with at least these decode workers alive. The bound is generous: a
+        worker's first start on a machine may build the C++ CPU kernels, minutes on a busy 2-core machine."""
         self.launchers[self.first][1].wait_for(READY, timeout=timeout)
         self.wait_decode_workers(lambda alive: decode_workers <= alive, timeout)
 
@@ -129,7 +130,7 @@ class MultiHostMesh:
         raise AssertionError(f"decode workers alive: {sorted(alive)}; first host's output:\n"
                              + "\n".join(self.launchers[self.first][1].lines[-40:]))
 
-    def wait_worker(self, worker: str, timeout: float = 120.0) -> None:
+    def wait_worker(self, worker: str, timeout: float = 300.0) -> None:
         """Until the gateway has heard the worker's load beats (its series are in /metrics)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -56,8 +56,8 @@ def joined_specs(opts: MeshOptions, join: JoinFile, counts: dict[str, int], tag:
 
 
 def instance(spec: ServiceSpec, index: int) -> ProcessSpec:
-    return ProcessSpec(spec.instance_name(index), (sys.executable, "-m", spec.module, *spec.args,
-                                                   *spec.instance_args(index)), {**spec.env, **spec.instance_env(index)})
+    argv = (sys.executable, "-m", spec.module, *spec.args, *spec.instance_args(index))
+    return ProcessSpec(spec.instance_name(index), argv, {**spec.env, **spec.instance_env(index)})
 
 
 def joined_services(opts: MeshOptions, join: JoinFile, prefill: int, decode: int, tag: str) -> list[ProcessSpec]:

@@ -81,7 +81,8 @@ class MeshOptions:
     def __post_init__(self) -> None:
         for name in SERVICES:
             assert self.replicas(name) >= 0, f"--{name} must be >= 0"
-        assert self.tokenizer >= 1 and (self.decode >= 1 or self.remote_workers), "the mesh needs at least one tokenizer and one decode worker"
+        assert self.tokenizer >= 1 and (self.decode >= 1 or self.remote_workers), \
+            "the mesh needs at least one tokenizer and one decode worker"
         assert self.remote_prefill_threshold is None or self.remote_prefill_threshold >= 0
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
