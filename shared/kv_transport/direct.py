@@ -53,6 +53,20 @@ class DirectSettings:
     max_connections: int = 64
 
 
+def same_host(address: str) -> bool:
+    """Whether an IP address is this host's own (loopback, or bound to one of this network namespace's
+    interfaces): only then may a peer share memory with us. A peer on another host, or in another network
+    namespace on the same kernel (which still sees the same /dev/shm), gets TCP: separate hosts never share
+    memory, so a mesh spread over hosts moves KV the same way in tests as in production."""
+    try:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     u = urlsplit(endpoint)
     if u.scheme != "tcp" or not u.hostname or not u.port:
@@ -160,7 +174,7 @@ class DirectServer:
                 raise FrameError("no hello in time") from None
             if hello["op"] != "hello":
                 raise FrameError("expected hello")
-            if hello.get("shm"):
+            if hello.get("shm") and same_host(_peer_address(sock)):
                 try:
                     ring = shm_ring.ShmView(hello["shm"], hello["nonce"], hello["slots"], hello["slot_bytes"])
                 except (OSError, ValueError, TypeError, KeyError) as e:
@@ -249,6 +263,13 @@ class DirectServer:
 # --------------------------------------------------------------------------- sending (prefill side)
 
 
+def _peer_address(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return ""
+
+
 def _copy_into(dst: memoryview, src: torch.Tensor) -> None:
     """One plain memcpy (strided if it must) of a CPU tensor's bytes into shared memory. Not torch's
     copy_: that one fans out over the intra-op threads, which on a loaded host fight the receiver (and
@@ -330,7 +351,7 @@ class DirectSender:
             raise DirectUnavailable(f"cannot reach {endpoint}: {str(e) or type(e).__name__}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ring = None
-        if s.shared_memory and shm_ring.available():
+        if s.shared_memory and shm_ring.available() and same_host(addr[0]):
             try:
                 ring = shm_ring.ShmRing(s.slots, s.frame_bytes)
             except OSError as e:

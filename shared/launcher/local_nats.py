@@ -53,6 +53,9 @@ class LocalNats:
     route_password: str = field(default="", repr=False)
     # user -> the models' subject namespaces it may use (shared/subjects.py); absent: the first model's only.
     namespaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Bus users that are no service's identity, as nats-server user entries: a joined host's agent and the
+    # planner that asks it to scale (shared/launcher/host_agent.py).
+    extra_users: tuple[dict, ...] = field(default=(), repr=False)
 
     @classmethod
     def on_free_ports(cls, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
@@ -62,24 +65,36 @@ class LocalNats:
     @classmethod
     def cluster(cls, size: int, host: str = "127.0.0.1", passwords: dict[str, str] | None = None,
                 config_dir: Path | None = None, tls: bool = False, monitor: bool = False,
-                namespaces: dict[str, tuple[str, ...]] | None = None) -> list[LocalNats]:
+                namespaces: dict[str, tuple[str, ...]] | None = None, *, route_password: str | None = None,
+                seed_routes: tuple[str, ...] = (), tls_files: TlsFiles | None = None,
+                extra_users: tuple[dict, ...] = ()) -> list[LocalNats]:
         """`size` servers routed to each other (size 1: one plain server named "nats"), sharing the
         users, passwords and TLS certificate, so a client may connect to any of them. monitor: each also
-        serves nats-server's (unauthenticated) monitoring pages on a port of its own."""
+        serves nats-server's (unauthenticated) monitoring pages on a port of its own.
+
+        A mesh spread over hosts (shared/launcher/join_file.py) gives the cluster's route password, derived
+        from the mesh secret on every host: then even one server listens for routes, and `seed_routes`
+        (another host's servers, nats-route://host:port) are routed to as well. `tls_files`: a certificate
+        made elsewhere (a joining host's, signed by the mesh's CA) instead of a throwaway one."""
         assert size >= 1, "at least one nats-server"
-        files = make_tls(config_dir, host) if tls else None
+        files = tls_files or (make_tls(config_dir, host) if tls else None)
 
         def http() -> int:
             return free_port(host) if monitor else 0
-        if size == 1:
+        if size == 1 and route_password is None:
             return [cls(host, free_port(host), http(), passwords or {}, config_dir, files,
-                        namespaces=namespaces or {})]
+                        namespaces=namespaces or {}, extra_users=extra_users)]
         cluster_ports = [free_port(host) for _ in range(size)]
-        route_password = secrets.token_urlsafe(24)
+        route_password = route_password or secrets.token_urlsafe(24)
         return [cls(host, free_port(host), http(), passwords or {}, config_dir, files, port,
-                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port), f"{NAME}-{i}",
-                    route_password, namespaces or {})
+                    tuple(f"nats-route://{host}:{p}" for p in cluster_ports if p != port) + tuple(seed_routes),
+                    f"{NAME}-{i}" if size > 1 else NAME, route_password, namespaces or {}, extra_users)
                 for i, port in enumerate(cluster_ports)]
+
+    @property
+    def route_url(self) -> str:
+        """Where other servers route to this one (no credentials: each holds the route password itself)."""
+        return f"nats-route://{self.host}:{self.cluster_port}"
 
     def role_env(self, user: str) -> dict[str, str]:
         """What the process of identity `user` needs to connect (nothing for an open server without TLS)."""
@@ -94,10 +109,10 @@ class LocalNats:
         assert self.config_dir is not None, "config_dir is needed for a locked-down server"
         users = [{"user": user, "password": pw, "permissions": identity_permissions(
                      replace(Identity.of(user), namespaces=self.namespaces.get(user, ("",))))}
-                 for user, pw in self.passwords.items()]
+                 for user, pw in self.passwords.items()] + list(self.extra_users)
         config: dict = {"host": self.host, "port": self.port, "max_pending": SERVER_MAX_PENDING}
         if self.http_port:
-            config["http"] = f"{self.host}:{self.http_port}"
+            config["http"] = f"{self.monitor_host}:{self.http_port}"
         if users:
             config["authorization"] = {"users": users}
         if self.tls:
@@ -127,9 +142,15 @@ class LocalNats:
         return f"nats://{self.host}:{self.port}"
 
     @property
+    def monitor_host(self) -> str:
+        """Monitoring lists every connection and subscription: on a host's network address (a mesh over several
+        hosts) it stays on loopback, for this host's launcher only."""
+        return self.host if self.host.startswith("127.") or self.host in ("localhost", "::1") else "127.0.0.1"
+
+    @property
     def monitor_url(self) -> str:
         """The monitoring pages' URL; "" when monitoring is off."""
-        return f"http://{self.host}:{self.http_port}" if self.http_port else ""
+        return f"http://{self.monitor_host}:{self.http_port}" if self.http_port else ""
 
     def process(self) -> ProcessSpec:
         if self.config_dir is not None or self.passwords or self.tls or self.cluster_port:

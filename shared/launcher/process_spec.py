@@ -105,11 +105,15 @@ class MeshOptions:
     # The mesh's other models (`kvmesh up --model A --model B`): the fields above from `model` to `max_model_len`
     # are the first model's; every engine and gateway flag applies to all of them.
     more_models: tuple[ModelServing, ...] = ()
+    # Other hosts join this mesh with their workers (`kvmesh up --write-join`): it may start with no decode
+    # worker of its own.
+    remote_workers: bool = False
 
     def __post_init__(self) -> None:
         for name in SERVICES:
             assert self.replicas(name) >= 0, f"--{name} must be >= 0"
-        assert self.tokenizer >= 1 and self.decode >= 1, "the mesh needs at least one tokenizer and one decode worker"
+        assert self.tokenizer >= 1 and (self.decode >= 1 or self.remote_workers), \
+            "the mesh needs at least one tokenizer and one decode worker"
         assert self.remote_prefill_threshold is None or self.remote_prefill_threshold >= 0
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
@@ -252,13 +256,17 @@ class ServiceSpec:
     # worker ids and bus identities, stay unique in the mesh: `decode-2` may be the second model's first).
     first_index: int = 0
     model_index: int = 0  # which of the mesh's models it serves (MeshOptions.models order)
+    # A host that joined a mesh (shared/launcher/join.py) tags its instances `<service>-<tag>_<n>`: names
+    # (bus users, worker ids) stay unique across hosts, and the role is still the part before the last "-".
+    host_tag: str = ""
 
     @property
     def module(self) -> str:
         return service_module(self.service)
 
     def instance_name(self, index: int) -> str:
-        return f"{self.service}-{self.first_index + index}"
+        name = f"{self.service}-{self.first_index + index}"
+        return f"{self.service}-{self.host_tag}_{self.first_index + index}" if self.host_tag else name
 
     def instance_args(self, index: int) -> tuple[str, ...]:
         # Decode workers are addressed by id (per-worker subjects, router affinity) and every engine
@@ -267,13 +275,13 @@ class ServiceSpec:
         args: tuple[str, ...] = ()
         if self.service in ("decode", "prefill"):
             args = ("--worker-id", self.instance_name(index))
-        where = self.placement.get(self.instance_name(index))
+        where = self.placement.get(f"{self.service}-{index}")  # placement() names this host's workers untagged
         if where is not None:
             args += ("--gpu-memory-utilization", f"{where.gpu_memory_utilization:g}")
         return args
 
     def instance_env(self, index: int) -> dict[str, str]:
-        where = self.placement.get(self.instance_name(index))
+        where = self.placement.get(f"{self.service}-{index}")
         return {"CUDA_VISIBLE_DEVICES": where.device} if where is not None else {}
 
     def processes(self, python: str, env: Mapping[str, str]) -> list[ProcessSpec]:

@@ -24,6 +24,12 @@ from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_fro
                                      plan_mesh, plan_models, worker_needs)
 from shared.launcher.cpu_layout import cpu_default_layout
 from shared.launcher.gpus import parse_devices
+from shared.launcher import mesh_secret
+from shared.bus.roles import inbox_prefix
+from shared.launcher.host_agent import planner_entry
+from shared.launcher.join import host_tag
+from shared.launcher.join_file import JoinFile
+from shared.planner.remote_scaler import PLANNER_USER, RemoteHostScaler, RemoteScaleError
 from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.launcher.model_flags import COUNT_ROLES, ModelFlagError, served_models
 from shared.launcher.readiness import wait_healthy
@@ -183,6 +189,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-grace", type=float, default=5.0, metavar="S",
                         help="planner: seconds a removed worker may finish its requests before the rest move to "
                              "other workers (default 5)")
+    parser.add_argument("--advertise-host", default=None, metavar="ADDR",
+                        help="a mesh over several hosts: the address other hosts reach this one at; the local "
+                             "nats-server (clients and routes) and the decode workers' KV channel listen there")
+    parser.add_argument("--write-join", default=None, metavar="FILE",
+                        help="first host of a multi-host mesh: write the join file (route URLs, CA, mesh secret; "
+                             "readable by you only) other hosts join with; needs --advertise-host")
+    parser.add_argument("--join", default=None, metavar="FILE",
+                        help="join the mesh another host started with --write-join: run only this host's "
+                             "--prefill/--decode workers (default 0/1) and a nats-server routed into the mesh")
+    parser.add_argument("--planner-host", default=None, metavar="NAME",
+                        help="--planner with --write-join: scale the workers of the joined host of this --host-name "
+                             "(its launcher starts and drains them) instead of this host's")
+    parser.add_argument("--host-name", default=None, metavar="NAME",
+                        help="--join: this host's tag in its worker names (default: the hostname)")
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -224,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
+            remote_workers=bool(args.write_join or args.join),
         )
         opts = opts.with_models(tuple(replace(m, max_model_len=args.max_model_len) for m in opts.models))
     except (AssertionError, ConfigError, ModelFlagError) as e:
@@ -251,6 +272,13 @@ def run(args: argparse.Namespace) -> int:
         print("kvmesh up: cannot start the mesh, service module(s) missing: "
               + ", ".join(f"services.{m} (services/{m}/__main__.py)" for m in missing), file=sys.stderr)
         return 2
+    if args.join or args.write_join:
+        problem = _multi_host_problem(args)
+        if problem:
+            print(f"kvmesh up: {problem}", file=sys.stderr)
+            return 2
+    if args.join:
+        return _run_joined(args, opts, model)
     if not args.dry_run and not _port_free(opts.host, opts.port):
         # Else the gateway would crash-loop, and whatever holds the port might even answer /health.
         print(f"kvmesh up: {opts.host}:{opts.port} is in use; pick another port with --port", file=sys.stderr)
@@ -275,9 +303,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvmesh up: {e}", file=sys.stderr)
             return 2
         lim = planner.limits
-        opts = opts.with_models(tuple(
-            replace(m, prefill=min(lim["prefill"].max, max(lim["prefill"].min, m.prefill)),
-                    decode=min(lim["decode"].max, max(lim["decode"].min, m.decode))) for m in opts.models))
+        if not args.planner_host:  # with --planner-host the limits are the other host's: this host keeps its own
+            opts = opts.with_models(tuple(
+                replace(m, prefill=min(lim["prefill"].max, max(lim["prefill"].min, m.prefill)),
+                        decode=min(lim["decode"].max, max(lim["decode"].min, m.decode))) for m in opts.models))
         if opts.total("prefill") == 0 and opts.remote_prefill_threshold is None:
             # Prefill workers may come later: decode must keep asking for them (it prefills locally meanwhile).
             opts = replace(opts, remote_prefill_threshold=planner.remote_prefill_threshold)
@@ -332,7 +361,49 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(up(opts, grace=args.grace, startup_timeout=args.startup_timeout, secure_bus=not args.insecure_bus,
                           kvstore_disk_dir=disk, nats_tls=args.nats_tls, nats_servers=args.nats_servers,
                           nats_monitor=args.nats_monitor,
-                          planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace))
+                          planner=planner, planner_port=args.planner_port, drain_grace=args.drain_grace,
+                          advertise_host=args.advertise_host,
+                          write_join=Path(args.write_join) if args.write_join else None,
+                          planner_host=host_tag(args.planner_host) if args.planner_host else None))
+
+
+def _multi_host_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the multi-host flags (--join, --write-join), or None."""
+    if args.join and args.write_join:
+        return "--join and --write-join exclude each other (a host either starts the mesh or joins it)"
+    if os.environ.get("NATS_URL"):
+        return "--join/--write-join run this host's own nats-server: unset NATS_URL"
+    if args.write_join and not args.advertise_host:
+        return "--write-join needs --advertise-host (the address the other hosts reach this one at)"
+    if args.join and args.planner:
+        return "--planner runs on the host that started the mesh, not on a joined one"
+    if args.planner_host and not (args.planner and args.write_join):
+        return "--planner-host needs --planner and --write-join (the planner scales a host that joined this mesh)"
+    return None
+
+
+def _run_joined(args: argparse.Namespace, opts: MeshOptions, model: Path) -> int:
+    from shared.launcher.join import host_tag, run_joined
+    from shared.launcher.join_file import JoinFile, JoinFileError
+    from shared.launcher.mesh_addr import address_towards
+
+    try:
+        join = JoinFile.read(Path(args.join))
+    except JoinFileError as e:
+        print(f"kvmesh up: {e}", file=sys.stderr)
+        return 2
+    if not (model / "config.json").is_file():
+        print(f"kvmesh up: {model} is not a model directory (no config.json): every host needs the model",
+              file=sys.stderr)
+        return 2
+    prefill = args.prefill or 0
+    decode = 1 if args.decode is None else args.decode
+    if prefill < 0 or decode < 0 or prefill + decode == 0:
+        print("kvmesh up: --join needs some workers to run (--prefill N and/or --decode M)", file=sys.stderr)
+        return 2
+    advertise = args.advertise_host or address_towards(join.routes[0])
+    return asyncio.run(run_joined(opts, join, advertise, host_tag(args.host_name), prefill, decode, args.grace,
+                                  args.nats_servers, most={"prefill": args.prefill_max, "decode": args.decode_max}))
 
 
 def planner_config(args: argparse.Namespace, opts: MeshOptions) -> PlannerConfig:
@@ -406,16 +477,19 @@ def missing_services() -> list[str]:
 async def up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit = print_line,
              secure_bus: bool = True, kvstore_disk_dir: str | None = None, nats_tls: bool = False,
              nats_servers: int = 1, planner: PlannerConfig | None = None, planner_port: int = 0,
-             drain_grace: float = 5.0, nats_monitor: bool = False) -> int:
+             drain_grace: float = 5.0, nats_monitor: bool = False, advertise_host: str | None = None,
+             write_join: Path | None = None, planner_host: str | None = None) -> int:
     with secrets_dir() as secrets:
         return await _up(opts, grace, startup_timeout, emit, secure_bus, secrets, kvstore_disk_dir, nats_tls,
-                         nats_servers, planner, planner_port, drain_grace, nats_monitor)
+                         nats_servers, planner, planner_port, drain_grace, nats_monitor, advertise_host, write_join,
+                         planner_host)
 
 
 async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, emit: Emit, secure_bus: bool,
               secrets_dir: Path, kvstore_disk_dir: str | None, nats_tls: bool = False, nats_servers: int = 1,
               planner: PlannerConfig | None = None, planner_port: int = 0, drain_grace: float = 5.0,
-              nats_monitor: bool = False) -> int:
+              nats_monitor: bool = False, advertise_host: str | None = None, write_join: Path | None = None,
+              planner_host: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -437,9 +511,13 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     # The mesh's secret: folded into every block hash, so blocks cannot be planted for a predicted prompt.
     # Only the engine workers hash blocks; the kvstore keeps them by hash and the gateway routes with the
     # hash root the workers' beats carry, so no other service gets it.
-    # A salt given in the environment (the user's own secret) keeps the disk tier's records usable across runs.
+    # Other hosts join with a file holding the mesh secret, from which every host derives the route password,
+    # its own processes' passwords and the salt (shared/launcher/mesh_secret.py). Otherwise a salt given in the
+    # environment (the user's own secret) keeps the disk tier's records usable across runs.
+    mesh_key = mesh_secret.new_secret() if write_join else None
+    base_salt = mesh_secret.cache_salt(mesh_key) if mesh_key else os.environ.get("KVMESH_CACHE_SALT")
     # Each model its own: no block of one model ever matches another's.
-    cache_salts = model_salts(os.environ.get("KVMESH_CACHE_SALT"), len(opts.models))
+    cache_salts = model_salts(base_salt, len(opts.models))
     env: dict[str, str] = {}
     if grace is not None:
         env["KVMESH_GRACE_S"] = str(grace)  # the services read their --grace default from it
@@ -462,9 +540,13 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     instances = [spec.instance_name(i) for spec in specs
                  for i in range(full.get((spec.service, spec.model_index), spec).replicas)]
     if not nats_url:
-        cluster = LocalNats.cluster(nats_servers, passwords=identity_passwords(instances) if secure_bus else None,
+        cluster = LocalNats.cluster(nats_servers, advertise_host or "127.0.0.1",
+                                    passwords=identity_passwords(instances) if secure_bus else None,
                                     config_dir=secrets_dir, tls=nats_tls, monitor=nats_monitor,
-                                    namespaces=bus_namespaces(specs, full, len(opts.models)))
+                                    namespaces=bus_namespaces(specs, full, len(opts.models)),
+                                    route_password=mesh_secret.route_password(mesh_key) if mesh_key else None,
+                                    extra_users=(planner_entry(mesh_secret.process_password(mesh_key, PLANNER_USER)),)
+                                    if mesh_key and planner_host and secure_bus else ())
         for server in cluster:
             await supervisor.start(server.process())
         for server in cluster:
@@ -478,7 +560,13 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         for server in cluster:
             emit(f"[kvmesh] {server.name} at {server.url} (monitoring {server.monitor_url or 'off'}; {access})")
         nats_url = ",".join(server.url for server in cluster)
+        if mesh_key and write_join:
+            write_join_file(write_join, mesh_key, cluster, opts, secure_bus)
+            emit(f"[kvmesh] join file {write_join}: other hosts join with `kvmesh up --join {write_join.name} "
+                 f"--advertise-host THEIR_ADDR --decode N` (it holds the mesh secret: copy it as one)")
     env["NATS_URL"] = nats_url
+    if advertise_host:
+        env["KVMESH_KV_HOST"] = advertise_host  # other hosts' prefill workers push KV to this address
 
     def service_env(service: str, model_index: int = 0) -> dict[str, str]:
         extra = {"KVMESH_CACHE_SALT": cache_salts[model_index]} if service in ENGINE_SERVICES else {}
@@ -526,7 +614,11 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     else:
         simulated = " with SIMULATED engine workers (--engine sim)" if opts.engine == "sim" else ""
         emit(f"[kvmesh] {READY} {base}/v1 (health {base}/health){simulated}; Ctrl-C stops it")
-        for k, m in enumerate(opts.models if planner is not None else ()):
+        if planner is not None and planner_host:
+            remote = await remote_scaler(cluster[0], planner_host, mesh_key, emit)
+            running_planners.append(await start_planner(planner, remote, f"{base}/metrics", opts.host, planner_port,
+                                                        emit))
+        for k, m in enumerate(opts.models if planner is not None and not planner_host else ()):
             # One planner per model: it reads that model's series and scales that model's workers.
             scaler = SupervisorScaler(supervisor, partial(process_for, model_index=k),
                                       {"prefill": list(range(m.prefill)), "decode": list(range(m.decode))},
@@ -566,6 +658,33 @@ def bus_namespaces(specs: list[ServiceSpec], full: dict[tuple[str, int], Service
             elif spec.service in MODEL_SERVICES:
                 out[spec.instance_name(i)] = (model_namespace(spec.model_index),)
     return out
+
+
+async def remote_scaler(server: LocalNats, host: str, mesh_key: str | None, emit: Emit) -> RemoteHostScaler:
+    """The planner's connection to the bus (its own user) and the scaler of the joined host `host`."""
+    import nats
+
+    kwargs: dict = {"servers": [server.url], "name": PLANNER_USER, "max_reconnect_attempts": -1}
+    if server.passwords and mesh_key:
+        kwargs |= {"user": PLANNER_USER, "password": mesh_secret.process_password(mesh_key, PLANNER_USER),
+                   "inbox_prefix": inbox_prefix(PLANNER_USER)}
+    if server.tls:
+        import ssl
+
+        kwargs["tls"] = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(server.tls.ca))
+    scaler = RemoteHostScaler(await nats.connect(**kwargs), host, {"prefill": 0, "decode": 0})
+    try:
+        await scaler.refresh()
+    except RemoteScaleError as e:
+        emit(f"[kvmesh] planner: {e}; it scales that host once it answers")
+    return scaler
+
+
+def write_join_file(path: Path, mesh_key: str, cluster: list[LocalNats], opts: MeshOptions, secure_bus: bool) -> Path:
+    tls = cluster[0].tls
+    return JoinFile(mesh_key, tuple(s.route_url for s in cluster), secure_bus,
+                    tls.ca.read_text() if tls else None, (tls.ca.parent / "ca.key").read_text() if tls else None,
+                    opts.served_model_name, opts.kvstore > 0, opts.prefill).write(path)
 
 
 def _bus_env(server: LocalNats, proc: ProcessSpec) -> dict[str, str]:
