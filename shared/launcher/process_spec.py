@@ -42,7 +42,7 @@ class ModelServing:
 
     def __post_init__(self) -> None:
         assert self.prefill >= 0, "--prefill must be >= 0"
-        assert self.tokenizer >= 1 and self.decode >= 1, "each model needs at least one tokenizer and one decode worker"
+        assert self.tokenizer >= 1 and self.decode >= 0, "each model needs a tokenizer; --decode must be >= 0"
         assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
 
     @property
@@ -114,6 +114,8 @@ class MeshOptions:
             assert self.replicas(name) >= 0, f"--{name} must be >= 0"
         assert self.tokenizer >= 1 and (self.decode >= 1 or self.remote_workers), \
             "the mesh needs at least one tokenizer and one decode worker"
+        # Decode workers on other hosts (a join file) serve only the first model.
+        assert all(m.decode >= 1 for m in self.more_models), "each model needs at least one decode worker"
         assert self.remote_prefill_threshold is None or self.remote_prefill_threshold >= 0
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"

@@ -396,8 +396,12 @@ def _run_joined(args: argparse.Namespace, opts: MeshOptions, model: Path) -> int
         print(f"kvmesh up: {model} is not a model directory (no config.json): every host needs the model",
               file=sys.stderr)
         return 2
-    prefill = args.prefill or 0
-    decode = 1 if args.decode is None else args.decode
+    try:  # a joined host runs workers of the mesh's one model: plain counts
+        prefill = int(args.prefill or 0)
+        decode = 1 if args.decode is None else int(args.decode)
+    except ValueError:
+        print("kvmesh up: --join takes plain worker counts (--prefill N --decode M)", file=sys.stderr)
+        return 2
     if prefill < 0 or decode < 0 or prefill + decode == 0:
         print("kvmesh up: --join needs some workers to run (--prefill N and/or --decode M)", file=sys.stderr)
         return 2
