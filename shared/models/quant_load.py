@@ -212,7 +212,10 @@ def load_quantized_linears(model: nn.Module, cfg: ModelConfig, qplan: QuantPlan,
             for proj, split in parts:
                 prefix = f"model.layers.{i}.{proj}"
                 k, n = _dims(cfg, proj)
-                got.append(_share(_read(handles, where, prefix, quant, kinds[prefix]), split, k, n, shard))
+                try:
+                    got.append(_share(_read(handles, where, prefix, quant, kinds[prefix]), split, k, n, shard))
+                except ValueError as e:
+                    raise CheckpointError(files[0].parent, prefix, f"tensor-parallel rank {shard.rank}: {e}") from None
             what = f"model.layers.{i}.{parent_name}.{attr}"
             row_parallel = shard is not None and parts[0][1] == "cols"
             if isinstance(got[0], torch.Tensor):  # unquantized in the checkpoint: the plain linear, weights restored

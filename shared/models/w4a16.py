@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.w4a16_gemm import pack_rows, unpack_rows, w4a16_dequantize, w4a16_gemm
+from kernels.w4a16_gemm import BLOCK_K, pack_rows, unpack_rows, w4a16_dequantize, w4a16_gemm
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its eight
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of the eight is nibble AWQ_REVERSE_ORDER[j]
@@ -70,6 +70,9 @@ class W4Weights:
 
     def rows(self, start: int, stop: int) -> W4Weights:
         """Input rows [start, stop) of the checkpoint's order (a row-parallel rank's share)."""
+        if (stop - start) % BLOCK_K:
+            raise ValueError(f"a share of {stop - start} input rows is not a multiple of {BLOCK_K} (the 4-bit "
+                             "kernel's K tile)")
         if self.perm is None and self.g_idx is None and start % self.group == 0 and stop % self.group == 0:
             g0, g1 = start // self.group, stop // self.group
             return replace(self, qweight=self.qweight[start // 8 : stop // 8].contiguous(),
