@@ -270,8 +270,9 @@ def quantize_w4_model(model: nn.Module, group: int) -> int:
     from shared.models.tp.row_linear import RowParallelLinear
 
     def one(linear: nn.Module) -> nn.Module:
+        g = group if linear.weight.shape[1] % group == 0 else 32  # a width the group does not divide
         if isinstance(linear, RowParallelLinear):
-            return RowParallelQuant(w4a16.W4A16Linear(quantize_w4(linear.weight, group), None), linear.tp, linear.bias)
-        return w4a16.W4A16Linear(quantize_w4(linear.weight, group), linear.bias)
+            return RowParallelQuant(w4a16.W4A16Linear(quantize_w4(linear.weight, g), None), linear.tp, linear.bias)
+        return w4a16.W4A16Linear(quantize_w4(linear.weight, g), linear.bias)
 
     return quantize_layers(model, one)
