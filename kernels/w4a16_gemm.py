@@ -114,11 +114,12 @@ if triton is not None:
                  mask=m_mask[:, None] & n_mask[None, :])
 
 
-def w4a16_tiles(m: int, n: int, k: int, sms: int = 132) -> tuple[int, int, int]:
+def w4a16_tiles(m: int, n: int, k: int, sms: int = 132, g_idx: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, SPLIT_K) for an M x N x K product: small M splits K until the grid covers the SMs
-    about twice (K stays a multiple of SPLIT_K * BLOCK_K)."""
+    about twice (K stays a multiple of SPLIT_K * BLOCK_K). A per-row group index loads [BLOCK_K, BLOCK_N] scales
+    and zeros: its large tiles stay 64 columns wide (128 spilled on sm_80)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 32 else 128
+    block_n = 64 if m <= 32 or g_idx else 128
     tiles = -(-m // block_m) * -(-n // block_n)
     split = 1
     while split < 16 and tiles * split < 2 * sms and k % (2 * split * BLOCK_K) == 0:
@@ -133,7 +134,7 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, k = x.shape
     n = qweight.shape[1]
-    block_m, block_n, split = tiles or w4a16_tiles(m, n, k)
+    block_m, block_n, split = tiles or w4a16_tiles(m, n, k, g_idx=g_idx is not None)
     assert k % (split * BLOCK_K) == 0, f"K = {k} does not split {split} ways into {BLOCK_K}-row tiles"
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     if m:

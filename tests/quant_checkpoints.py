@@ -164,7 +164,10 @@ def write_quantized(src: Path, out: Path, method: str, quantization_config: dict
 
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
+    index = src / "model.safetensors.index.json"
+    files = sorted({src / n for n in json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
+        else [src / "model.safetensors"]
+    for f in files:
         with safe_open(str(f), framework="pt") as h:
             for name in h.keys():
                 tensors[name] = h.get_tensor(name)
