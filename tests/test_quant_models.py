@@ -284,20 +284,28 @@ def test_the_gpu_plan_counts_quantized_weights_at_their_size(ckpts, tmp_path) ->
     assert bf16 - w4 == layers * (2 * linear - (linear // 2 + 3 * (outputs + h)))
 
 
-@pytest.mark.slow  # ~50 s on 2 busy cores: two follower processes
-def test_tp2_gptq_act_order_equals_tp1(ckpts, tmp_path) -> None:
-    """Row-parallel o/down under act order: each rank keeps its rows (sorted by group, cutting groups where its
-    share does) and the whole scales; column-parallel q/k/v and gate/up their columns."""
+@pytest.mark.slow  # ~50 s a case on 2 busy cores: two follower processes
+@pytest.mark.parametrize("method", ["gptq", "fp8"])
+def test_tp2_quantized_checkpoint_equals_tp1(ckpts, tmp_path, method) -> None:
+    """Row-parallel o/down: each rank keeps its rows (GPTQ act order: sorted by group, cutting groups where its
+    share does, with the whole scales; FP8: its input columns, the row scales whole); column-parallel q/k/v and
+    gate/up their output rows with their scales."""
     ckpt = ckpts["llama"]
-    path = qc.write_quantized(ckpt.path, tmp_path / "gptq", "gptq", qc.gptq_config(32, sym=False, desc_act=True),
-                              group=32, sym=False, desc_act=True)
+    if method == "gptq":
+        path = qc.write_quantized(ckpt.path, tmp_path / "q", "gptq", qc.gptq_config(32, sym=False, desc_act=True),
+                                  group=32, sym=False, desc_act=True)
+    else:
+        path = qc.write_quantized(ckpt.path, tmp_path / "q", "fp8", qc.fp8_config(static=True),
+                                  absmax=qc.input_absmax(ckpt.hf_model, PROMPTS))
     tp1 = _engine(path)
     tp2 = _engine(path, tensor_parallel_size=2)
     try:
         down = tp2.model.layers[0].mlp.down_proj
-        assert isinstance(down.local, W4A16Linear)
+        assert isinstance(down.local, W4A16Linear if method == "gptq" else Fp8Linear)
         whole = tp1.model.layers[0].mlp.down_proj.dequantized()
         assert torch.equal(down.dequantized(), whole[:, : whole.shape[1] // 2])
+        qkv, whole_qkv = tp2.model.layers[0].self_attn.qkv_proj.dequantized(), tp1.model.layers[0].self_attn.qkv_proj
+        assert torch.equal(qkv[:32], whole_qkv.dequantized()[:32])  # rank 0's two query heads of 16
         ours = _logprobs(tp2)
     finally:
         tp2.shutdown()
