@@ -143,10 +143,12 @@ class RowParallelQuant(nn.Module):
         return self.local.dequantized()
 
 
-def _read(handles: dict, where: dict[str, _Meta], prefix: str, quant: CheckpointQuant, kind: str):  # noqa: ANN202
+def _read(handles: dict, where: dict[str, _Meta], prefix: str, quant: CheckpointQuant, kind: str,
+          device: str):  # noqa: ANN202
     def get(suffix: str) -> torch.Tensor | None:  # a projection's tensors may sit in different shards
         meta = where.get(f"{prefix}.{suffix}")
-        return None if meta is None else handles[meta.path].get_tensor(f"{prefix}.{suffix}")
+        # repacked where they are served: on a GPU the unpacking and sorting run there, not on the host
+        return None if meta is None else handles[meta.path].get_tensor(f"{prefix}.{suffix}").to(device)
 
     if kind == "dense":
         return get("weight")
@@ -213,7 +215,7 @@ def load_quantized_linears(model: nn.Module, cfg: ModelConfig, qplan: QuantPlan,
                 prefix = f"model.layers.{i}.{proj}"
                 k, n = _dims(cfg, proj)
                 try:
-                    got.append(_share(_read(handles, where, prefix, quant, kinds[prefix]), split, k, n, shard))
+                    got.append(_share(_read(handles, where, prefix, quant, kinds[prefix], device), split, k, n, shard))
                 except ValueError as e:
                     raise CheckpointError(files[0].parent, prefix, f"tensor-parallel rank {shard.rank}: {e}") from None
             what = f"model.layers.{i}.{parent_name}.{attr}"

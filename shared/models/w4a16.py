@@ -30,7 +30,7 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of the eight is nibble 
 
 def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """int32 [R, C / 8] -> int32 [R, C]: column 8c + j is nibble order[j] of word c."""
-    shifts = torch.tensor([4 * i for i in order], dtype=torch.int32)
+    shifts = torch.tensor([4 * i for i in order], dtype=torch.int32, device=packed.device)
     vals = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
     return vals.reshape(packed.shape[0], -1)
 
@@ -77,8 +77,9 @@ class W4Weights:
             g0, g1 = start // self.group, stop // self.group
             return replace(self, qweight=self.qweight[start // 8 : stop // 8].contiguous(),
                            scales=self.scales[g0:g1].contiguous(), zeros=self.zeros[g0:g1].contiguous())
-        perm = self.perm if self.perm is not None else torch.arange(self.k)
-        groups = self.g_idx.long() if self.g_idx is not None else torch.arange(self.k) // self.group
+        dev = self.qweight.device
+        perm = self.perm if self.perm is not None else torch.arange(self.k, device=dev)
+        groups = self.g_idx.long() if self.g_idx is not None else torch.arange(self.k, device=dev) // self.group
         keep = (perm >= start) & (perm < stop)  # the rows stay sorted by group
         q = unpack_rows(self.qweight)[keep]
         return W4Weights(pack_rows(q), self.scales, self.zeros, self.group, groups[keep].to(torch.int32),
@@ -88,14 +89,14 @@ class W4Weights:
 def _normal_form(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  g_idx: torch.Tensor | None) -> W4Weights:
     """q int [K, N] in the checkpoint's row order -> the layout: trivial g_idx dropped, act-order rows sorted."""
-    k = q.shape[0]
-    if g_idx is not None and torch.equal(g_idx.long(), torch.arange(k) // group):
+    k, dev = q.shape[0], q.device
+    if g_idx is not None and torch.equal(g_idx.long(), torch.arange(k, device=dev) // group):
         g_idx = None
     if g_idx is None:
         return W4Weights(pack_rows(q), scales.to(torch.float16), zeros.to(torch.uint8), group)
     perm = torch.argsort(g_idx.long(), stable=True)
     groups = g_idx.long()[perm]
-    regular = torch.equal(groups, torch.arange(k) // group)
+    regular = torch.equal(groups, torch.arange(k, device=dev) // group)
     return W4Weights(pack_rows(q[perm]), scales.to(torch.float16), zeros.to(torch.uint8), group,
                      None if regular else groups.to(torch.int32), perm)
 
