@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the checkout: each step runs fr
 STEPS: list[tuple[str, int, int]] = [
     ("env", 30, 30), ("kernels", 150, 90), ("greedy", 120, 60), ("graphs", 90, 60), ("spec", 150, 90),
     ("two-workers", 120, 60), ("decode", 90, 60), ("offline", 150, 60), ("kv-transfer", 120, 60), ("tiers", 90, 60),
-    ("tp", 60, 60), ("quant", 240, 120),
+    ("tp", 60, 60), ("quant", 240, 180),
 ]
 TOTAL_BUDGET = 520
 SMOKE_BUDGET = 240

@@ -67,8 +67,8 @@ def step_quant(args, bench: Callable[[object, list[str], Path], dict], fp8_ok: b
     Llama-3.1-8B at 64 of its prompts (the step's cap). Smoke: the tiny bench model on CPU, FP8 and AWQ through the
     twins."""
     if args.smoke:
-        plan = [("bench", ["--num-prompts", "4", "--input-len-min", "8", "--input-len-max", "16", "--output-len-min",
-                           "4", "--output-len-max", "8"])]
+        plan = [("bench", ["--num-prompts", "2", "--input-len-min", "4", "--input-len-max", "8", "--output-len-min",
+                           "2", "--output-len-max", "3"])]
     else:
         plan = [("qwen3-0.6b", ["--preset", "nano-vllm"]), ("llama-3.1-8b", ["--preset", "nano-vllm",
                                                                             "--num-prompts", "64"])]
