@@ -675,8 +675,14 @@ def spec_verdict(report: dict, cuda: bool) -> dict:
             "verify_steps": steps, "verify_graphs_used": steps["replays"] > 0, "summary": summary, "note": note}
 
 
+def step_quant(args) -> dict:
+    from loadtest.gpu_check_quant import step_quant as run
+
+    return run(args, _bench, _fp8_ok(args.device))
+
+
 STEP_FUNCTIONS: dict[str, Callable] = {
     "env": step_env, "kernels": step_kernels, "greedy": step_greedy, "graphs": step_graphs,
     "two-workers": step_two_workers, "decode": step_decode, "offline": step_offline,
-    "kv-transfer": step_kv_transfer, "tiers": step_tiers, "tp": step_tp, "spec": step_spec,
+    "kv-transfer": step_kv_transfer, "tiers": step_tiers, "tp": step_tp, "spec": step_spec, "quant": step_quant,
 }

@@ -234,3 +234,6 @@ def _cases(dev: str, smoke: bool, fp8_ok: bool) -> Iterator[KernelCase]:
         apply_token_bitmask_ref(b, mask)
         return (a == b).logical_not().float(), torch.zeros_like(a), 0.0
     yield case("token_bitmask", torch.float32, "float32", f"vocab {vocab}", bitmask)
+    from loadtest.gpu_check_quant import quant_kernel_cases
+
+    yield from quant_kernel_cases(case, dev, smoke, fp8_ok)

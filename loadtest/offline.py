@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -46,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: the checkpoint's dtype on CUDA; on CPU bfloat16 where it is native, else float32 (both systems)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="kvmesh's KV cache dtype")
+    p.add_argument("--quantization", default="auto", choices=["auto", "fp8", "awq", "gptq"],
+                   help="kvmesh's weights: fp8 (W8A8, quantized at load), awq / gptq (4-bit, group 128; a built "
+                        "--shape checkpoint gets the quantization_config and random weights rounded to 4 bits); "
+                        "auto: the checkpoint's own")
     p.add_argument("--enforce-eager", action="store_true", help="kvmesh without CUDA graphs")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="kvmesh's engine split across this many ranks (on this CPU TP is for correctness, not speed)")
@@ -110,10 +115,28 @@ def model_dir(args: argparse.Namespace) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-") as tmp:
         if args.shape == "bench":
             print(f"building the benchmark model ({ModelShape()}) in {tmp}", file=sys.stderr)
-            yield build_bench_model(tmp, ModelShape(), seed=0)
+            out = build_bench_model(tmp, ModelShape(), seed=0)
         else:
             print(f"building a {args.shape}-shaped checkpoint with random weights in {tmp}", file=sys.stderr)
-            yield build_shape_checkpoint(tmp, SHAPES[args.shape], seed=0)
+            out = build_shape_checkpoint(tmp, SHAPES[args.shape], seed=0)
+        if getattr(args, "quantization", "auto") in ("awq", "gptq"):
+            mark_4bit(out, args.quantization)
+        yield out
+
+
+def mark_4bit(model: str, method: str) -> None:
+    """A built checkpoint served as a 4-bit one: its config says so and its random weights are rounded to 4 bits
+    at load (shared/models/quant_load.py), so the bench runs the 4-bit kernels at the shape."""
+    path = Path(model) / "config.json"
+    raw = json.loads(path.read_text())
+    raw["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128, "zero_point": True,
+                                  "sym": False, "version": "gemm", "kvmesh_dummy": True}
+    path.write_text(json.dumps(raw, indent=2))
+
+
+def quantized_dummy(model: str) -> bool:
+    qc = json.loads((Path(model) / "config.json").read_text()).get("quantization_config") or {}
+    return bool(qc.get("kvmesh_dummy"))
 
 
 def resolved_dtype(model: str, args: argparse.Namespace) -> str:
@@ -132,12 +155,13 @@ def engine_config(model: str, args: argparse.Namespace, wl: Workload):
 
     longest = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens))
     return EngineConfig(model=model, dtype=resolved_dtype(model, args), device=args.device,
-                        load_format="auto" if has_weights(model) else "dummy", max_num_seqs=args.max_num_seqs,
+                        load_format="auto" if has_weights(model) and not quantized_dummy(model) else "dummy",
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_bytes=args.kv_cache_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
                         enforce_eager=args.enforce_eager or args.tensor_parallel_size > 1,
                         max_model_len=args.max_model_len or longest + 1,
-                        tensor_parallel_size=args.tensor_parallel_size,
+                        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                         speculative_config=SpeculativeConfig.parse(args.speculative_config))
 
 

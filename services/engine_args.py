@@ -49,11 +49,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "workers %d)" % PREFILL_CHUNK_TOKENS)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--quantization", default="auto",
-                        choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4"],
-                        help="weight-only quantized linear layers on CPU: gguf (a GGUF's Q4_0/Q4_1/Q8_0 weights as "
-                             "stored), gguf-hybrid (the same for steps of <= 4 rows, a bf16 copy above), int8 (per "
-                             "row), int4 (groups of 32), none; auto (default): gguf-hybrid for a GGUF model served in "
-                             "bf16 on CPU, else none")
+                        choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4", "fp8", "awq", "gptq"],
+                        help="quantized linear layers. GPU (CPU through the reference path): fp8 (W8A8, sm_89+; an "
+                             "FP8 checkpoint as published, or a bf16 one quantized at load), awq / gptq (4-bit "
+                             "checkpoints). CPU weight-only: gguf (a GGUF's Q4_0/Q4_1/Q8_0 weights as stored), "
+                             "gguf-hybrid (the same for steps of <= 4 rows, a bf16 copy above), int8 (per row), int4 "
+                             "(groups of 32), none; auto (default): the checkpoint's quantization_config, gguf-hybrid "
+                             "for a GGUF model served in bf16 on CPU, else none")
     parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
                         help="bf16 on CPU: plain F.linear instead of oneDNN pre-packed weights (same results, slower)")
     parser.add_argument("--speculative-config", default=os.environ.get("KVMESH_SPECULATIVE_CONFIG"), metavar="JSON",

@@ -68,6 +68,32 @@ class EngineConfig:
     # and off on CPU (where torch runs synchronously, so there is nothing to overlap); True also on CPU.
     async_scheduling: bool | None = None
 
+    def _checkpoint_quantization(self) -> str | None:
+        """awq/gptq/fp8 when the checkpoint is quantized (its quantization_config) or --quantization fp8 quantizes
+        it at load; None leaves the other modes to decide. ConfigError when the flag and the checkpoint disagree or
+        the checkpoint's quantization is not servable."""
+        from pathlib import Path
+
+        from shared.models.errors import CheckpointError
+        from shared.models.quant_config import CHECKPOINT_METHODS, resolve_checkpoint_quantization
+
+        requested = self.quantization or "auto"  # None: not asked for
+        ckpt = None
+        if (Path(self.model) / "config.json").is_file():
+            from shared.models.model_config import load_model_config
+
+            try:
+                ckpt = load_model_config(self.model).quant
+            except CheckpointError as e:
+                if "quantization_config" in e.field:
+                    raise ConfigError(str(e)) from None
+        if ckpt is None and requested not in CHECKPOINT_METHODS:
+            return None
+        try:
+            return resolve_checkpoint_quantization(requested, ckpt, self.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     def __post_init__(self) -> None:
         if self.block_size < MIN_BLOCK_SIZE or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block size {self.block_size}: the KV block size must be a power of 2 >= {MIN_BLOCK_SIZE} "
@@ -92,21 +118,33 @@ class EngineConfig:
                     f"--kv-cache-dtype fp8 needs a GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}."
                     f"{FP8_MIN_CAPABILITY[1]} (Ada, Hopper or newer); {self.device} is sm_{cap[0]}{cap[1]}: use "
                     f"--kv-cache-dtype auto")
-        if self.quantization in ("auto", "none", "gguf", "gguf-hybrid"):
+        from shared.models.quant_config import CHECKPOINT_METHODS
+
+        checkpoint_quant = self._checkpoint_quantization()
+        if checkpoint_quant is not None:
+            self.quantization = checkpoint_quant
+        elif self.quantization in ("auto", "none", "gguf", "gguf-hybrid"):
             from shared.models.gguf_quant import resolve_gguf_quantization
 
             self.quantization = resolve_gguf_quantization(self.quantization, self.model, self.device, self.dtype,
                                                           self.load_format, self.tensor_parallel_size)
-        if self.quantization is not None:
+        if self.quantization is not None and self.quantization not in CHECKPOINT_METHODS:
             from shared.models.quant_linear import QUANTIZATIONS
 
             if self.quantization not in QUANTIZATIONS + ("gguf", "gguf-hybrid"):
                 raise ConfigError(f"--quantization {self.quantization!r}: choose one of auto, none, gguf, "
-                                  f"gguf-hybrid, {', '.join(QUANTIZATIONS)}")
+                                  f"gguf-hybrid, {', '.join(QUANTIZATIONS + CHECKPOINT_METHODS)}")
             if self.device != "cpu":
                 raise ConfigError(f"--quantization {self.quantization} is weight-only quantization for CPU serving "
                                   f"(torch's CPU int8/int4 kernels); {self.device} serves the model's own dtype: "
                                   "leave --quantization out")
+        if self.quantization == "fp8" and self.device.startswith("cuda"):
+            cap = tuple(self.gpu_capability or torch.cuda.get_device_capability(torch.device(self.device)))
+            if cap < FP8_MIN_CAPABILITY:
+                raise ConfigError(
+                    f"--quantization fp8 (FP8 weights and activations) needs a GPU of compute capability >= "
+                    f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} (Ada, Hopper or newer); {self.device} is "
+                    f"sm_{cap[0]}{cap[1]}: serve the bf16 checkpoint, or a 4-bit AWQ/GPTQ one")
         if self.cpu_compile not in ("auto", "on", "whole", "off"):
             raise ConfigError(f"--cpu-compile {self.cpu_compile!r}: choose one of auto, on, whole, off")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from shared.engine.memory_budget import CUDA_GRAPH_RESERVE, GIB
 from shared.launcher.process_spec import MeshOptions, placement
 from shared.models.model_config import ModelConfig
+from shared.models.quant_config import CHECKPOINT_METHODS, linear_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The CUDA context, cuBLAS/cuDNN workspaces and the NCCL-free runtime a worker holds outside torch's allocator:
@@ -79,6 +80,20 @@ class WorkerNeeds:
                            self.kv_per_token * local_heads // heads, self.num_kv_heads)
 
 
+def weight_bytes(cfg: ModelConfig, elem: int, quantization: str | None = None) -> int:
+    """The weights as served: the decoder layers' linears at their quantized size (the checkpoint's own
+    quantization, or `quantization`, e.g. fp8 applied at load), everything else in the model dtype."""
+    method = quantization if quantization in CHECKPOINT_METHODS else (cfg.quant.method if cfg.quant else None)
+    if method is None:
+        return parameter_count(cfg) * elem
+    group = cfg.quant.group if cfg.quant and cfg.quant.group else 128
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shapes = ((h, q + 2 * kv), (q, h), (h, 2 * inter), (inter, h))
+    linear_params = sum(k * n for k, n in shapes)
+    linear = sum(linear_bytes(method, k, n, group, elem) for k, n in shapes)
+    return (parameter_count(cfg) - cfg.num_layers * linear_params) * elem + cfg.num_layers * linear
+
+
 def parameter_count(cfg: ModelConfig) -> int:
     h, layers = cfg.hidden_size, cfg.num_layers
     attn = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h
@@ -89,7 +104,7 @@ def parameter_count(cfg: ModelConfig) -> int:
 
 
 def worker_needs(cfg: ModelConfig, dtype: str, kv_cache_dtype: str, max_num_batched_tokens: int,
-                 max_num_seqs: int) -> WorkerNeeds:
+                 max_num_seqs: int, quantization: str | None = None) -> WorkerNeeds:
     dtype = cfg.dtype if dtype == "auto" else dtype  # on a GPU "auto" is the checkpoint's dtype
     elem = DTYPE_BYTES[dtype]
     kv_elem = 1 if kv_cache_dtype == "fp8" else elem
@@ -99,7 +114,7 @@ def worker_needs(cfg: ModelConfig, dtype: str, kv_cache_dtype: str, max_num_batc
     per_token = 4 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size + 3 * cfg.intermediate_size
     logits = (min(max_num_seqs, t) + PROMPT_LOGPROB_ROWS) * cfg.vocab_size * 4 * 2
     return WorkerNeeds(
-        weights=parameter_count(cfg) * elem,
+        weights=weight_bytes(cfg, elem, quantization),
         activations=t * per_token * elem + logits,
         overhead=NON_TORCH_BYTES + CUDA_GRAPH_RESERVE,
         kv_per_token=2 * cfg.num_layers * cfg.kv_size * kv_elem,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,15 +110,17 @@ def _read_header(path: Path) -> dict[str, dict]:
     return header
 
 
-def _validate(files: list[Path], plan: dict[str, Target], model_dir: Path) -> dict[str, Path]:
-    """Map every planned tensor to its file, checking dtypes and shapes from the headers alone."""
+def _validate(files: list[Path], plan: dict[str, Target], model_dir: Path,
+              claimed: Callable[[str], bool] = lambda name: False) -> dict[str, Path]:
+    """Map every planned tensor to its file, checking dtypes and shapes from the headers alone (tensors `claimed`
+    by the quantized-linear loader are its to check)."""
     located: dict[str, Path] = {}
     for path in files:
         for name, info in _read_header(path).items():
             dtype = info.get("dtype")
             if dtype not in SAFETENSORS_KNOWN_DTYPES:
                 raise CheckpointError(path, name, f"unknown dtype {dtype!r}")
-            if name.endswith(IGNORED_SUFFIXES):
+            if name.endswith(IGNORED_SUFFIXES) or claimed(name):
                 continue
             target = plan.get(name)
             if target is None:
@@ -166,10 +169,21 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, cfg, device)
     shard = shard_of(cfg, tp.rank, tp.size) if tp is not None and tp.size > 1 else None  # raises on a bad degree
     plan = None if load_format == "dummy" else weight_plan(cfg, shard)
-    located = None if plan is None else _validate(_shard_files(model_dir), plan, model_dir)
+    # A quantized checkpoint's linears are read by shared/models/quant_load.py, at their quantized size.
+    prequantized = plan is not None and cfg.quant is not None and quantization == cfg.quant.method
+    if prequantized:
+        from shared.models import quant_load
+
+        plan = {n: t for n, t in plan.items() if not quant_load.is_linear_weight(t.param)}
+        qplan = quant_load.inspect(cfg, _shard_files(model_dir))
+    located = None if plan is None else _validate(_shard_files(model_dir), plan, model_dir,
+                                                  (lambda n: quant_load.claims(n, cfg.quant)) if prequantized
+                                                  else (lambda n: False))
 
     with torch.device("meta"):
         model = LlamaFamilyForCausalLM(cfg, max_positions or cfg.max_position_embeddings, tp)
+        if prequantized:
+            quant_load.drop_linear_weights(model)
     model = model.to_empty(device=device).to(torch_dtype)
     # The rope table is a computed buffer (to_empty left it uninitialised) and stays float32.
     if cfg.tie_word_embeddings:  # to_empty/to re-create parameters one module at a time, untying them
@@ -195,7 +209,17 @@ def load_model(
                             if t.split == "vocab":  # the last rank's padding rows past the vocabulary
                                 dst.zero_()
                             dst[t.row_offset : t.row_offset + part.shape[0]].copy_(part)
-    if quantization in ("gguf", "gguf-hybrid"):
+    if quantization in ("awq", "gptq", "fp8"):
+        from shared.models import quant_load
+
+        if prequantized:
+            n = quant_load.load_quantized_linears(model, cfg, qplan, shard, device, torch_dtype)
+        elif quantization == "fp8":
+            n = quant_load.quantize_fp8_model(model)
+        else:  # dummy weights: the random ones rounded to 4 bits in the served layout
+            n = quant_load.quantize_w4_model(model, cfg.quant.group if cfg.quant else 128)
+        log.info("%s quantized weights: %.1f M", quantization, n / 1e6)
+    elif quantization in ("gguf", "gguf-hybrid"):
         from shared.models.gguf_quant import HYBRID_MAX_ROWS, apply_gguf_blocks
 
         apply_gguf_blocks(model, model_dir, cfg.tie_word_embeddings,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.models.errors import CheckpointError
+from shared.models.quant_config import CheckpointQuant, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -48,6 +49,8 @@ class ModelConfig:
     dtype: str
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     bos_token_id: int | None = None
+    # The checkpoint's own quantized format (shared/models/quant_config.py); None: unquantized weights.
+    quant: CheckpointQuant | None = None
 
     @property
     def q_size(self) -> int:
@@ -158,4 +161,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         dtype=dtype,
         eos_token_ids=_eos_ids(model_dir, raw),
         bos_token_id=raw.get("bos_token_id"),
+        quant=parse_quantization_config(raw, path),
     )

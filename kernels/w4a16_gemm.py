@@ -1,0 +1,156 @@
+"""4-bit weight, 16-bit activation GEMM (AWQ and GPTQ checkpoints, repacked at load into one layout).
+
+The layout (shared/models/w4a16.py builds it from either format):
+- qweight int32 [K / 8, N]: eight 4-bit values of one output column along K, value b of word r is row 8r + b
+  (GPTQ's own packing, so a warp reading a row of words reads N consecutive columns);
+- scales [groups, N] (the checkpoint's float16 values, unrounded) and zeros uint8 [groups, N]:
+  w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with g = k // GROUP, or g = g_idx[k] when the rows' groups are
+  not contiguous runs (GPTQ's act-order checkpoints on a tensor-parallel rank);
+- the dequantization is done in float32 (exact: a 4-bit integer times a float16 fits float32's mantissa), then
+  rounded once to the activations' dtype for the tensor-core dot.
+
+The Triton kernel dequantizes a [BLOCK_K, BLOCK_N] tile in registers and multiplies; small batches split K across
+programs (SPLIT_K) so that a decode step at batch 1 still spreads over every SM (as vLLM's Triton AWQ kernel and
+Marlin do), partial sums in float32 reduced after.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.triton_support import recording, tl, triton, upcast_dot
+
+PACK = 8  # 4-bit values per int32 word
+BLOCK_K = 32  # divides every supported group size
+SUPPORTED_GROUPS = (32, 64, 128)
+
+
+def unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [K / 8, N] -> int32 [K, N] of values in [0, 15] (value b of word r is row 8r + b)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    vals = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF
+    return vals.reshape(-1, qweight.shape[1])
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """int [K, N] of values in [0, 15] -> int32 [K / 8, N] (the inverse of unpack_rows)."""
+    k, n = q.shape
+    assert k % PACK == 0, f"{k} rows are not a multiple of {PACK}"
+    v = q.to(torch.int64).view(k // PACK, PACK, n)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
+    word = (v << shifts[None, :, None]).sum(dim=1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def row_groups(k: int, group: int, g_idx: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor:
+    return g_idx.long() if g_idx is not None else torch.arange(k, device=device) // group
+
+
+def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                     g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [K, N]: what the kernel multiplies by (before the one rounding to the activations' dtype)."""
+    q = unpack_rows(qweight)
+    g = row_groups(q.shape[0], group, g_idx, q.device)
+    return (q - zeros[g].to(torch.int32)).float() * scales[g].float()
+
+
+def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                   g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin. x [M, K] -> [M, N] in x's dtype: x @ dequantized weight (rounded to x's dtype)."""
+    w = w4a16_dequantize(qweight, scales, zeros, group, g_idx).to(x.dtype)
+    return x @ w
+
+
+def check_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                g_idx: torch.Tensor | None) -> None:
+    assert x.dim() == 2, f"x must be [tokens, K], got {tuple(x.shape)}"
+    assert qweight.dtype == torch.int32 and qweight.dim() == 2, f"qweight must be int32 [K / 8, N], got {qweight.dtype}"
+    k, n = x.shape[1], qweight.shape[1]
+    assert qweight.shape[0] * PACK == k, f"qweight {tuple(qweight.shape)} does not hold K = {k} rows"
+    assert zeros.dtype == torch.uint8 and zeros.shape == scales.shape and scales.shape[1] == n, \
+        f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} ({zeros.dtype}) do not fit N = {n}"
+    if g_idx is None:
+        assert group in SUPPORTED_GROUPS and k % group == 0 and scales.shape[0] == k // group, \
+            f"group {group}: K = {k} in {scales.shape[0]} groups"
+    else:
+        assert g_idx.shape == (k,) and g_idx.dtype == torch.int32, "g_idx must be int32 [K]"
+    assert k % BLOCK_K == 0, f"K = {k} is not a multiple of {BLOCK_K}"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os,
+                      GROUP: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr):
+        """Program (m, n, s): rows BLOCK_M x columns BLOCK_N over the s-th of SPLIT_K equal runs of K; float32
+        partial sums to out[s]. BLOCK_K divides GROUP, so a tile's rows share one group unless HAS_G_IDX."""
+        pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask, n_mask = offs_m < M, offs_n < N
+        k_run = K // SPLIT_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(pid_s * k_run, (pid_s + 1) * k_run, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=m_mask[:, None],
+                        other=0.0)
+            words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :],
+                            other=0)
+            q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+            if HAS_G_IDX:
+                g = tl.load(g_ptr + offs_k).to(tl.int64)
+                s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0)
+                z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+            else:
+                g = k0 // GROUP
+                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)[None, :]
+                z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)[None, :]
+            w = (q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)
+            if UPCAST:  # the interpreter's bf16 dot is wrong: round as the GPU would, multiply in float32
+                acc += tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, w.to(a.dtype))
+        tl.store(out_ptr + pid_s * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc,
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+
+def w4a16_tiles(m: int, n: int, k: int, sms: int = 132, g_idx: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, SPLIT_K) for an M x N x K product: small M splits K until the grid covers the SMs
+    about twice (K stays a multiple of SPLIT_K * BLOCK_K). A per-row group index loads [BLOCK_K, BLOCK_N] scales
+    and zeros: its large tiles stay 64 columns wide (128 spilled on sm_80)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 32 or g_idx else 128
+    tiles = -(-m // block_m) * -(-n // block_n)
+    split = 1
+    while split < 16 and tiles * split < 2 * sms and k % (2 * split * BLOCK_K) == 0:
+        split *= 2
+    return block_m, block_n, split
+
+
+def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                      g_idx: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    check_w4a16(x, qweight, scales, zeros, group, g_idx)
+    assert triton is not None, "triton is not installed"
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    n = qweight.shape[1]
+    block_m, block_n, split = tiles or w4a16_tiles(m, n, k, g_idx=g_idx is not None)
+    assert k % (split * BLOCK_K) == 0, f"K = {k} does not split {split} ways into {BLOCK_K}-row tiles"
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+        _w4a16_kernel[grid](x, qweight, scales, zeros, qweight if g_idx is None else g_idx, part, m, n, k,
+                            x.stride(0), part.stride(1), part.stride(0), GROUP=group if g_idx is None else BLOCK_K,
+                            HAS_G_IDX=g_idx is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                            SPLIT_K=split, UPCAST=upcast_dot(x.dtype), num_warps=4)
+    return (part[0] if split == 1 else part.sum(0)).to(x.dtype)
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+               g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    if x.is_cuda:
+        return w4a16_gemm_triton(x, qweight, scales, zeros, group, g_idx)
+    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
+        w4a16_gemm_triton(x, qweight, scales, zeros, group, g_idx)
+    check_w4a16(x, qweight, scales, zeros, group, g_idx)
+    return w4a16_gemm_ref(x, qweight, scales, zeros, group, g_idx)

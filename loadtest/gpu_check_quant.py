@@ -1,0 +1,87 @@
+"""The GPU check's quantized rows: the FP8 and 4-bit GEMM kernels against their torch twins at the linear layers of
+Llama-3.1-8B and Qwen3-0.6B (cases of the kernels step), and the `quant` step: `kvmesh bench offline` in bf16, FP8
+and AWQ side by side at those shapes (random weights; AWQ's rounded to 4 bits at load)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+# (hidden, q, kv, intermediate): the linear layers' shapes of the models the check serves.
+QUANT_SHAPES = {"qwen3-0.6b": (1024, 2048, 1024, 3072), "llama-3.1-8b": (4096, 4096, 1024, 14336)}
+# bf16 outputs of sums over thousands of products: an ulp or two of the largest, relative (gpu_kernel_cases.measure)
+QUANT_TOL = 3e-2
+
+
+def _linears(h: int, q: int, kv: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+
+
+def quant_kernel_cases(case: Callable, dev: str, smoke: bool, fp8_ok: bool) -> Iterator:
+    """KernelCases (gpu_kernel_cases.case) of kernels/w4a16_gemm.py and kernels/fp8_gemm.py: batch 1 and 64 (the
+    split-K and decode tiles) and a 512-row prefill, group 128 and 32 and a per-row group index (a tensor-parallel
+    rank's act-order share); FP8 per token and static, through the dispatch (torch._scaled_mm on sm_90+) and the
+    Triton kernel."""
+    from kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, fp8_gemm_triton
+    from kernels.w4a16_gemm import w4a16_gemm_ref, w4a16_gemm_triton
+    from shared.models.fp8_linear import quantize_fp8_weight
+
+    shapes = {"tiny": {"mlp": (256, 96)}} if smoke else {s: _linears(*d) for s, d in QUANT_SHAPES.items()}
+    bf16 = torch.bfloat16
+    for shape, linears in shapes.items():
+        for name, (k, n) in linears.items():
+            # Llama-3.1-8B: its widest and its longest-K layers at the decode batches (the host builds every input)
+            if shape == "llama-3.1-8b" and name not in ("gate_up", "down"):
+                continue
+            for m in (5,) if smoke else (1, 64) if shape == "llama-3.1-8b" else (1, 64, 512):
+                for group, with_idx in ((128, False), (32, False), (128, True)):
+                    def w4(randn, k=k, n=n, m=m, group=group, with_idx=with_idx):
+                        # random words are random 4-bit values: no packing pass over K x N on the host
+                        qw = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=randn.g, dtype=torch.int32)
+                        scales = (randn(k // group, n).abs() * 0.01 + 1e-3).to(torch.float16)
+                        zeros = torch.randint(0, 16, (k // group, n), generator=randn.g).to(torch.uint8).to(scales.device)
+                        g_idx = (torch.arange(k) // group).to(torch.int32).to(scales.device) if with_idx else None
+                        x, qw = randn(m, k, dtype=bf16), qw.to(scales.device)
+                        return (w4a16_gemm_triton(x, qw, scales, zeros, group, g_idx),
+                                w4a16_gemm_ref(x, qw, scales, zeros, group, g_idx), QUANT_TOL)
+                    label = f"{shape} {name} {k}x{n} M={m} group {group}" + (" g_idx" if with_idx else "")
+                    yield case("w4a16_gemm", bf16, bf16, label, w4)
+                if not fp8_ok:
+                    continue
+                for static in (False, True):
+                    for path in ("dispatch", "triton"):
+                        def f8(randn, k=k, n=n, m=m, static=static, path=path):
+                            w = quantize_fp8_weight(randn(n, k) * 0.05)
+                            x = randn(m, k, dtype=bf16)
+                            inp = torch.tensor([0.02], device=x.device) if static else None
+                            fn = fp8_gemm if path == "dispatch" else fp8_gemm_triton
+                            return (fn(x, w.weight, w.weight_scale, inp), fp8_gemm_ref(x, w.weight, w.weight_scale, inp),
+                                    QUANT_TOL)
+                        act = "static" if static else "per token"
+                        yield case("fp8_gemm", bf16, "fp8", f"{shape} {name} {k}x{n} M={m} {act} {path}", f8)
+
+
+def step_quant(args, bench: Callable[[object, list[str], Path], dict], fp8_ok: bool) -> dict:
+    """Offline tok/s in bf16, FP8 (sm_89+) and AWQ at each shape; the Qwen3-0.6B shape at the nano-vllm workload,
+    Llama-3.1-8B at 64 of its prompts (the step's cap). Smoke: the tiny bench model on CPU, FP8 and AWQ through the
+    twins."""
+    if args.smoke:
+        plan = [("bench", ["--num-prompts", "2", "--input-len-min", "4", "--input-len-max", "8", "--output-len-min",
+                           "2", "--output-len-max", "3"])]
+    else:
+        plan = [("qwen3-0.6b", ["--preset", "nano-vllm"]), ("llama-3.1-8b", ["--preset", "nano-vllm",
+                                                                            "--num-prompts", "64"])]
+    methods = ["auto"] + (["fp8"] if fp8_ok else []) + ["awq"]
+    runs: dict[str, dict] = {}
+    for shape, extra in plan:
+        for method in methods:
+            argv = ["offline", "--shape", shape, "--device", args.device, "--skip-hf", *extra]
+            if method != "auto":
+                argv += ["--quantization", method]
+            runs[f"{shape} {'bf16' if method == 'auto' else method}"] = bench(
+                args, argv, Path(args.out) / f"quant-offline-{shape}-{method}.json")
+    table = {k: r["result"].get("kvmesh_tok_s") for k, r in runs.items()}
+    summary = ", ".join(f"{k} {v or 0:.0f} tok/s" for k, v in table.items())
+    return {"ok": all(r["ok"] for r in runs.values()), "tok_s": table, "runs": runs, "fp8_tested": fp8_ok,
+            "summary": summary}
