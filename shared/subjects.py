@@ -39,6 +39,8 @@ PREFILL_PREFILL = "kvmesh.prefill.prefill"
 QUEUE_PREFILL = "kvmesh.prefill"
 PREFILL_CANCEL = "kvmesh.prefill.cancel"  # fan-out, like DECODE_CANCEL
 PREFILL_LOAD_ALL = "kvmesh.prefill.load.*"
+# A pooling request (embed, classify): answered by a pooling runner's engine worker, in the prefill queue group.
+PREFILL_POOL = "kvmesh.prefill.pool"
 
 # --- kvstore: any replica may answer (they share the disk tier)
 KVSTORE_PUT = "kvmesh.kvstore.put"

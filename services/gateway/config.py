@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.models.pooling_config import PoolingSpec
+
 ROUTING = ("kv", "round-robin")
 
 
@@ -43,6 +45,8 @@ class GatewayConfig:
     # "kv": the worker caching most of the prompt, weighed by load (router.py); "round-robin": the next alive
     # worker in turn, blind to caches (the baseline KV-aware routing is measured against: `kvmesh bench scale`).
     routing: str = "kv"
+    # --runner pooling: the served model embeds or classifies (services/gateway/pooling_api.py); None: it generates.
+    pooling: PoolingSpec | None = None
 
     def __post_init__(self) -> None:
         assert self.routing in ROUTING, f"routing must be one of {', '.join(ROUTING)}"

@@ -13,12 +13,14 @@ async def check_health(ctx: GatewayContext) -> tuple[bool, dict[str, object]]:
     if not tokenizer:
         missing.append("tokenizer")
     workers = [w.worker_id for w in ctx.router.alive()]
+    if ctx.config.pooling is not None:  # a pooling model is served by prefill workers alone
+        workers = [b.worker_id for b in ctx.metrics.prefill_workers.alive()]
     if not workers:
-        missing.append("decode")
+        missing.append("decode" if ctx.config.pooling is None else "pooling worker")
     if ctx.draining:
         missing.append("gateway (shutting down)")
     status: dict[str, object] = {"status": "ok" if not missing else "unavailable", "tokenizer": tokenizer,
-                                 "decode_workers": sorted(workers)}
+                                 "decode_workers" if ctx.config.pooling is None else "pooling_workers": sorted(workers)}
     if missing:
         status["missing"] = missing
     return not missing, status

@@ -24,6 +24,7 @@ from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
 from services.gateway.input_lag import InputLag
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.pooling_mode import add_pooling_flags, pooling_from_args
 from services.gateway.router import Router, RouterConfig
 from shared import bus, subjects
 from shared.bus import MicroService
@@ -211,6 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: they start after it, as vLLM)")
 
 
+    add_pooling_flags(parser)
     parser.add_argument("--routing", choices=ROUTING, default="kv",
                         help="kv (default): the decode worker caching most of the prompt, weighed by load; "
                              "round-robin: each alive worker in turn, blind to caches (a baseline)")
@@ -226,7 +228,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-        routing=args.routing,
+        routing=args.routing, pooling=pooling_from_args(args),
     ))
 
 

@@ -76,7 +76,7 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
     own_inbox = f"{inbox_prefix(user or role)}.>"
     publish = {
         "gateway": [s.TOKENIZER_ENCODE, s.TOKENIZER_DECODE, s.DECODE_GENERATE, "kvmesh.decode.generate.*",
-                    "kvmesh.decode.replay.*", s.DECODE_CANCEL, s.PREFILL_CANCEL, SERVICE_DISCOVERY],
+                    "kvmesh.decode.replay.*", s.DECODE_CANCEL, s.PREFILL_CANCEL, s.PREFILL_POOL, SERVICE_DISCOVERY],
         "tokenizer": [],
         "decode": [f"kvmesh.decode.events.{w}", f"kvmesh.decode.load.{w}", f"kvmesh.decode.suffix.{w}",
                    s.PREFILL_PREFILL, s.PREFILL_CANCEL,
@@ -91,7 +91,8 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
                    _queued(f"kvmesh.decode.generate.{w}", f"{s.QUEUE_DECODE}.{w}"),
                    _queued(f"kvmesh.decode.replay.{w}", f"{s.QUEUE_DECODE}.{w}"),
                    s.DECODE_CANCEL, f"kvmesh.decode.kv.push.{w}", s.DECODE_SUFFIX_ALL],
-        "prefill": [_queued(s.PREFILL_PREFILL, s.QUEUE_PREFILL), s.PREFILL_CANCEL],
+        "prefill": [_queued(s.PREFILL_PREFILL, s.QUEUE_PREFILL), _queued(s.PREFILL_POOL, s.QUEUE_PREFILL),
+                    s.PREFILL_CANCEL],
         "kvstore": [_queued(subject, s.QUEUE_KVSTORE) for subject in _kvstore()],
     }[role]
     subscribe.append(SERVICE_DISCOVERY)  # every service (the gateway too) answers nats.micro's PING/INFO/STATS

@@ -74,11 +74,21 @@ class MeshOptions:
     speculative_config: str | None = None
     # Decode workers publish finished outputs to each other's suffix tables (needs suffix speculation).
     share_suffix_outputs: bool = False
+    # "pooling": the model embeds or classifies; the mesh runs prefill workers in the pooling runner and no
+    # decode worker (a pooling request is a prefill with no decode). convert / pooler_config: vLLM's flags.
+    runner: str = "generate"
+    convert: str | None = None
+    pooler_config: str | None = None
 
     def __post_init__(self) -> None:
         for name in SERVICES:
             assert self.replicas(name) >= 0, f"--{name} must be >= 0"
-        assert self.tokenizer >= 1 and self.decode >= 1, "the mesh needs at least one tokenizer and one decode worker"
+        assert self.runner in ("generate", "pooling"), "--runner must be generate or pooling"
+        if self.runner == "pooling":
+            assert self.tokenizer >= 1 and self.prefill >= 1 and self.decode == 0, \
+                "a pooling mesh needs at least one tokenizer and one prefill (pooling) worker, and no decode worker"
+        else:
+            assert self.tokenizer >= 1 and self.decode >= 1, "the mesh needs at least one tokenizer and one decode worker"
         assert self.remote_prefill_threshold is None or self.remote_prefill_threshold >= 0
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
@@ -295,6 +305,12 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--engine", "sim", "--sim-speed", f"{opts.sim_speed:g}"]
             if opts.sim_profile:
                 args += ["--sim-profile", opts.sim_profile]
+    if opts.runner == "pooling" and service in ("prefill", "gateway"):
+        args += ["--runner", "pooling"]
+        if opts.convert:
+            args += ["--convert", opts.convert]
+        if opts.pooler_config:
+            args += ["--pooler-config", opts.pooler_config]
     if opts.log_level:
         args += ["--log-level", opts.log_level]
     return tuple(args)

@@ -28,6 +28,7 @@ from shared.launcher.readiness import wait_healthy
 from shared.launcher.secrets_dir import secrets_dir
 from shared.engine.sim_profile import ProfileError
 from shared.launcher.planned import start_planner
+from shared.launcher.pooling_mesh import add_pooling_arguments, pooling_options
 from shared.launcher.process_spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, PACK_IDENTITIES_ENV, SERVICES,
                                   MeshOptions, ProcessSpec, mesh_services)
 from shared.planner.config import PlannerConfig, PlannerConfigError, RoleLimits
@@ -156,6 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-grace", type=float, default=5.0, metavar="S",
                         help="planner: seconds a removed worker may finish its requests before the rest move to "
                              "other workers (default 5)")
+    add_pooling_arguments(parser)
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -174,8 +176,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = MeshOptions(
             model=str(model), host=args.host, port=args.port, served_model_name=args.served_model_name,
-            prefill=MeshOptions.prefill if args.prefill is None else args.prefill,
-            decode=MeshOptions.decode if args.decode is None else args.decode,
             tokenizer=args.tokenizer, kvstore=args.kvstore, max_model_len=args.max_model_len,
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
@@ -191,8 +191,10 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
+            **{"prefill": MeshOptions.prefill if args.prefill is None else args.prefill,
+               "decode": MeshOptions.decode if args.decode is None else args.decode, **pooling_options(args)},
         )
-    except (AssertionError, ConfigError) as e:
+    except (AssertionError, ConfigError, ValueError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
     if opts.engine == "sim":
@@ -261,8 +263,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return EXIT_CONFIG
     # A remote-prefill threshold asks for prefill workers as --prefill does (without them it would only time out).
-    opts, note = cpu_default_layout(opts, args.prefill is not None or args.remote_prefill_threshold is not None,
-                                    planned=planner is not None)
+    opts, note = cpu_default_layout(opts, args.prefill is not None or args.remote_prefill_threshold is not None
+                                    or opts.runner == "pooling", planned=planner is not None)
     if note:
         print(note, flush=True)
     if args.dry_run:
@@ -343,7 +345,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     def on_config_failure(name: str) -> None:
         # Prefill workers are optional (decode prefills locally without them); a decode worker whose
         # configuration cannot work means every decode worker fails the same way: stop the mesh.
-        if name.startswith("decode"):
+        if name.startswith("decode") or (opts.runner == "pooling" and name.startswith("prefill")):
             config_failures.append(name)
             stop.set()
 
