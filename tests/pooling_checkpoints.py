@@ -13,16 +13,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def build_classifier(src: Path, out: Path, num_labels: int = 1, seed: int = 0) -> Path:
-    """`LlamaForSequenceClassification` from a Llama checkpoint's weights plus a random score head."""
-    from transformers import AutoConfig, LlamaForSequenceClassification
+    """`<Arch>ForSequenceClassification` (e.g. LlamaForSequenceClassification) from a causal LM checkpoint's
+    weights plus a random score head."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     if (out / "config.json").is_file():
         return out
     cfg = AutoConfig.from_pretrained(src)
     cfg.num_labels = num_labels
-    cfg.architectures = ["LlamaForSequenceClassification"]
     torch.manual_seed(seed)
-    model = LlamaForSequenceClassification.from_pretrained(src, config=cfg, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(src, config=cfg, dtype=torch.float32)
+    model.config.architectures = [type(model).__name__]
     with torch.no_grad():  # a head that spreads the scores (the default init leaves them all near 0)
         model.score.weight.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(seed))
     model.save_pretrained(out)

@@ -75,11 +75,15 @@ class GatewayService(Service):
     async def start(self, nc: Client) -> None:
         cfg = self.config
         tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_dir)
-        model_config = load_model_config(cfg.model_dir)
+        if cfg.pooling is not None and cfg.pooling.encoder:  # an encoder is no decoder: its sizes from the spec
+            vocab_size, max_positions = cfg.pooling.vocab_size, cfg.pooling.max_position_embeddings
+        else:
+            model_config = load_model_config(cfg.model_dir)
+            vocab_size, max_positions = model_config.vocab_size, model_config.max_position_embeddings
         router = Router(RouterConfig(expiry_s=cfg.worker_expiry_s, max_waiting=cfg.max_waiting, policy=cfg.routing))
         self.ctx = ctx = GatewayContext(
-            config=cfg, nc=nc, tokenizer=tokenizer, vocab_size=model_config.vocab_size,
-            model_max_len=min(cfg.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings),
+            config=cfg, nc=nc, tokenizer=tokenizer, vocab_size=vocab_size,
+            model_max_len=min(cfg.max_model_len or max_positions, max_positions),
             router=router, metrics=GatewayMetrics(router, cfg.served_model_name),
             tracer=trace.get_tracer("kvmesh.gateway"), created=int(time.time()),
         )

@@ -79,6 +79,8 @@ class PoolingSpec:
     id2label: tuple[str, ...] = ()
     matryoshka_dimensions: tuple[int, ...] | None = None
     hidden_size: int = 0
+    vocab_size: int = 0
+    max_position_embeddings: int = 0
 
     @property
     def output_size(self) -> int:
@@ -115,6 +117,8 @@ def pooling_spec(model_dir: str | Path, convert: str = "auto", pooler: PoolerCon
     encoder = arch in ENCODER_ARCHITECTURES or cfg.get("model_type") in ("bert", "roberta", "xlm-roberta")
     classifier = arch.endswith("ForSequenceClassification")
     task = convert if convert != "auto" else ("classify" if classifier else "embed")
+    if task == "classify" and encoder:
+        raise PoolingConfigError(f"{arch}: an encoder's classification head is not supported (encoders embed)")
     if task == "classify" and not classifier:
         raise PoolingConfigError(f"{arch} has no classification head: --convert classify needs a "
                                  "*ForSequenceClassification checkpoint")
@@ -133,4 +137,5 @@ def pooling_spec(model_dir: str | Path, convert: str = "auto", pooler: PoolerCon
                        pair_as_text_pair=bool(pair), id2label=id2label,
                        matryoshka_dimensions=tuple(int(d) for d in dims) if dims else
                        (() if cfg.get("is_matryoshka") else None),
-                       hidden_size=int(cfg.get("hidden_size", 0)))
+                       hidden_size=int(cfg.get("hidden_size", 0)), vocab_size=int(cfg.get("vocab_size", 0)),
+                       max_position_embeddings=int(cfg.get("max_position_embeddings", 0)))
