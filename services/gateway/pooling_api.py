@@ -60,8 +60,14 @@ async def _tokens(ctx: GatewayContext, items: list[str | list[int]], truncate: i
     return out
 
 
+def _context(ctx: GatewayContext) -> int:
+    """The model's context, or less when the pooling workers were started with a shorter one (their beats say)."""
+    workers = [b.max_model_len for b in ctx.metrics.prefill_workers.alive() if b.max_model_len]
+    return min([ctx.max_model_len(), *workers])
+
+
 def _checked(ctx: GatewayContext, ids: list[int], truncate: int | None, param: str) -> list[int]:
-    limit = ctx.max_model_len()
+    limit = _context(ctx)
     if not ids:
         raise bad_request("an input has no tokens", param=param, code="empty_input")
     try:

@@ -35,4 +35,5 @@ def pooling_options(args: argparse.Namespace) -> dict[str, object]:
     assert not args.decode, "--runner pooling runs no decode worker: leave out --decode"
     PoolerConfig.parse(args.pooler_config)  # a bad JSON is one error now, not a crash loop of every worker
     return {"runner": "pooling", "convert": args.convert, "pooler_config": args.pooler_config,
-            "prefill": 1 if args.prefill is None else args.prefill, "decode": 0}
+            "prefill": 1 if args.prefill is None else args.prefill, "decode": 0,
+            "kvstore": 0}  # a kvstore holds KV blocks, and a pooling mesh keeps none

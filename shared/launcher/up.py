@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         opts = MeshOptions(
             model=str(model), host=args.host, port=args.port, served_model_name=args.served_model_name,
-            tokenizer=args.tokenizer, kvstore=args.kvstore, max_model_len=args.max_model_len,
+            tokenizer=args.tokenizer, max_model_len=args.max_model_len,
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
@@ -192,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
             **{"prefill": MeshOptions.prefill if args.prefill is None else args.prefill,
-               "decode": MeshOptions.decode if args.decode is None else args.decode, **pooling_options(args)},
+               "decode": MeshOptions.decode if args.decode is None else args.decode, "kvstore": args.kvstore,
+               **pooling_options(args)},
         )
     except (AssertionError, ConfigError, ValueError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
