@@ -75,7 +75,8 @@ def _sentence_transformers(model_dir: Path, texts: list[str], batch: int) -> dic
     body.tokenizer.padding_side = "left"  # last-token pooling reads the last position
     if body.tokenizer.pad_token is None:
         body.tokenizer.pad_token = body.tokenizer.eos_token
-    pooling = st_models.Pooling(body.get_word_embedding_dimension(), pooling_mode=_pooling_mode(model_dir))
+    dim = getattr(body, "get_embedding_dimension", None) or body.get_word_embedding_dimension  # renamed in 5.x
+    pooling = st_models.Pooling(dim(), pooling_mode=_pooling_mode(model_dir))
     st = SentenceTransformer(modules=[body, pooling, st_models.Normalize()], device="cpu")
     st.encode(texts[:batch], batch_size=batch)  # warm-up
     t0 = time.perf_counter()
