@@ -151,13 +151,14 @@ def run(args: argparse.Namespace) -> int:
             row[f"ratio_vs_{name}"] = server["tokens_per_s"] / ref["tokens_per_s"]
         server.pop("_first")
         report["levels"].append(row)
+        if args.json:  # after every level: a run cut short keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         st = row.get("sentence_transformers")
         print(f"concurrency {level:>3}: server {server['requests_per_s']:7.1f} req/s {server['tokens_per_s']:8.0f} tok/s"
               f" | transformers {row['transformers']['tokens_per_s']:8.0f} tok/s (x{row['ratio_vs_transformers']:.2f})"
               + (f" | sentence-transformers {st['tokens_per_s']:8.0f} tok/s (x{row['ratio_vs_sentence_transformers']:.2f})"
                  if st else " | sentence-transformers not installed"), flush=True)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"json: {args.json}")
     return 0 if all(r["server"]["requests"] for r in report["levels"]) else 1
