@@ -72,6 +72,9 @@ def _sentence_transformers(model_dir: Path, texts: list[str], batch: int) -> dic
     except ImportError:
         return None
     body = st_models.Transformer(str(model_dir))
+    # sentence-transformers renders text through a chat model's chat template (its "message" modality); the
+    # server embeds the text as it is, so the reference must too.
+    getattr(body, "modality_config", {}).pop("message", None)
     body.tokenizer.padding_side = "left"  # last-token pooling reads the last position
     if body.tokenizer.pad_token is None:
         body.tokenizer.pad_token = body.tokenizer.eos_token
