@@ -89,6 +89,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the simulated engine runs this many times faster than its profile (default 1)")
 
 
+def add_pooling_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's pooling flags, on the prefill worker only: a pooling request is a prefill with no decode."""
+    parser.add_argument("--runner", choices=["generate", "pooling"], default="generate",
+                        help="pooling: serve the model for embeddings, classification and reranking (no decode, no "
+                             "KV kept); only a prefill worker runs it")
+    parser.add_argument("--convert", choices=["auto", "embed", "classify"], default="auto",
+                        help="--runner pooling: what the model computes (auto: classify for a "
+                             "*ForSequenceClassification checkpoint, else embed)")
+    parser.add_argument("--pooler-config", default=None, metavar="JSON",
+                        help='--runner pooling: vLLM\'s pooler JSON, e.g. {"pooling_type": "MEAN", "normalize": false} '
+                             "(pooling_type LAST, MEAN or CLS; normalize; activation/softmax for classifiers)")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.threads:
         import torch

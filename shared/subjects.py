@@ -122,6 +122,12 @@ class Subjects:
     def prefill_load(self, worker_id: str) -> str:
         return self._at(f"prefill.load.{worker_token(worker_id)}")
 
+    @property
+    def prefill_pool(self) -> str:
+        """A pooling request (embed, classify): answered by a pooling runner's engine worker, in the prefill
+        queue group."""
+        return self._at("prefill.pool")
+
 
 # This process's model (a worker serves one; see the module docstring).
 CURRENT = Subjects(os.environ.get(NAMESPACE_ENV, ""))
@@ -147,6 +153,7 @@ PREFILL_PREFILL = CURRENT.prefill_prefill
 QUEUE_PREFILL = CURRENT.queue_prefill
 PREFILL_CANCEL = "kvmesh.prefill.cancel"  # fan-out, like DECODE_CANCEL
 PREFILL_LOAD_ALL = CURRENT.prefill_load_all
+PREFILL_POOL = CURRENT.prefill_pool
 
 # --- kvstore: any replica may answer (they share the disk tier)
 KVSTORE_PUT = "kvmesh.kvstore.put"

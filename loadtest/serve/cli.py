@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_dataset_arguments(p)
     opt.add_load_arguments(p)
     opt.add_output_arguments(p)
+    p.add_argument("--reference-model", default=None, metavar="DIR",
+                   help="--endpoint embeddings: the served checkpoint, run in process for the comparison")
 
 
 async def _run(args: argparse.Namespace, workload: Workload, slo: dict[str, float]) -> ServeReport:
@@ -49,6 +51,10 @@ async def _run(args: argparse.Namespace, workload: Workload, slo: dict[str, floa
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.endpoint == "embeddings":
+        from .embeddings import run as run_embeddings
+
+        return run_embeddings(args)
     try:
         slo = parse_goodput(args.goodput)
         workload = opt.build_workload(args)  # bad dataset flags fail before any network traffic

@@ -16,8 +16,9 @@ EOS_CHOICES = ["auto"] + [m.value for m in EosMode]
 
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("requests")
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="/v1/completions or /v1/chat/completions")
+    g.add_argument("--endpoint", choices=["completions", "chat", "embeddings"], default="completions",
+                   help="/v1/completions or /v1/chat/completions; embeddings: /v1/embeddings against the model in "
+                        "process (sentence-transformers and transformers; needs --reference-model)")
     g.add_argument("--no-stream", dest="stream", action="store_false", help="plain JSON responses (TTFT = E2E)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default $OPENAI_API_KEY)")
     g.add_argument("--temperature", type=float, default=0.0)

@@ -18,6 +18,9 @@ from services.gateway.openai_responses import ResponsesFormatter, ResponsesReque
 from services.gateway.health import HealthProbes, check_health
 from services.gateway.load_info import get_load, server_info
 from services.gateway.score import ScoreRequest, serve_score
+from services.gateway import pooling_api
+from services.gateway.pooling_schemas import (ClassifyRequest, CrossScoreRequest, EmbeddingRequest, PoolingRequest,
+                                              RerankRequest)
 from services.gateway.sglang_generate import GenerateFormatter, NativeGenerateRequest
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.sampling import first_message
@@ -37,6 +40,41 @@ async def _json_object(request: Request) -> dict:
     if not isinstance(raw, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
     return raw
+
+
+def _validated(schema, raw: dict):  # noqa: ANN001, ANN202
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as e:  # the same 400 as a route's own body validation
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+def register_pooling_routes(app: FastAPI, ctx: GatewayContext) -> None:
+    """The pooling model's routes (services/gateway/pooling_api.py); on a generative mesh they answer 400."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> JSONResponse:
+        return await pooling_api.serve_embeddings(ctx, body)
+
+    @app.post("/v1/rerank")
+    async def rerank_v1(body: RerankRequest) -> JSONResponse:
+        return await pooling_api.serve_rerank(ctx, body, "/v1/rerank")
+
+    @app.post("/rerank")
+    async def rerank(body: RerankRequest) -> JSONResponse:
+        return await pooling_api.serve_rerank(ctx, body, "/rerank")
+
+    @app.post("/score")
+    async def score_plain(body: CrossScoreRequest) -> JSONResponse:
+        return await pooling_api.serve_cross_score(ctx, body)
+
+    @app.post("/classify")
+    async def classify(body: ClassifyRequest) -> JSONResponse:
+        return await pooling_api.serve_classify(ctx, body)
+
+    @app.post("/pooling")
+    async def pooling(body: PoolingRequest) -> JSONResponse:
+        return await pooling_api.serve_pooling(ctx, body)
 
 
 def create_app(ctx: GatewayContext) -> FastAPI:
@@ -141,8 +179,15 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         return await health()
 
     @app.post("/v1/score")
-    async def score(body: ScoreRequest) -> JSONResponse:
+    async def score(request: Request) -> JSONResponse:
+        # A pooling model scores as vLLM's cross-encoder /score does; a generative one as SGLang's (label logprobs).
+        raw = await _json_object(request)
+        if ctx.config.pooling is not None:
+            return await pooling_api.serve_cross_score(ctx, _validated(CrossScoreRequest, raw))
+        body = _validated(ScoreRequest, raw)
         return await serve_score(ctx.for_model(body.model), body)
+
+    register_pooling_routes(app, ctx)
 
     @app.get("/get_load")
     async def load() -> JSONResponse:
@@ -155,7 +200,7 @@ def create_app(ctx: GatewayContext) -> FastAPI:
     @app.get("/get_model_info")
     async def model_info() -> JSONResponse:  # SGLang's: what its clients read before sending work
         return JSONResponse({"model_path": ctx.config.model_dir, "tokenizer_path": ctx.config.model_dir,
-                             "served_model_name": ctx.config.served_model_name, "is_generation": True,
+                             "served_model_name": ctx.config.served_model_name, "is_generation": ctx.config.pooling is None,
                              "max_model_len": ctx.max_model_len()})
 
     @app.api_route("/health_generate", methods=["GET", "POST"])

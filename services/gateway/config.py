@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.models.pooling_config import PoolingSpec
+
 ROUTING = ("kv", "round-robin")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -69,6 +71,8 @@ class GatewayConfig:
     routing: str = "kv"
     # The mesh's other models (`--model A --model B`), each on its own workers (services/gateway/served_models.py).
     more_models: tuple[ModelEntry, ...] = ()
+    # --runner pooling: the served model embeds or classifies (services/gateway/pooling_api.py); None: it generates.
+    pooling: PoolingSpec | None = None
 
     @property
     def models(self) -> tuple[ModelEntry, ...]:

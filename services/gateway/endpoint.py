@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
+from services.gateway.pooling_mode import not_generative
 from services.gateway.overload import admit
 from services.gateway.context import GatewayContext
 from services.gateway.errors import unavailable
@@ -38,6 +39,8 @@ class ClientGone(Exception):
 async def serve_generation(ctx: GatewayContext, request: Request, body: B, route: str,
                            prepare: Callable[[GatewayContext, B], Awaitable[Prepared]],
                            formatter: type[Formatter]) -> Response:
+    if ctx.config.pooling is not None:
+        raise not_generative(ctx, route)
     arrival = time.monotonic()
     ctx = ctx.for_model(body.model)  # the model's own tokenizer and workers; 404 model_not_found for an unknown one
     operation = "text_completion" if route in ("/v1/completions", "/generate") else "chat"

@@ -71,21 +71,23 @@ async def check_health(ctx: GatewayContext, probes: HealthProbes) -> tuple[bool,
     tokenizers = await asyncio.gather(*(probes.by_model[v.served_model_name].ok() for v in views))
     missing: list[str] = []
     several = len(views) > 1
+    pooling = ctx.config.pooling is not None  # a pooling model is served by prefill workers alone
     workers: list[str] = []
     per_model: dict[str, object] = {}
     for view, tokenizer in zip(views, tokenizers):
-        own = sorted(w.worker_id for w in view.router.alive())
+        alive = view.metrics.prefill_workers.alive() if pooling else view.router.alive()
+        own = sorted(w.worker_id for w in alive)
         workers += own
         suffix = f" ({view.served_model_name})" if several else ""
         if not tokenizer:
             missing.append("tokenizer" + suffix)
         if not own:
-            missing.append("decode" + suffix)
+            missing.append(("pooling worker" if pooling else "decode") + suffix)
         per_model[view.served_model_name] = {"tokenizer": tokenizer, "decode_workers": own}
     if ctx.draining:
         missing.append("gateway (shutting down)")
     status: dict[str, object] = {"status": "ok" if not missing else "unavailable", "tokenizer": all(tokenizers),
-                                 "decode_workers": sorted(workers)}
+                                 "pooling_workers" if pooling else "decode_workers": sorted(workers)}
     if several:
         status["models"] = per_model
     if missing:

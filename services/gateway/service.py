@@ -24,6 +24,7 @@ from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
 from services.gateway.input_lag import InputLag
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.pooling_mode import add_pooling_flags, pooling_from_args
 from services.gateway.router import Router, RouterConfig
 from services.gateway.served_models import ServedModel, ServedModels
 from shared import bus, subjects
@@ -81,14 +82,17 @@ class GatewayService(Service):
         metrics: GatewayMetrics | None = None
         for entry in cfg.models:
             tokenizer = await asyncio.to_thread(load_tokenizer, entry.model_dir)
-            model_config = load_model_config(entry.model_dir)
+            if cfg.pooling is not None and cfg.pooling.encoder:  # an encoder is no decoder: its sizes from the spec
+                vocab_size, longest = cfg.pooling.vocab_size, cfg.pooling.max_position_embeddings
+            else:
+                model_config = load_model_config(entry.model_dir)
+                vocab_size, longest = model_config.vocab_size, model_config.max_position_embeddings
             router = Router(RouterConfig(expiry_s=cfg.worker_expiry_s, max_waiting=cfg.max_waiting, policy=cfg.routing))
             name = entry.served_model_name
             metrics = GatewayMetrics(router, name) if metrics is None else metrics.for_model(name, router)
-            longest = model_config.max_position_embeddings
             models.append(ServedModel(
                 name=name, model_dir=entry.model_dir, subjects=Subjects(entry.namespace), tokenizer=tokenizer,
-                vocab_size=model_config.vocab_size, model_max_len=min(cfg.max_model_len or longest, longest),
+                vocab_size=vocab_size, model_max_len=min(cfg.max_model_len or longest, longest),
                 router=router, metrics=metrics, created=int(time.time())))
         return ServedModels(models)
 
@@ -228,6 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-tokens", type=int, default=None, metavar="TOKENS",
                         help="tokens of work one request may ask (its prompts plus n, best_of or beams x max_tokens); "
                              "default: 16 context lengths")
+    add_pooling_flags(parser)
     parser.add_argument("--routing", choices=ROUTING, default="kv",
                         help="kv (default): the decode worker caching most of the prompt, weighed by load; "
                              "round-robin: each alive worker in turn, blind to caches (a baseline)")
@@ -251,7 +256,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-        routing=args.routing, scheduling_policy=args.scheduling_policy,
+        routing=args.routing, scheduling_policy=args.scheduling_policy, pooling=pooling_from_args(args),
         trust_request_chat_template=args.trust_request_chat_template, max_request_tokens=args.max_request_tokens,
         trusted_hosts=tuple(h.strip() for h in args.trusted_hosts.split(",") if h.strip()) if args.trusted_hosts else None,
     ))

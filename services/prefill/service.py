@@ -28,8 +28,8 @@ from shared.kv_transport.outgoing import OutgoingTransfer
 from shared.protocol import errors as codes
 from shared.protocol.generate import CancelRequest, TokenLogprob
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
-from services.engine_args import (PREFILL_CHUNK_TOKENS, add_engine_arguments, engine_config_from_args,
-                                  engine_factory_from_args)
+from services.engine_args import (PREFILL_CHUNK_TOKENS, add_engine_arguments, add_pooling_arguments,
+                                  engine_config_from_args, engine_factory_from_args)
 from services.engine_worker import EngineWorker, default_worker_id
 
 log = logging.getLogger(__name__)
@@ -213,6 +213,7 @@ class PrefillService(EngineWorker):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    add_pooling_arguments(parser)
     parser.set_defaults(long_prefill_token_threshold=PREFILL_CHUNK_TOKENS)
     parser.add_argument("--worker-id", default=os.environ.get("KVMESH_WORKER_ID") or default_worker_id("prefill"))
     parser.add_argument("--no-kvstore", action="store_true")
@@ -220,6 +221,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> PrefillService:
+    if getattr(args, "runner", "generate") == "pooling":
+        from services.prefill.pooling_service import build_pooling
+
+        return build_pooling(args)  # type: ignore[return-value]
     service = PrefillService(engine_config_from_args(args), PrefillSettings(
         worker_id=args.worker_id, use_kvstore=not args.no_kvstore, kv_transfer_timeout_s=args.kv_transfer_timeout))
     service.engine_factory = engine_factory_from_args(args)

@@ -93,7 +93,7 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
     for ns in namespaces:
         m = s.Subjects(ns)
         publish += {
-            "gateway": [m.tokenizer_encode, m.tokenizer_decode, m.decode_generate_any],
+            "gateway": [m.tokenizer_encode, m.tokenizer_decode, m.decode_generate_any, m.prefill_pool],
             "tokenizer": [],
             "decode": [m.decode_events(w) if w != "*" else m.decode_events_all,
                        m.decode_load(w) if w != "*" else m.decode_load_all,
@@ -107,7 +107,7 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
             "decode": [_queued(m.decode_generate_any, m.queue_decode),
                        _queued(f"kvmesh.decode.generate.{w}", f"{m.queue_decode}.{w}"),
                        _queued(f"kvmesh.decode.replay.{w}", f"{m.queue_decode}.{w}"), m.decode_suffix_all],
-            "prefill": [_queued(m.prefill_prefill, m.queue_prefill)],
+            "prefill": [_queued(m.prefill_prefill, m.queue_prefill), _queued(m.prefill_pool, m.queue_prefill)],
             "kvstore": [],
         }[role]
     # Subjects every model shares: per-worker subjects (worker ids are unique in the mesh), cancels, the kvstore.

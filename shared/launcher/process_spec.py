@@ -108,14 +108,25 @@ class MeshOptions:
     # Other hosts join this mesh with their workers (`kvmesh up --write-join`): it may start with no decode
     # worker of its own.
     remote_workers: bool = False
+    # "pooling": the model embeds or classifies; the mesh runs prefill workers in the pooling runner and no
+    # decode worker (a pooling request is a prefill with no decode). convert / pooler_config: vLLM's flags.
+    runner: str = "generate"
+    convert: str | None = None
+    pooler_config: str | None = None
 
     def __post_init__(self) -> None:
         for name in SERVICES:
             assert self.replicas(name) >= 0, f"--{name} must be >= 0"
-        assert self.tokenizer >= 1 and (self.decode >= 1 or self.remote_workers), \
-            "the mesh needs at least one tokenizer and one decode worker"
-        # Decode workers on other hosts (a join file) serve only the first model.
-        assert all(m.decode >= 1 for m in self.more_models), "each model needs at least one decode worker"
+        assert self.runner in ("generate", "pooling"), "--runner must be generate or pooling"
+        if self.runner == "pooling":
+            assert self.tokenizer >= 1 and self.prefill >= 1 and self.decode == 0, \
+                "a pooling mesh needs at least one tokenizer and one prefill (pooling) worker, and no decode worker"
+            assert not self.more_models, "--runner pooling serves one model"
+        else:
+            assert self.tokenizer >= 1 and (self.decode >= 1 or self.remote_workers), \
+                "the mesh needs at least one tokenizer and one decode worker"
+            # Decode workers on other hosts (a join file) serve only the first model.
+            assert all(m.decode >= 1 for m in self.more_models), "each model needs at least one decode worker"
         assert self.remote_prefill_threshold is None or self.remote_prefill_threshold >= 0
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
@@ -398,6 +409,12 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--engine", "sim", "--sim-speed", f"{opts.sim_speed:g}"]
             if opts.sim_profile:
                 args += ["--sim-profile", opts.sim_profile]
+    if opts.runner == "pooling" and service in ("prefill", "gateway"):
+        args += ["--runner", "pooling"]
+        if opts.convert:
+            args += ["--convert", opts.convert]
+        if opts.pooler_config:
+            args += ["--pooler-config", opts.pooler_config]
     if opts.log_level:
         args += ["--log-level", opts.log_level]
     return tuple(args)

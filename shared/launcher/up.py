@@ -38,6 +38,7 @@ from shared.private_dir import UnsafeDirectory, private_dir, user_cache_dir
 from shared.salt_tag import model_salts, salt_tag
 from shared.engine.sim_profile import ProfileError
 from shared.launcher.planned import start_planner
+from shared.launcher.pooling_mesh import add_pooling_arguments, pooling_options
 from shared.launcher.process_spec import (DEFAULT_MODEL, DEFAULT_PORT, ENGINE_SERVICES, MODEL_SERVICES,
                                           PACK_IDENTITIES_ENV, SERVICES, MeshOptions, ProcessSpec, ServiceSpec,
                                           mesh_services)
@@ -203,6 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(its launcher starts and drains them) instead of this host's")
     parser.add_argument("--host-name", default=None, metavar="NAME",
                         help="--join: this host's tag in its worker names (default: the hostname)")
+    add_pooling_arguments(parser)
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -224,10 +226,10 @@ def run(args: argparse.Namespace) -> int:
                                {r: getattr(args, r) for r in COUNT_ROLES},
                                {r: getattr(MeshOptions, r) for r in COUNT_ROLES})
         first = models[0]
+        pooling = pooling_options(args, first.prefill if args.prefill is not None else None)
         opts = MeshOptions(
             model=str(model), host=args.host, port=args.port, served_model_name=first.served_model_name,
-            prefill=first.prefill, decode=first.decode, tokenizer=first.tokenizer, more_models=models[1:],
-            kvstore=args.kvstore, max_model_len=args.max_model_len,
+            tokenizer=first.tokenizer, more_models=models[1:], max_model_len=args.max_model_len,
             remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
@@ -245,9 +247,11 @@ def run(args: argparse.Namespace) -> int:
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
             remote_workers=bool(args.write_join or args.join),
+            # a pooling mesh (--runner pooling) has its own worker counts: prefill workers only, no kvstore
+            **({"prefill": first.prefill, "decode": first.decode, "kvstore": args.kvstore} | pooling),
         )
         opts = opts.with_models(tuple(replace(m, max_model_len=args.max_model_len) for m in opts.models))
-    except (AssertionError, ConfigError, ModelFlagError) as e:
+    except (AssertionError, ConfigError, ModelFlagError, ValueError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return 2
     if opts.engine == "sim":
@@ -338,8 +342,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvmesh up: {e}", file=sys.stderr)
         return EXIT_CONFIG
     # A remote-prefill threshold asks for prefill workers as --prefill does (without them it would only time out).
-    opts, note = cpu_default_layout(opts, args.prefill is not None or args.remote_prefill_threshold is not None,
-                                    planned=planner is not None)
+    opts, note = cpu_default_layout(opts, args.prefill is not None or args.remote_prefill_threshold is not None
+                                    or opts.runner == "pooling", planned=planner is not None)
     if note:
         print(note, flush=True)
     if args.dry_run:
@@ -507,7 +511,7 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
     def on_config_failure(name: str) -> None:
         # Prefill workers are optional (decode prefills locally without them); a decode worker whose
         # configuration cannot work means every decode worker fails the same way: stop the mesh.
-        if name.startswith("decode"):
+        if name.startswith("decode") or (opts.runner == "pooling" and name.startswith("prefill")):
             config_failures.append(name)
             stop.set()
 

@@ -126,6 +126,9 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise CheckpointError(path, "config.json", f"invalid JSON: {e}") from None
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
+    if isinstance(arch, str) and arch.endswith("ForSequenceClassification"):
+        # A classifier is its causal LM's body with a score head instead of lm_head (shared/models/llama_pooling.py).
+        arch = arch.removesuffix("ForSequenceClassification") + "ForCausalLM"
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             path, "architectures", f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
