@@ -29,12 +29,17 @@ def lora_shrink_expand_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b:
     """Torch twin: y[i] += (x[i] @ a[slots[i]].T) @ b[slots[i]].T for each row with slots[i] >= 0, in place.
     y [rows, out] (may be a column slice of a wider output), x [rows, in], a [S, R, in], b [S, out, R]."""
     check_lora(y, x, a, b, slots)
-    for s in torch.unique(slots).tolist():
+    used = torch.unique(slots).tolist()
+    if len(used) == 1:  # every row the same adapter (or none): plain matmuls, no gather or scatter
+        if used[0] >= 0:
+            y.add_(((x @ a[used[0]].t()) @ b[used[0]].t()).to(y.dtype))
+        return
+    for s in used:
         if s < 0:
             continue
         rows = (slots == s).nonzero().squeeze(1)
-        t = x.index_select(0, rows) @ a[s].t()
-        y.index_add_(0, rows, (t @ b[s].t()).to(y.dtype))
+        # index_put (y[rows] += ...): index_add_ into a column slice of the fused output is ~100x slower on CPU.
+        y[rows] += ((x.index_select(0, rows) @ a[s].t()) @ b[s].t()).to(y.dtype)
 
 
 def check_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:

@@ -43,6 +43,11 @@ class GatewayConfig:
     # "kv": the worker caching most of the prompt, weighed by load (router.py); "round-robin": the next alive
     # worker in turn, blind to caches (the baseline KV-aware routing is measured against: `kvmesh bench scale`).
     routing: str = "kv"
+    # LoRA adapters (services/gateway/lora_adapters.py): served at all; loaded at start, (name, path) each; the
+    # runtime load/unload API on (services/gateway/lora_routes.py).
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         assert self.routing in ROUTING, f"routing must be one of {', '.join(ROUTING)}"

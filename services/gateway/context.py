@@ -12,6 +12,7 @@ from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
 from services.gateway.config import GatewayConfig
+from services.gateway.lora_adapters import LoRAAdapters
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.retry_after import RetryAdvice
 from services.gateway.router import Router
@@ -36,7 +37,8 @@ class GatewayContext:
     # The lag above which admission refuses, given --max-input-lag (InputLag.limit: the bound or the machine's floor).
     input_lag_limit_s: Callable[[float], float] = lambda bound: bound
     in_flight: int = 0
-    retry: RetryAdvice = field(default_factory=RetryAdvice)  # Retry-After of the requests admission refuses
+    retry: RetryAdvice = field(default_factory=RetryAdvice)
+    loras: LoRAAdapters = field(default_factory=lambda: LoRAAdapters(""))  # the mesh's LoRA adapters  # Retry-After of the requests admission refuses
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
 

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import uvicorn
@@ -23,6 +24,9 @@ from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
 from services.gateway.input_lag import InputLag
+from services.gateway.lora_adapters import LoRAAdapters
+from services.gateway.lora_routes import send_update
+from shared.engine.lora_config import add_lora_arguments, parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router, RouterConfig
 from shared import bus, subjects
@@ -81,6 +85,8 @@ class GatewayService(Service):
             model_max_len=min(cfg.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings),
             router=router, metrics=GatewayMetrics(router, cfg.served_model_name),
             tracer=trace.get_tracer("kvmesh.gateway"), created=int(time.time()),
+            loras=LoRAAdapters(cfg.served_model_name, cfg.enable_lora, cfg.allow_runtime_lora_updating,
+                               cfg.lora_modules),
         )
         ctx.metrics.max_inflight.labels(ctx.metrics.model).set(cfg.max_inflight_requests)
         self._input_lag = InputLag(nc)
@@ -115,11 +121,13 @@ class GatewayService(Service):
         async def on_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
             if believable(beat, msg, "decode"):
                 router.on_beat(beat)
+                ctx.loras.on_beat(beat, partial(send_update, ctx))
 
         async def on_prefill_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
             router.heard()  # the gateway hears beats: the router judges decode workers' silence by it
             if believable(beat, msg, "prefill"):
                 ctx.metrics.prefill_workers.on_beat(beat)
+                ctx.loras.on_beat(beat, partial(send_update, ctx))
 
         # Mesh state, not any request's work: no span per beat or block event (shared/bus/server.py, subscribe).
         self._subs = [
@@ -214,6 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=ROUTING, default="kv",
                         help="kv (default): the decode worker caching most of the prompt, weighed by load; "
                              "round-robin: each alive worker in turn, blind to caches (a baseline)")
+    add_lora_arguments(parser, engine=False, gateway=True)
 
 
 def build(args: argparse.Namespace) -> GatewayService:
@@ -226,7 +235,8 @@ def build(args: argparse.Namespace) -> GatewayService:
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-        routing=args.routing,
+        routing=args.routing, enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     ))
 
 

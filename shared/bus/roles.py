@@ -76,7 +76,8 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
     own_inbox = f"{inbox_prefix(user or role)}.>"
     publish = {
         "gateway": [s.TOKENIZER_ENCODE, s.TOKENIZER_DECODE, s.DECODE_GENERATE, "kvmesh.decode.generate.*",
-                    "kvmesh.decode.replay.*", s.DECODE_CANCEL, s.PREFILL_CANCEL, SERVICE_DISCOVERY],
+                    "kvmesh.decode.replay.*", s.DECODE_CANCEL, s.PREFILL_CANCEL, SERVICE_DISCOVERY,
+                    "kvmesh.lora.update.*"],
         "tokenizer": [],
         "decode": [f"kvmesh.decode.events.{w}", f"kvmesh.decode.load.{w}", f"kvmesh.decode.suffix.{w}",
                    s.PREFILL_PREFILL, s.PREFILL_CANCEL,
@@ -90,8 +91,8 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
         "decode": [_queued(s.DECODE_GENERATE, s.QUEUE_DECODE),
                    _queued(f"kvmesh.decode.generate.{w}", f"{s.QUEUE_DECODE}.{w}"),
                    _queued(f"kvmesh.decode.replay.{w}", f"{s.QUEUE_DECODE}.{w}"),
-                   s.DECODE_CANCEL, f"kvmesh.decode.kv.push.{w}", s.DECODE_SUFFIX_ALL],
-        "prefill": [_queued(s.PREFILL_PREFILL, s.QUEUE_PREFILL), s.PREFILL_CANCEL],
+                   s.DECODE_CANCEL, f"kvmesh.decode.kv.push.{w}", s.DECODE_SUFFIX_ALL, f"kvmesh.lora.update.{w}"],
+        "prefill": [_queued(s.PREFILL_PREFILL, s.QUEUE_PREFILL), s.PREFILL_CANCEL, f"kvmesh.lora.update.{w}"],
         "kvstore": [_queued(subject, s.QUEUE_KVSTORE) for subject in _kvstore()],
     }[role]
     subscribe.append(SERVICE_DISCOVERY)  # every service (the gateway too) answers nats.micro's PING/INFO/STATS

@@ -58,3 +58,62 @@ def parse_lora_modules(items: list[str] | None) -> tuple[tuple[str, str], ...]:
             raise ConfigError(f"--lora-modules: the name {name!r} is given twice")
         out.append((name, path))
     return tuple(out)
+
+
+RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's variable; the flag is the same switch
+
+
+def add_lora_arguments(parser, engine: bool = True, gateway: bool = False) -> None:  # noqa: ANN001 - argparse
+    """vLLM's LoRA flags: the engine workers' (engine), the gateway's (gateway), or both (`kvmesh up`)."""
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (requests name one by model)")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+                        help="PEFT adapters loaded at start: name=path, or JSON {\"name\": ..., \"path\": ...}; each "
+                             "is listed in /v1/models with the base model as its parent")
+    if engine:
+        parser.add_argument("--max-loras", type=int, default=1,
+                            help="adapters one step computes with (device slots; default 1)")
+        parser.add_argument("--max-lora-rank", type=int, default=16,
+                            help="largest adapter rank served; a larger one is refused at load (default 16)")
+        parser.add_argument("--max-cpu-loras", type=int, default=None,
+                            help="adapters whose weights stay in host memory, least recently used dropped and read "
+                                 "from disk again on demand (default: --max-loras)")
+    if gateway:
+        import os
+
+        parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                            default=os.environ.get(RUNTIME_UPDATES_ENV, "").lower() in ("1", "true"),
+                            help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (env "
+                                 f"{RUNTIME_UPDATES_ENV}=True)")
+
+
+def lora_service_args(args, engine: bool) -> list[str]:  # noqa: ANN001 - `kvmesh up`'s namespace
+    """The LoRA flags `kvmesh up` passes on to an engine worker (engine) or the gateway; [] without --enable-lora.
+    Adapter paths are made absolute (a worker may start elsewhere)."""
+    import os
+
+    modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    if not getattr(args, "enable_lora", False):
+        if modules:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        return []
+    out = ["--enable-lora"]
+    if modules:
+        out += ["--lora-modules", *(f"{n}={os.path.abspath(p)}" for n, p in modules)]
+    if engine:
+        out += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+        if args.max_cpu_loras is not None:
+            out += ["--max-cpu-loras", str(args.max_cpu_loras)]
+        LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)  # checked here, not in a crash loop
+    elif args.allow_runtime_lora_updating:
+        out.append("--allow-runtime-lora-updating")
+    return out
+
+
+def lora_config_from_args(args) -> LoRAConfig | None:  # noqa: ANN001 - argparse's namespace
+    modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    if not getattr(args, "enable_lora", False):
+        if modules:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        return None
+    return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                      modules=modules)

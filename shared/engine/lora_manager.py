@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.lora_shrink_expand import lora_shrink_expand
+from shared.engine.errors import ConfigError
 from shared.engine.lora_config import LoRAConfig
 from shared.models.lora_files import AdapterError, AdapterFiles, ModelShapes, inspect_adapter
 from shared.models.lora_weights import AdapterWeights, read_adapter
@@ -104,12 +105,17 @@ class LoRAManager:
         self.targeted: set[str] = set()  # projections some slotted adapter adapts (others are skipped)
         self.rows: torch.Tensor | None = None  # the step's per-row slots; None: no adapter row this step
         self.stats = LoRAStats()
+        self.loaded: tuple[str, ...] = ()  # the registry's names, replaced whole (read by other threads: beats)
+        self.resident: tuple[str, ...] = ()  # ... of them, those in a slot or the host cache (no disk read to start)
         for i, layer in enumerate(model.layers):
             hook = LayerLoRA(self, i)
             layer.self_attn.lora = hook
             layer.mlp.lora = hook
         for name, path in config.modules:
-            self.add(name, path)
+            try:
+                self.add(name, path)
+            except AdapterError as e:  # a bad adapter at start stops the worker; restarting would not help
+                raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
 
     @property
     def nbytes(self) -> int:
@@ -119,13 +125,18 @@ class LoRAManager:
     # --- the registry ---------------------------------------------------------------------------
 
     def add(self, name: str, path: str) -> Adapter:
-        """Check and read an adapter, then register it (raises AdapterError, changing nothing)."""
-        if name in self.registry:
-            raise AdapterError(f"an adapter named {name!r} is already loaded")
+        """Check and read an adapter, then register it (raises AdapterError, changing nothing). The same name
+        and files again is a no-op (a gateway making sure a worker that joined late holds it)."""
         files = inspect_adapter(path, self.shapes, self.config.max_lora_rank)
+        held = self.registry.get(name)
+        if held is not None:
+            if held.digest == files.digest:
+                return held
+            raise AdapterError(f"an adapter named {name!r} is already loaded (from other files)")
         adapter = Adapter(name, files)
         self._cache(adapter, read_adapter(files, self.dtype))
         self.registry[name] = adapter
+        self._names_changed()
         log.info("LoRA adapter %s loaded from %s (rank %d, %s)", name, files.path, files.rank, ", ".join(files.targets))
         return adapter
 
@@ -134,6 +145,7 @@ class LoRAManager:
         adapter = self.registry.pop(name, None)
         if adapter is None:
             raise AdapterError(f"no adapter named {name!r} is loaded")
+        self._names_changed()
         log.info("LoRA adapter %s unloaded", name)
 
     def adapter(self, name: str) -> Adapter:
@@ -154,6 +166,12 @@ class LoRAManager:
         self.stats.disk_reads += 1
         while len(self.host) > self.config.host_capacity:
             self.host.popitem(last=False)
+        self._names_changed()
+
+    def _names_changed(self) -> None:
+        self.loaded = tuple(sorted(self.registry))
+        near = set(self.host) | {a.uid for a in self.slots if a is not None}
+        self.resident = tuple(sorted(n for n, a in self.registry.items() if a.uid in near))
 
     def _weights(self, adapter: Adapter) -> AdapterWeights:
         w = self.host.get(adapter.uid)
@@ -191,6 +209,7 @@ class LoRAManager:
         self.slot_use.move_to_end(free)
         self.stats.slot_loads += 1
         self.targeted = {t for held in self.slots if held is not None for t in held.files.targets}
+        self._names_changed()
         return free
 
     def prepare(self, plan, order: list[int]) -> bool:  # noqa: ANN001 - the step's [(Sequence, tokens)]

@@ -74,6 +74,9 @@ class MeshOptions:
     speculative_config: str | None = None
     # Decode workers publish finished outputs to each other's suffix tables (needs suffix speculation).
     share_suffix_outputs: bool = False
+    # LoRA flags passed on as they are (shared/engine/lora_config.py lora_service_args): engine workers', gateway's.
+    lora_engine_args: tuple[str, ...] = ()
+    lora_gateway_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in SERVICES:
@@ -257,6 +260,7 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--routing", opts.routing]
         if opts.max_inflight_requests is not None:
             args += ["--max-inflight-requests", str(opts.max_inflight_requests)]
+        args += opts.lora_gateway_args
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
     if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name:
@@ -286,6 +290,7 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--max-model-len", str(opts.max_model_len)]
         if opts.max_num_seqs:
             args += ["--max-num-seqs", str(opts.max_num_seqs)]
+        args += opts.lora_engine_args
         if opts.quantization:
             args += ["--quantization", opts.quantization]
         tp = opts.decode_tp if service == "decode" else opts.prefill_tp

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG, ConfigError
+from shared.engine.lora_config import add_lora_arguments, lora_service_args
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
                                      plan_mesh, worker_needs)
 from shared.launcher.cpu_layout import cpu_default_layout
@@ -156,6 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-grace", type=float, default=5.0, metavar="S",
                         help="planner: seconds a removed worker may finish its requests before the rest move to "
                              "other workers (default 5)")
+    add_lora_arguments(parser, engine=True, gateway=True)
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -191,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             decode_tp=args.decode_tp or args.tensor_parallel_size,
             prefill_tp=args.prefill_tp or args.tensor_parallel_size,
+            lora_engine_args=tuple(lora_service_args(args, engine=True)),
+            lora_gateway_args=tuple(lora_service_args(args, engine=False)),
         )
     except (AssertionError, ConfigError) as e:
         print(f"kvmesh up: {e}", file=sys.stderr)
