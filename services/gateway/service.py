@@ -26,7 +26,7 @@ from services.gateway.context import GatewayContext
 from services.gateway.input_lag import InputLag
 from services.gateway.lora_adapters import LoRAAdapters
 from services.gateway.lora_routes import send_update
-from shared.engine.lora_config import add_lora_arguments, parse_lora_modules
+from shared.engine.lora_config import add_lora_arguments, lora_enabled, parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router, RouterConfig
 from shared import bus, subjects
@@ -235,7 +235,7 @@ def build(args: argparse.Namespace) -> GatewayService:
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,
         migration_limit=args.migration_limit, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
-        routing=args.routing, enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
+        routing=args.routing, enable_lora=lora_enabled(args), lora_modules=parse_lora_modules(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     ))
 

@@ -65,7 +65,8 @@ RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's variable; the
 
 def add_lora_arguments(parser, engine: bool = True, gateway: bool = False) -> None:  # noqa: ANN001 - argparse
     """vLLM's LoRA flags: the engine workers' (engine), the gateway's (gateway), or both (`kvmesh up`)."""
-    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (requests name one by model)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (requests name one by model; implied by --lora-modules)")
     parser.add_argument("--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
                         help="PEFT adapters loaded at start: name=path, or JSON {\"name\": ..., \"path\": ...}; each "
                              "is listed in /v1/models with the base model as its parent")
@@ -86,15 +87,18 @@ def add_lora_arguments(parser, engine: bool = True, gateway: bool = False) -> No
                                  f"{RUNTIME_UPDATES_ENV}=True)")
 
 
+def lora_enabled(args) -> bool:  # noqa: ANN001 - argparse's namespace
+    """--enable-lora, or adapters given with --lora-modules (which can only mean serving them)."""
+    return bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None))
+
+
 def lora_service_args(args, engine: bool) -> list[str]:  # noqa: ANN001 - `kvmesh up`'s namespace
     """The LoRA flags `kvmesh up` passes on to an engine worker (engine) or the gateway; [] without --enable-lora.
     Adapter paths are made absolute (a worker may start elsewhere)."""
     import os
 
     modules = parse_lora_modules(getattr(args, "lora_modules", None))
-    if not getattr(args, "enable_lora", False):
-        if modules:
-            raise ConfigError("--lora-modules needs --enable-lora")
+    if not lora_enabled(args):
         return []
     out = ["--enable-lora"]
     if modules:
@@ -111,9 +115,7 @@ def lora_service_args(args, engine: bool) -> list[str]:  # noqa: ANN001 - `kvmes
 
 def lora_config_from_args(args) -> LoRAConfig | None:  # noqa: ANN001 - argparse's namespace
     modules = parse_lora_modules(getattr(args, "lora_modules", None))
-    if not getattr(args, "enable_lora", False):
-        if modules:
-            raise ConfigError("--lora-modules needs --enable-lora")
+    if not lora_enabled(args):
         return None
     return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                       modules=modules)
