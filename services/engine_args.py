@@ -5,6 +5,7 @@ import argparse
 import os
 
 from shared.config import EngineConfig
+from shared.engine.lora_config import add_lora_arguments, lora_config_from_args
 from shared.spec_config import SpeculativeConfig
 
 
@@ -69,6 +70,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "compiled at start (~20 s a graph, two graphs): auto = when serving bfloat16 on CPU; "
                              "default off (not faster than eager as measured so far; env KVMESH_CPU_COMPILE)")
     parser.add_argument("--served-model-name", default=None, help="model id folded into block hashes")
+    add_lora_arguments(parser)
     # Not a flag (it would show in `ps`): the mesh's secret, folded into every block hash so nobody can
     # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
     parser.set_defaults(cache_salt=os.environ.get("KVMESH_CACHE_SALT", ""))
@@ -119,7 +121,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
                         cpu_compile=getattr(args, "cpu_compile", "off"),
-                        async_scheduling=getattr(args, "async_scheduling", None))
+                        async_scheduling=getattr(args, "async_scheduling", None),
+                        lora=lora_config_from_args(args))
 
 
 def engine_factory_from_args(args: argparse.Namespace):  # noqa: ANN201 - Callable[[EngineConfig], LLMEngine]

@@ -28,6 +28,7 @@ from shared.protocol.generate import RequestTimings
 from shared.service_runner import Service
 from services import tp_rank
 from services.load_beats import LoadBeats, load_beat
+from services.lora_updates import serve_lora_updates
 
 STATS_WAIT_S = 0.2  # how long a beat waits for the engine to be between steps
 
@@ -74,6 +75,8 @@ class EngineWorker(Service):
         else:
             self.transport = NatsKVTransport(nc)
         self.beats = LoadBeats(self.beat_interval_s, self._load_snapshot, self._publish_load)
+        # Runtime LoRA loads and unloads from the gateway (services/lora_updates.py), on this worker's own subject.
+        self.lora_updates = await serve_lora_updates(nc, self.worker_id, self.thread, self.beats.changed)
 
     def _build_engine(self) -> LLMEngine:
         engine = (self.engine_factory or mesh_engine)(self.engine_config)
@@ -110,7 +113,8 @@ class EngineWorker(Service):
                          e.block_manager.root, e.max_model_len, kv_dtype, off.submitted if off else 0,
                          off.dropped if off else 0, self.host_hit_tokens,
                          e.tiers.host_bytes,
-                         self.transport.endpoint or "", self.kv_push, self.nc.stats["reconnects"])
+                         self.transport.endpoint or "", self.kv_push, self.nc.stats["reconnects"],
+                         *lora_names(getattr(e, "lora", None)))
 
     async def wait_closed(self) -> None:
         """Ends the service (non-zero exit, so a supervisor restarts it) if the engine thread crashed."""
@@ -158,6 +162,11 @@ class EngineWorker(Service):
     @property
     def kvstore_hit_tokens(self) -> int:
         return self.lookup.kvstore_hit_tokens
+
+
+def lora_names(manager) -> tuple[list[str], list[str]]:  # noqa: ANN001 - a LoRAManager or None
+    """(adapters held, adapters resident) for a beat."""
+    return (list(manager.loaded), list(manager.resident)) if manager is not None else ([], [])
 
 
 def to_wire(event: BlockEvent, worker_id: str) -> BlockStored | BlockRemoved:

@@ -77,7 +77,8 @@ class LoadBeats:
 def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens: int, block_size: int,
               hash_root: bytes, max_model_len: int, kv_cache_dtype: str, offloaded: int = 0,
               offload_dropped: int = 0, host_hit_tokens: int = 0, host_bytes: int = 0,
-              kv_endpoint: str = "", kv_push: PushStats | None = None, bus_reconnects: int = 0) -> LoadBeat:
+              kv_endpoint: str = "", kv_push: PushStats | None = None, bus_reconnects: int = 0,
+              lora_adapters: list[str] | None = None, lora_resident: list[str] | None = None) -> LoadBeat:
     push = kv_push or PushStats()
     hist = stats.iteration_tokens
     spec = stats.spec_decode
@@ -94,7 +95,8 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes, kv_endpoint=kv_endpoint,
         kv_pushes=push.pushes, kv_push_bytes=push.bytes, kv_push_wait_seconds=push.wait_s,
         kv_handout_seconds=stats.kv_handout_seconds,
-        bus_reconnects=bus_reconnects,
+        bus_reconnects=bus_reconnects, lora_adapters=lora_adapters or [],
+        lora_resident=lora_resident or [],
         spec_num_drafts=spec.num_drafts if spec else 0, spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos) if spec else [],

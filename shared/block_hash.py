@@ -28,6 +28,15 @@ def salted_root(root: BlockHash, salt: str | None) -> BlockHash:
     return hashlib.blake2b(root + b"|salt|" + salt.encode(), digest_size=DIGEST_SIZE).digest()
 
 
+def lora_root(root: BlockHash, adapter_digest: str | None) -> BlockHash:
+    """A request's root under a LoRA adapter (its digest: the adapter's config and weight bytes,
+    shared/models/lora_files.py): KV computed with an adapter differs from the base model's and every other
+    adapter's, so its blocks hash apart on every tier, in every prefix hit and KV transfer."""
+    if not adapter_digest:
+        return root
+    return hashlib.blake2b(root + b"|lora|" + adapter_digest.encode(), digest_size=DIGEST_SIZE).digest()
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
     # Fixed-width little-endian ids: the byte string is the same on every platform.

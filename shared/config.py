@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engine.errors import ConfigError
+from shared.engine.lora_config import LoRAConfig
 from shared.spec_config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,6 +68,8 @@ class EngineConfig:
     # Schedule and build step n+1 while step n computes (shared/engine/async_step.py): None is on for CUDA devices
     # and off on CPU (where torch runs synchronously, so there is nothing to overlap); True also on CPU.
     async_scheduling: bool | None = None
+    # LoRA adapters (shared/engine/lora_manager.py): None, none served (--enable-lora off).
+    lora: LoRAConfig | None = None
 
     def _checkpoint_quantization(self) -> str | None:
         """awq/gptq/fp8 when the checkpoint is quantized (its quantization_config) or --quantization fp8 quantizes
@@ -101,6 +104,8 @@ class EngineConfig:
         assert self.max_num_seqs > 0
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor-parallel size must be >= 1, got {self.tensor_parallel_size}")
+        if self.lora is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("LoRA adapters are not served with tensor parallelism yet (the slots are not sharded)")
         assert self.max_num_batched_tokens > 0
         assert self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0"
         assert self.load_format in ("auto", "dummy"), f"unknown load_format {self.load_format!r}"

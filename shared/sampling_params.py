@@ -102,6 +102,9 @@ class SamplingParams(WireModel):
     # Per-request prefix-cache isolation (vLLM's cache_salt): folded into the first block's hash, so every
     # tier (device, host, kvstore) keys this request's blocks apart from other salts' and unsalted ones.
     cache_salt: str | None = None
+    # The LoRA adapter to compute with, by its served name (None: the base model). Prefill and decode workers
+    # resolve it in their own registry; its digest enters the block hashes (shared/block_hash.py lora_root).
+    lora_name: str | None = None
     # Output shaping, applied where text is made (the gateway's detokenizer and stop matcher): keep the
     # stop string or stop token's text (vLLM's include_stop_str_in_output, SGLang's no_stop_trim);
     # special tokens' text; with it kept, false writes adjacent special tokens bare (vLLM's rule,

@@ -169,6 +169,11 @@ def decode_generate(worker_id: str) -> str:
     return f"kvmesh.decode.generate.{worker_token(worker_id)}"
 
 
+def lora_update(worker_id: str) -> str:
+    """LoRA adapter loads and unloads for one engine worker, decode or prefill (shared/protocol/lora.py)."""
+    return f"kvmesh.lora.update.{worker_token(worker_id)}"
+
+
 def decode_replay(worker_id: str) -> str:
     """Replay requests for the streams one decode worker serves (services/decode/replay.py)."""
     return f"kvmesh.decode.replay.{worker_token(worker_id)}"

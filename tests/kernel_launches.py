@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+from shared.engine.lora_config import LoRAConfig
+from shared.engine.lora_manager import LoRAManager
+
 from kernels.aot import LaunchRecorder
 from kernels.extend_attention import candidate_tiles, extend_attention_triton
 from kernels.rotary import rotary
@@ -76,6 +79,8 @@ def record_shape(root: Path, name: str, kv_cache_dtype: str, batch: int = 64) ->
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(3, cfg.num_kv_heads, cfg.head_dim)
         rotary(q, k, torch.arange(3), engine.model.cos_sin)
         store_kv(k, v, kc, vc, torch.tensor([0, 1, -1]))
+        # Batched multi-LoRA at every projection of the shape, as an engine with --enable-lora warms it up.
+        LoRAManager(LoRAConfig(), engine.model, "cpu").warm_up()
         # Every tiling tune_extend_tiles may choose on a GPU at this shape (the engine launched the default).
         one = torch.tensor([0, 3], dtype=torch.int32)
         for tiles in candidate_tiles(cfg.head_dim):

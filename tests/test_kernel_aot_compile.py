@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed"
 
 ARCHS = [80, 90, 100]
 EVERY_KERNEL = {"_qk_rope_store_kernel", "_store_kv_kernel", "_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel",
-                "_extend_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_apply_bitmask_kernel"}
+                "_extend_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_apply_bitmask_kernel",
+                "_lora_shrink_kernel", "_lora_expand_kernel"}
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, with or without /v1")
-    p.add_argument("--model", required=True, help="model name as the server knows it")
+    p.add_argument("--model", required=True,
+                   help="model name as the server knows it; a,b,c: requests take the names in turn (e.g. LoRA adapters)")
     opt.add_request_arguments(p)
     opt.add_dataset_arguments(p)
     opt.add_load_arguments(p)

@@ -117,6 +117,9 @@ async def send(
 ) -> RequestResult:
     """Fill r in place. Never raises except CancelledError: every failure becomes r.error."""
     body = build_body(ep, prompt, history, r.requested_output_tokens)
+    models = ep.model.split(",")
+    if len(models) > 1:  # --model a,b,c: requests take the names in turn (LoRA adapters of one base, say)
+        body["model"] = models[r.job % len(models)]
     t0 = time.perf_counter()
     r.start = t0 - origin
     try:

@@ -55,7 +55,7 @@ class Message:
 
 def build_body(ep: Endpoint, prompt: Prompt, history: list[Message], max_tokens: int) -> dict:
     """history: earlier turns of a multi-turn conversation (empty for single-shot)."""
-    body: dict = {"model": ep.model, "max_tokens": max_tokens, "temperature": ep.temperature, "stream": ep.stream}
+    body: dict = {"model": ep.model.split(",")[0], "max_tokens": max_tokens, "temperature": ep.temperature, "stream": ep.stream}
     if ep.stream:
         # vLLM and SGLang only put usage in the stream when asked; others ignore the field.
         body["stream_options"] = {"include_usage": True}

@@ -17,6 +17,7 @@ from services.gateway import anthropic_messages
 from services.gateway.openai_responses import ResponsesFormatter, ResponsesRequest, to_chat
 from services.gateway.health import HealthProbes, check_health
 from services.gateway.load_info import get_load, server_info
+from services.gateway.lora_routes import install_lora_routes
 from services.gateway.score import ScoreRequest, serve_score
 from services.gateway import pooling_api
 from services.gateway.pooling_schemas import (ClassifyRequest, CrossScoreRequest, EmbeddingRequest, PoolingRequest,
@@ -147,13 +148,21 @@ def create_app(ctx: GatewayContext) -> FastAPI:
         return await serve_generation(ctx, request, chat, "/v1/messages", prepare_chat,
                                       anthropic_messages.MessagesFormatter)
 
+    def adapter_cards() -> list[ModelCard]:
+        # An adapter's parent is the base model (vLLM's field); root is its name, not its path on the server's disk.
+        return [ModelCard(id=e.name, created=e.created, root=e.name, parent=e.parent, max_model_len=ctx.max_model_len())
+                for e in ctx.loras.entries.values()]
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(dump(ModelList(data=[card(m) for m in ctx.served])))
+        return JSONResponse(dump(ModelList(data=[*(card(m) for m in ctx.served), *adapter_cards()])))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        return JSONResponse(dump(card(ctx.served.resolve(model_id))))
+        adapter = next((c for c in adapter_cards() if c.id == model_id), None)
+        return JSONResponse(dump(adapter or card(ctx.served.resolve(model_id))))
+
+    install_lora_routes(app, ctx)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> JSONResponse:

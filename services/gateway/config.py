@@ -73,6 +73,11 @@ class GatewayConfig:
     more_models: tuple[ModelEntry, ...] = ()
     # --runner pooling: the served model embeds or classifies (services/gateway/pooling_api.py); None: it generates.
     pooling: PoolingSpec | None = None
+    # LoRA adapters (services/gateway/lora_adapters.py): served at all; loaded at start, (name, path) each; the
+    # runtime load/unload API on (services/gateway/lora_routes.py).
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     @property
     def models(self) -> tuple[ModelEntry, ...]:

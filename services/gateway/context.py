@@ -17,6 +17,7 @@ from opentelemetry import trace
 from transformers import PreTrainedTokenizerBase
 
 from services.gateway.config import GatewayConfig
+from services.gateway.lora_adapters import LoRAAdapters
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.retry_after import RetryAdvice
 from services.gateway.router import Router
@@ -45,6 +46,7 @@ class GatewayContext:
     # The lag above which admission refuses, given --max-input-lag (InputLag.limit: the bound or the machine's floor).
     input_lag_limit_s: Callable[[float], float] = lambda bound: bound
     retry: RetryAdvice = field(default_factory=RetryAdvice)  # Retry-After of the requests admission refuses
+    loras: LoRAAdapters = field(default_factory=lambda: LoRAAdapters(""))  # the mesh's LoRA adapters
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _shared: _Shared = field(default_factory=_Shared)
@@ -57,7 +59,8 @@ class GatewayContext:
     def for_model(self, name: str | None) -> GatewayContext:
         """The view serving the model a request names (None: the first); 404 model_not_found for a name the
         gateway does not serve (ServedModels.resolve)."""
-        model = self.served.resolve(name)
+        adapter = self.loras.resolve(name)  # a LoRA adapter is served by its base model's workers
+        model = self.served.resolve(adapter.parent if adapter is not None else name)
         return self if model is self.model else dataclasses.replace(self, model=model)
 
     # --- the view's model

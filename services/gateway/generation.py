@@ -48,7 +48,8 @@ class Generation:
             with self.ctx.tracer.start_as_current_span("route", context=trace.set_span_in_context(self.span),
                                                        attributes={"kvmesh.prompt_index": k}) as route_span:
                 try:
-                    route = self.ctx.router.pick(prompt, cache_salt=p.samplings[0].cache_salt)
+                    route = self.ctx.router.pick(prompt, cache_salt=p.samplings[0].cache_salt,
+                                                 lora=self.ctx.loras.route_key(p.samplings[0].lora_name))
                 except NoWorkerError:
                     raise unavailable("no decode worker is alive", code="no_decode_worker") from None
                 except OverloadedError as e:

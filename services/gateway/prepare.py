@@ -67,11 +67,12 @@ class Prepared:
 
 
 def check_model(ctx: GatewayContext, model: str | None) -> str:
-    """The name of the model the request's view serves (GatewayContext.for_model chose it from `model`)."""
+    """The name the request asked for: the model the request's view serves (GatewayContext.for_model chose it
+    from `model`), or one of its LoRA adapters (an adapter's name is a model, as in vLLM)."""
     served = ctx.served_model_name
-    if model is not None and model != served:
+    if model is not None and model != served and ctx.loras.resolve(model) is None:
         raise model_not_found(model)
-    return served
+    return served if model is None else model
 
 
 async def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Prepared:
@@ -241,9 +242,12 @@ def _finish(ctx: GatewayContext, body: _Common, model: str, prompts: list[list[i
         structured = tools.constraint() if tools is not None else None
     except (ValidationError, ValueError) as e:  # a tool's parameters schema too large or too deep
         raise bad_request(first_message(e), param="tools", code="structured_output_too_large") from None
+    adapter = ctx.loras.resolve(model)  # a LoRA adapter's name: its requests compute with it (and hash with it)
     samplings = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, vocab=vocab, echo=echo is not None,
                                 structured=structured,
                                 encode=lambda text: ctx.tokenizer.encode(text, add_special_tokens=False))
+    if adapter is not None:
+        samplings = [s.model_copy(update={"lora_name": adapter.name}) for s in samplings]
     return Prepared(
         request_id=uuid.uuid4().hex, prompts=prompts, samplings=samplings, priority=body.priority,
         stops=body.stop_list(), stop_regex=stop_regexes(body), stream=body.stream, beam=beam, logprobs=logprobs, max_tokens=max_tokens, model=model, echo=echo, tools=tools,

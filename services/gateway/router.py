@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shared.block_hash import hash_blocks, held_prefix, salted_root
+from shared.block_hash import hash_blocks, held_prefix, lora_root, salted_root
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 
 DEFAULT_EXPIRY_S = 3.0
@@ -79,6 +79,9 @@ class RouterConfig:
     # (see Router._silent: a gateway that hears nobody is more likely late itself than every worker dead).
     deaf_expiries: float = 3.0
     policy: str = "kv"  # "round-robin": the next open worker in turn, caches ignored (a baseline)
+    # A LoRA request: the score bonus of a worker whose beat says it holds the adapter (no load before its first
+    # step), worth about one prompt's worth of cache hits; load still outweighs it, which spreads a hot adapter.
+    lora_bonus: float = 0.5
 
     def __post_init__(self) -> None:
         assert self.policy in ("kv", "round-robin"), f"unknown routing policy {self.policy!r}"
@@ -223,8 +226,13 @@ class Router:
         return min(lens) if lens else None
 
     def pick(self, prompt_token_ids: Sequence[int], exclude: frozenset[str] = frozenset(),
-             cache_salt: str | None = None) -> Route:
+             cache_salt: str | None = None, lora: tuple[str, str] | None = None) -> Route:
+        """lora: the request's adapter (name, digest): its blocks hash from its own root, and workers holding it
+        are preferred (only those, while any alive one does)."""
         workers = [w for w in self.alive() if w.worker_id not in exclude]
+        if lora is not None:
+            holding = [w for w in workers if w.beat is not None and lora[0] in w.beat.lora_adapters]
+            workers = holding or workers
         if not workers:
             raise NoWorkerError("no decode worker is alive")
         open_ = [w for w in workers if w.beat and w.beat.waiting < self.config.max_waiting]
@@ -243,6 +251,7 @@ class Router:
             if key not in hashes:
                 # A salted request's blocks hash from its own root (shared/block_hash.py), as the workers hash them.
                 root = salted_root(w.beat.hash_root, cache_salt) if w.beat.hash_root else None
+                root = lora_root(root, lora[1]) if root is not None and lora is not None else root
                 hashes[key] = hash_blocks(root, prompt_token_ids, w.beat.block_size) if root else []
             chain = hashes[key]
             cached = held_prefix(chain, w.blocks)
@@ -252,6 +261,8 @@ class Router:
             cost = host * c.host_cost + stored * c.kvstore_cost + (len(chain) - cached - host - stored)
             load = w.kv_usage + (w.beat.waiting + w.pending) / self.config.max_waiting
             score = (1.0 - cost / len(chain) if chain else 0.0) - self.config.load_weight * load
+            if lora is not None and lora[0] in w.beat.lora_resident:
+                score += c.lora_bonus
             busy = w.beat.running + w.beat.waiting + w.pending
             rank = (score, -busy, w.worker_id)  # ties: the less busy, then a stable order
             if best is None or rank[:2] > best[:2] or (rank[:2] == best[:2] and rank[2] < best[2]):

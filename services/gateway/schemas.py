@@ -398,6 +398,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvmesh"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); None for a base model
     max_model_len: int
 
 

@@ -74,7 +74,8 @@ async def serve_score(ctx: GatewayContext, body: ScoreRequest) -> JSONResponse:
     # Each pair is a whole prefill with logprobs at every prompt position (the prefix cache has no logits to give).
     check_cost(ctx, pairs, 1, 1, param="items")
     prepared = Prepared(request_id=uuid.uuid4().hex, prompts=[ids + [label] for ids in prompts for label in labels],
-                        samplings=[SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)], priority=0, stops=[],
+                        samplings=[SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                                  lora_name=model if ctx.loras.resolve(model) else None)], priority=0, stops=[],
                         logprobs=None, max_tokens=1, model=model)
     span = ctx.tracer.start_span(f"score {model}", kind=trace.SpanKind.SERVER, attributes={
         "gen_ai.operation.name": "score", "gen_ai.request.model": model, "http.route": "/v1/score",

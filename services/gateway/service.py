@@ -8,7 +8,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import uvicorn
@@ -23,6 +24,9 @@ from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
 from services.gateway.input_lag import InputLag
+from services.gateway.lora_adapters import LoRAAdapters
+from services.gateway.lora_routes import send_update
+from shared.engine.lora_config import add_lora_arguments, lora_enabled, parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pooling_mode import add_pooling_flags, pooling_from_args
 from services.gateway.router import Router, RouterConfig
@@ -99,7 +103,9 @@ class GatewayService(Service):
     async def start(self, nc: Client) -> None:
         cfg = self.config
         self.ctx = ctx = GatewayContext(config=cfg, nc=nc, served=await self._load_models(),
-                                        tracer=trace.get_tracer("kvmesh.gateway"))
+                                        tracer=trace.get_tracer("kvmesh.gateway"),
+                                        loras=LoRAAdapters(cfg.served_model_name, cfg.enable_lora,
+                                                           cfg.allow_runtime_lora_updating, cfg.lora_modules))
         ctx.metrics.max_inflight.labels(ctx.metrics.model).set(cfg.max_inflight_requests)
         self._input_lag = InputLag(nc)
         await self._input_lag.start()
@@ -120,7 +126,9 @@ class GatewayService(Service):
                                           (BlockStored, BlockRemoved, StatsReply), traced=False,
                                           max_bytes=EVENT_MAX_BYTES)]
         for model in ctx.served:
-            self._subs += await _follow_workers(nc, model)
+            # LoRA adapters are the first model's: its workers are kept in step with the mesh's adapters.
+            keep = partial(ctx.loras.on_beat, send=partial(send_update, ctx)) if model is ctx.served.default else None
+            self._subs += await _follow_workers(nc, model, keep)
         self._deaf_watch = asyncio.ensure_future(_keep_workers_while_deaf(nc, [m.router for m in ctx.served]))
         self._micro = await bus.add_micro_service(nc, subjects.SERVICE_GATEWAY, VERSION, [],
                                                   description="OpenAI-compatible HTTP gateway",
@@ -236,6 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing", choices=ROUTING, default="kv",
                         help="kv (default): the decode worker caching most of the prompt, weighed by load; "
                              "round-robin: each alive worker in turn, blind to caches (a baseline)")
+    add_lora_arguments(parser, engine=False, gateway=True)
 
 
 def build(args: argparse.Namespace) -> GatewayService:
@@ -259,6 +268,8 @@ def build(args: argparse.Namespace) -> GatewayService:
         routing=args.routing, scheduling_policy=args.scheduling_policy, pooling=pooling_from_args(args),
         trust_request_chat_template=args.trust_request_chat_template, max_request_tokens=args.max_request_tokens,
         trusted_hosts=tuple(h.strip() for h in args.trusted_hosts.split(",") if h.strip()) if args.trusted_hosts else None,
+        enable_lora=lora_enabled(args), lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     ))
 
 
@@ -273,7 +284,8 @@ def _speaks_for_itself(worker_id: str, subject: str) -> bool:
         return False
 
 
-async def _follow_workers(nc: Client, model: ServedModel) -> list[Subscription]:
+async def _follow_workers(nc: Client, model: ServedModel,
+                          keep_in_step: Callable[[LoadBeat], None] | None = None) -> list[Subscription]:
     """Subscribes a model's router and worker gauges to its workers' block events and load beats (its own
     subjects: another model's workers never enter its router)."""
     router, sub = model.router, model.subjects
@@ -298,11 +310,15 @@ async def _follow_workers(nc: Client, model: ServedModel) -> list[Subscription]:
     async def on_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
         if believable(beat, msg, "decode"):
             router.on_beat(beat)
+            if keep_in_step is not None:
+                keep_in_step(beat)
 
     async def on_prefill_beat(beat: LoadBeat, msg: bus.RequestContext) -> None:
         router.heard()  # the gateway hears beats: the router judges decode workers' silence by it
         if believable(beat, msg, "prefill"):
             model.metrics.prefill_workers.on_beat(beat)
+            if keep_in_step is not None:
+                keep_in_step(beat)
 
     # Mesh state, not any request's work: no span per beat or block event (shared/bus/server.py, subscribe).
     return [

@@ -302,7 +302,8 @@ class TokenStream:
                                         sampling=sampling, priority=o.priority)
             try:
                 route = self.ctx.router.pick(self._req.prompt_token_ids, exclude=frozenset(self._dead),
-                                             cache_salt=o.sampling.cache_salt)
+                                             cache_salt=o.sampling.cache_salt,
+                                             lora=self.ctx.loras.route_key(o.sampling.lora_name))
             except (NoWorkerError, OverloadedError):
                 raise unavailable(f"decode worker {lost} stopped answering and no other worker can take the request",
                                   code="worker_lost") from None

@@ -113,7 +113,7 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
     # Subjects every model shares: per-worker subjects (worker ids are unique in the mesh), cancels, the kvstore.
     publish += {
         "gateway": ["kvmesh.decode.generate.*", "kvmesh.decode.replay.*", s.DECODE_CANCEL, s.PREFILL_CANCEL,
-                    SERVICE_DISCOVERY],
+                    SERVICE_DISCOVERY, "kvmesh.lora.update.*"],
         "tokenizer": [],
         "decode": [s.PREFILL_CANCEL, *_kvstore()],
         "prefill": ["kvmesh.decode.kv.push.*", *_kvstore()],
@@ -122,8 +122,8 @@ def permissions(role: str, worker_id: str | None = None, user: str | None = None
     subscribe += {
         "gateway": [s.KVSTORE_EVENTS],
         "tokenizer": [],
-        "decode": [s.DECODE_CANCEL, f"kvmesh.decode.kv.push.{w}"],
-        "prefill": [s.PREFILL_CANCEL],
+        "decode": [s.DECODE_CANCEL, f"kvmesh.decode.kv.push.{w}", f"kvmesh.lora.update.{w}"],
+        "prefill": [s.PREFILL_CANCEL, f"kvmesh.lora.update.{w}"],
         "kvstore": [_queued(subject, s.QUEUE_KVSTORE) for subject in _kvstore()],
     }[role]
     subscribe.append(SERVICE_DISCOVERY)  # every service (the gateway too) answers nats.micro's PING/INFO/STATS

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from shared.block_hash import BlockHash, hash_blocks, salted_root
+from shared.block_hash import BlockHash, hash_blocks, lora_root, salted_root
 from shared.engine.block_events import BlockEvent, BlocksRemoved, BlocksStored
 from shared.engine.block_listener import BlockListener
 from shared.engine.sequence import Sequence
@@ -50,7 +50,7 @@ class BlockManager:
         if len(seq.block_hashes) < full:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.extend(
-                hash_blocks(salted_root(self.root, seq.params.cache_salt), seq.token_ids, self.block_size, parent, len(seq.block_hashes))
+                hash_blocks(lora_root(salted_root(self.root, seq.params.cache_salt), seq.lora_digest), seq.token_ids, self.block_size, parent, len(seq.block_hashes))
             )
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:

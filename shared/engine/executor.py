@@ -19,6 +19,7 @@ from shared.engine.cpu_compile import compile_cpu_decode
 from shared.engine.cuda_device import use_device
 from shared.engine.kv_cache import engine_root, kv_dtype
 from shared.engine.kv_pool_size import plan_num_blocks
+from shared.engine.lora_manager import LoRAManager
 from shared.engine.memory_budget import snapshot
 from shared.engine.outputs import RequestOutput
 from shared.engine.sampler import Sampler
@@ -65,6 +66,8 @@ class ModelExecutor:
         self.kv_dtype = kv_dtype(self.dtype, c.kv_cache_dtype)
         self.runner = runner_for(self.model, c.block_size, c.device, self.tp)
         self.sampler = Sampler(mc.eos_token_ids, c.seed, c.device)
+        # LoRA slots before the KV pool is sized: the memory plan sees them as the model's.
+        self.lora = self.runner.lora = LoRAManager(c.lora, self.model, c.device) if c.lora is not None else None
         spec = c.speculative_config  # a draft model loads before the pool is sized: its weights and KV take a share
         draft = DraftModel(c, mc, self.dtype, self.max_model_len) if spec and spec.method == "draft_model" else None
         self.draft = draft
@@ -73,6 +76,8 @@ class ModelExecutor:
             self.num_blocks = draft.share_pool(self.num_blocks, c.num_kv_blocks is None, mc)
         self.runner.allocate_kv_cache(self.num_blocks, self.kv_dtype)
         self.runner.warm_up()  # compiles every kernel variant before the engine serves (nothing to compile on CPU)
+        if self.lora is not None:
+            self.lora.warm_up()
         if c.device.startswith("cuda") and not c.enforce_eager:
             capture_graphs(self.runner, c, self.max_model_len, draft, self.tp is None)
         # (bucket, seconds of its first step) of the CPU decode graphs compiled at start; [] when eager.

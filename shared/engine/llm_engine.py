@@ -20,6 +20,7 @@ from shared.engine.engine_stats import EngineStats, engine_stats
 from shared.engine.executor import ModelExecutor
 from shared.engine.grammar import GrammarBackend
 from shared.engine.kv_tiers import KVTiers
+from shared.engine.lora_manager import LoRAManager, check_adapter_request
 from shared.engine.offline import generate
 from shared.engine.output_processor import OutputProcessor
 from shared.engine.outputs import RequestOutput, TokenLogprobs
@@ -61,6 +62,8 @@ class LLMEngine:
         outputs = OutputProcessor(c.block_size, self.max_model_len, self.sampler.stop_ids, self.runner.read_blocks)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
                                    c.long_prefill_token_threshold, outputs)
+        self.lora: LoRAManager | None = getattr(ex, "lora", None)  # LoRA adapters (a simulated engine has none)
+        self.scheduler.max_loras = self.lora.config.max_loras if self.lora is not None else 0
         self.iteration_tokens = CumulativeHistogram()
         spec = c.speculative_config
         self.speculator = Speculator(spec, self.max_model_len, ex.draft, self.sampler) if spec else None
@@ -145,7 +148,9 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        adapter = check_adapter_request(self.lora, params.lora_name)
         seq = Sequence(request_id, list(prompt_token_ids), params, priority, arrival_time)
+        seq.lora = adapter
         if params.structured is not None:
             seq.matcher = self.grammar().matcher(params.structured)
         return seq

@@ -123,6 +123,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # built by use_decode_graphs once the KV pool exists
         self.verify_graphs: VerifyGraphs | None = None  # built by use_verify_graphs (speculative decoding)
         self.verify_stats = VerifyGraphStats()  # verify steps replayed, padded eagerly, or eager
+        # LoRA adapters' slots and per-step rows (shared/engine/lora_manager.py); None: none served. A step with an
+        # adapter row runs eagerly, in Python (no C++ stack, no decode graph); other steps are unchanged.
+        self.lora = None
         # On CPU, small steps (decode, verify, short chunks) through the C++ decoder stack (shared/models/cpu_native.py)
         self.native, why = native_decode_for(model, device)
         if device == "cpu":
@@ -279,6 +282,9 @@ class ModelRunner:
     def execute(self, plan: list[tuple[Sequence, int]], sample_rows: list[int], fed: FedTokens | None = None
                 ) -> torch.Tensor:
         """Run one step; return logits (model dtype), on the device, for the given rows (plan row numbering)."""
+        with_lora = self.lora is not None and any(seq.lora is not None for seq, _ in plan)
+        if with_lora:
+            return self.execute_rows(plan, sample_rows, [], fed)[0]
         if self.graphs is not None and self.graphs.can_run(plan) and sample_rows == list(range(len(plan))):
             if fed is None:
                 return self.model.compute_logits(self.graphs.run(plan))
@@ -303,11 +309,16 @@ class ModelRunner:
         logits the caller computes in slices: prompt logprobs), both on the device, plan row numbering."""
         if is_verify(plan):
             self.verify_stats.eager += 1
-        ids, positions, meta, rows, _ = self.build(plan, sample_rows + hidden_rows, fed)
-        if self.native is not None and self.native.can_run(meta, self.kv_caches):
-            hidden = self.native(ids, positions, meta, self.kv_caches)
-        else:
-            hidden = self.model(ids, positions, meta, self.kv_caches)
+        ids, positions, meta, rows, order = self.build(plan, sample_rows + hidden_rows, fed)
+        lora = self.lora is not None and self.lora.prepare(plan, order)
+        try:
+            if not lora and self.native is not None and self.native.can_run(meta, self.kv_caches):
+                hidden = self.native(ids, positions, meta, self.kv_caches)
+            else:
+                hidden = self.model(ids, positions, meta, self.kv_caches)
+        finally:
+            if lora:
+                self.lora.finish()
         rows = rows.long()
         n = len(sample_rows)
         return self.model.compute_logits(hidden[rows[:n]]), hidden[rows[n:]]

@@ -54,6 +54,8 @@ class Scheduler:
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []
         self.running: list[tuple[tuple[int, int], Sequence]] = []
         self.num_preemptions = 0
+        # LoRA: at most this many distinct adapters in one step (the device slots); 0: no adapters served.
+        self.max_loras = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -206,11 +208,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        adapters: set[int] = set()  # the step's LoRA adapters (uids): a row of one more than max_loras waits
         for _, seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if not self._adapter_fits(seq, adapters):
+                continue
             n = min(seq.num_uncomputed_tokens, budget, self.chunk_cap)
             if seq.spec_token_ids:
                 # A decoding sequence verifies its last token and its drafts in one row run (no chunk cap: it is
@@ -235,6 +240,8 @@ class Scheduler:
         # Admitting while preempting would only thrash: the freed blocks belong to the victims.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             key, seq = self.waiting[0]
+            if not self._adapter_fits(seq, adapters):
+                break
             computed = self.bm.get_computed_blocks(seq)
             n = min(seq.num_tokens - len(computed) * self.bm.block_size, budget, self.chunk_cap)
             if not self.bm.allocate(seq, n, computed):
@@ -249,3 +256,14 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         return out
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[int]) -> bool:
+        """Whether seq's LoRA adapter can join the step (adding it to `adapters`): the oldest requests' adapters
+        take the slots, a newer adapter's rows wait for a step with a slot free."""
+        if seq.lora is None:
+            return True
+        if seq.lora.uid not in adapters:
+            if len(adapters) >= self.max_loras:
+                return False
+            adapters.add(seq.lora.uid)
+        return True

@@ -73,6 +73,14 @@ class Sequence:
         # A draft model's distributions q the drafts were drawn from ([len(spec_token_ids), vocab], on the device),
         # for the rejection sampler; None: point-mass drafts (a lookup proposer, or a greedy request).
         self.spec_draft_probs: torch.Tensor | None = None
+        # The LoRA adapter this request computes with (shared/engine/lora_manager.py Adapter; None: the base model),
+        # bound at admission: unloading its name later does not change what a running request computes.
+        self.lora: Any = None
+
+    @property
+    def lora_digest(self) -> str | None:
+        """The adapter's identity in the block hashes (None: the base model)."""
+        return self.lora.digest if self.lora is not None else None
 
     @property
     def num_tokens(self) -> int:

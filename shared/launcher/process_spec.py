@@ -113,11 +113,16 @@ class MeshOptions:
     runner: str = "generate"
     convert: str | None = None
     pooler_config: str | None = None
+    # LoRA flags passed on as they are (shared/engine/lora_config.py lora_service_args): engine workers', gateway's.
+    lora_engine_args: tuple[str, ...] = ()
+    lora_gateway_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in SERVICES:
             assert self.replicas(name) >= 0, f"--{name} must be >= 0"
         assert self.runner in ("generate", "pooling"), "--runner must be generate or pooling"
+        # An adapter is trained for one base model: the mesh's LoRA adapters are those of its only model.
+        assert not (self.lora_engine_args and self.more_models), "LoRA adapters need a mesh of one model (one --model)"
         if self.runner == "pooling":
             assert self.tokenizer >= 1 and self.prefill >= 1 and self.decode == 0, \
                 "a pooling mesh needs at least one tokenizer and one prefill (pooling) worker, and no decode worker"
@@ -371,6 +376,7 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--scheduling-policy", opts.scheduling_policy]
         if opts.trusted_hosts:
             args += ["--trusted-hosts", opts.trusted_hosts]
+        args += opts.lora_gateway_args
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.
     if service in ENGINE_SERVICES | {"gateway"} and opts.served_model_name and not opts.more_models:
@@ -400,6 +406,7 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--max-model-len", str(opts.max_model_len)]
         if opts.max_num_seqs:
             args += ["--max-num-seqs", str(opts.max_num_seqs)]
+        args += opts.lora_engine_args
         if opts.quantization:
             args += ["--quantization", opts.quantization]
         tp = opts.decode_tp if service == "decode" else opts.prefill_tp

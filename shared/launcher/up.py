@@ -20,6 +20,7 @@ from pathlib import Path
 
 from shared.engine.errors import EXIT_CONFIG, ConfigError
 from shared.models.errors import CheckpointError
+from shared.engine.lora_config import add_lora_arguments, lora_service_args
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
                                      plan_mesh, plan_models, worker_needs)
 from shared.launcher.cpu_layout import cpu_default_layout
@@ -205,6 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-name", default=None, metavar="NAME",
                         help="--join: this host's tag in its worker names (default: the hostname)")
     add_pooling_arguments(parser)
+    add_lora_arguments(parser, engine=True, gateway=True)
     parser.add_argument("--log-level", default=None, help="log level for every service")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health (default 300)")
 
@@ -249,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
             remote_workers=bool(args.write_join or args.join),
             # a pooling mesh (--runner pooling) has its own worker counts: prefill workers only, no kvstore
             **({"prefill": first.prefill, "decode": first.decode, "kvstore": args.kvstore} | pooling),
+            lora_engine_args=tuple(lora_service_args(args, engine=True)),
+            lora_gateway_args=tuple(lora_service_args(args, engine=False)),
         )
         opts = opts.with_models(tuple(replace(m, max_model_len=args.max_model_len) for m in opts.models))
     except (AssertionError, ConfigError, ModelFlagError, ValueError) as e:

@@ -69,11 +69,14 @@ class Attention(nn.Module):
         # Per-tensor scales of an FP8 KV cache (1.0: vLLM's default without calibrated scales).
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.lora = None  # the layer's LoRA hook (shared/engine/lora_manager.py LayerLoRA) when adapters are served
 
     def forward(self, x, positions, cos_sin_cache, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         cfg = self.cfg
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.lora is not None:
+            self.lora("qkv", x, qkv)
         # q/k norm, rotary and storing K/V in one kernel (kernels/qk_rope_store.py); q comes back contiguous.
         qw, kw = (self.q_norm.weight, self.k_norm.weight) if cfg.qk_norm else (None, None)
         rope = kept = None
@@ -93,7 +96,11 @@ class Attention(nn.Module):
                           cos_sin_cache, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale, rope,
                           kept)
         out = paged_attention(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale, self.k_scale, self.v_scale)
-        return self.o_proj(out.view(tokens, self.q_size))
+        out = out.view(tokens, self.q_size)
+        o = self.o_proj(out)
+        if self.lora is not None:
+            self.lora("o", out, o)
+        return o
 
 
 class MLP(nn.Module):
@@ -107,9 +114,17 @@ class MLP(nn.Module):
             self.inter = cfg.intermediate_size
             self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
             self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.lora = None  # the layer's LoRA hook, as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        if self.lora is None:
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        self.lora("gate_up", x, gate_up)
+        h = silu_mul(gate_up)
+        down = self.down_proj(h)
+        self.lora("down", h, down)
+        return down
 
 
 class DecoderLayer(nn.Module):

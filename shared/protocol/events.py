@@ -98,3 +98,7 @@ class LoadBeat(Message):
     # asked again, answered from the worker's recent chunks (served) or no longer kept (misses: it migrated).
     stream_replays: int = Field(default=0, ge=0)
     stream_replay_misses: int = Field(default=0, ge=0)
+    # The LoRA adapters this worker holds, by name (the router prefers a worker holding a request's adapter).
+    lora_adapters: list[str] = Field(default_factory=list)
+    # ... and those of them in its device slots or host cache: a request for one starts without reading it from disk.
+    lora_resident: list[str] = Field(default_factory=list)
