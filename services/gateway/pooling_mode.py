@@ -26,7 +26,7 @@ def pooling_from_args(args: argparse.Namespace) -> PoolingSpec | None:
     if getattr(args, "runner", "generate") != "pooling":
         return None
     try:
-        return pooling_spec(args.model, args.convert, PoolerConfig.parse(args.pooler_config))
+        return pooling_spec(args.models[0], args.convert, PoolerConfig.parse(args.pooler_config))
     except PoolingConfigError as e:
         raise ConfigError(str(e)) from None
 
