@@ -56,6 +56,11 @@ async def running(url: str, *services):
             c = await bus.connect(url)
             conns.append(c)
             await s.start(c)
+        for c in conns:
+            # Subscriptions travel on the service's own connection and requests on nc: a round trip on each
+            # makes the server hold every subscription before the first request (a loaded machine otherwise
+            # lets a request overtake them and get "no responders").
+            await c.flush()
         yield nc
     finally:
         for s in reversed(services):

@@ -41,10 +41,11 @@ def test_every_http_field_lands_in_sampling_params() -> None:
     assert first == expected
     assert second == expected.model_copy(update={"seed": 12})  # choice i is seeded seed + i
     # Every field of the one type is set away from its default by this body: none is left unmapped
-    # (reasoning_end_ids is no HTTP field: prepare_chat sets it from the template's reasoning plan).
+    # (reasoning_end_ids is no HTTP field: prepare_chat sets it from the template's reasoning plan; lora_name
+    # neither: the gateway sets it when the request's model names a LoRA adapter).
     default = SamplingParams()
     unset = [f for f in SamplingParams.model_fields if getattr(first, f) == getattr(default, f)]
-    assert unset == ["reasoning_end_ids"]
+    assert unset == ["reasoning_end_ids", "lora_name"]
 
 
 def test_logit_bias_keys_are_ints_from_the_gateway_to_the_engine() -> None:

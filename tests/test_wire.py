@@ -30,6 +30,9 @@ def _block(h: bytes) -> p.StoredBlock:
     return p.StoredBlock(hash=h, parent=None, k=_tensor(2, 4, 1, 4), v=_tensor(2, 4, 1, 4))
 
 
+from shared.protocol.lora import LoRAUpdate, LoRAUpdateReply  # noqa: E402
+from shared.protocol.pooling import PoolReply, PoolRequest  # noqa: E402
+
 SAMPLES: list[Message] = [
     p.ErrorReply(code="bad_request", message="nope"),
     p.EncodeRequest(prompt="héllo"),
@@ -70,6 +73,10 @@ SAMPLES: list[Message] = [
     p.LoadBeat(worker_id="d0", running=3, waiting=1, free_blocks=100, total_blocks=128),
     p.SuffixOutputs(worker_id="d0", model_tag=b"\x01" * 16,
                     outputs=[p.SharedOutput(salt_tag=b"\x02" * 16, token_ids=[1, 2, 3]), p.SharedOutput(token_ids=[4, 5])]),
+    LoRAUpdate(action="load", lora_name="a", lora_path="/adapters/a"),
+    LoRAUpdateReply(worker_id="d0", ok=False, error="rank 64 is above --max-lora-rank 16", adapters=["b"]),
+    PoolRequest(request_id="r1", token_ids=[1, 2, 3], task="embed", dimensions=8),
+    PoolReply(request_id="r1", data=b"\x00" * 8, rows=1, cols=2, num_tokens=3),
 ]
 
 
