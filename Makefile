@@ -29,8 +29,10 @@ $(MODEL)/config.json: $(VENV)/.installed
 run: $(VENV)/.installed $(MODEL)/config.json
 	$(BIN)/kvmesh up --model $(MODEL) --port $(PORT)
 
+# One pytest-xdist worker a core; a module's tests stay on one worker (they share its mesh fixtures).
+TEST_WORKERS ?= auto
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 test-slow: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m slow

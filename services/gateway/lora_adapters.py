@@ -41,6 +41,9 @@ class LoRAAdapters:
         self.runtime_updates = runtime_updates
         self.entries: dict[str, AdapterEntry] = {}
         self._syncing: set[tuple[str, str]] = set()  # (worker, adapter) updates in flight from on_beat
+        # Adapters a /v1/load_lora_adapter call is loading: workers that already hold one beat before it is in
+        # `entries`, and must not be told to unload it meanwhile.
+        self.pending: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         for name, path in modules:
             try:
@@ -70,7 +73,7 @@ class LoRAAdapters:
         """A worker's beat: send it what it lacks of the runtime adapters, unload what the mesh dropped."""
         if not self.enabled:
             return
-        held = set(beat.lora_adapters)
+        held = set(beat.lora_adapters) - self.pending
         wanted = {n for n, e in self.entries.items() if e.runtime}
         startup = {n for n, e in self.entries.items() if not e.runtime}
         for name in wanted - held:

@@ -84,10 +84,10 @@ def install_lora_routes(app: FastAPI, ctx: GatewayContext) -> None:
         _check_enabled(ctx)
         body = await _body(request, LoadLoRARequest)
         name = body.lora_name
-        if name == loras.base or name in loras.entries:
+        if name == loras.base or name in loras.entries or name in loras.pending:
             raise bad_request(f"The lora adapter '{name}' has already been loaded"
-                              if name in loras.entries else f"'{name}' is the base model's name", param="lora_name",
-                              code="lora_name_taken")
+                              if name in loras.entries or name in loras.pending else f"'{name}' is the base model's name",
+                              param="lora_name", code="lora_name_taken")
         try:
             files = inspect_adapter(body.lora_path)
         except AdapterError as e:
@@ -96,13 +96,17 @@ def install_lora_routes(app: FastAPI, ctx: GatewayContext) -> None:
         if not workers:
             raise unavailable("no engine worker is alive to load the adapter", code="no_decode_worker")
         update = LoRAUpdate(action="load", lora_name=name, lora_path=body.lora_path)
-        replies = await _everywhere(ctx, workers, update)
-        refused = [r for r in replies if not r.ok]
-        if refused:
-            loaded = [r.worker_id for r in replies if r.ok]
-            await _everywhere(ctx, loaded, LoRAUpdate(action="unload", lora_name=name))
-            raise bad_request(refused[0].error, param="lora_path", code="invalid_lora_adapter")
-        loras.add(AdapterEntry(name, files.path, loras.base, files.digest, int(time.time()), runtime=True))
+        loras.pending.add(name)
+        try:
+            replies = await _everywhere(ctx, workers, update)
+            refused = [r for r in replies if not r.ok]
+            if refused:
+                loaded = [r.worker_id for r in replies if r.ok]
+                await _everywhere(ctx, loaded, LoRAUpdate(action="unload", lora_name=name))
+                raise bad_request(refused[0].error, param="lora_path", code="invalid_lora_adapter")
+            loras.add(AdapterEntry(name, files.path, loras.base, files.digest, int(time.time()), runtime=True))
+        finally:
+            loras.pending.discard(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
