@@ -71,6 +71,10 @@ class EngineConfig:
     # LoRA adapters (shared/engine/lora_manager.py): None, none served (--enable-lora off).
     lora: LoRAConfig | None = None
 
+    def _capability(self) -> tuple[int, int]:
+        """The serving GPU's compute capability (given, or asked of the device)."""
+        return tuple(self.gpu_capability or torch.cuda.get_device_capability(torch.device(self.device)))
+
     def _checkpoint_quantization(self) -> str | None:
         """awq/gptq/fp8 when the checkpoint is quantized (its quantization_config) or --quantization fp8 quantizes
         it at load; None leaves the other modes to decide. ConfigError when the flag and the checkpoint disagree or
@@ -117,7 +121,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype == "fp8" and self.device.startswith("cuda"):
-            cap = tuple(self.gpu_capability or torch.cuda.get_device_capability(torch.device(self.device)))
+            cap = self._capability()
             if cap < FP8_MIN_CAPABILITY:
                 raise ConfigError(
                     f"--kv-cache-dtype fp8 needs a GPU of compute capability >= {FP8_MIN_CAPABILITY[0]}."
@@ -144,7 +148,7 @@ class EngineConfig:
                                   f"(torch's CPU int8/int4 kernels); {self.device} serves the model's own dtype: "
                                   "leave --quantization out")
         if self.quantization == "fp8" and self.device.startswith("cuda"):
-            cap = tuple(self.gpu_capability or torch.cuda.get_device_capability(torch.device(self.device)))
+            cap = self._capability()
             if cap < FP8_MIN_CAPABILITY:
                 raise ConfigError(
                     f"--quantization fp8 (FP8 weights and activations) needs a GPU of compute capability >= "
