@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.gateway.context import GatewayContext
+from services.gateway.observed_load import ObservedLoad
 from services.gateway.tokenize import kvmesh_version
 from shared.protocol.events import LoadBeat
 
@@ -25,6 +26,14 @@ def _worker(beat: LoadBeat) -> dict[str, Any]:
     }
 
 
+def _observed(o: ObservedLoad | None) -> dict[str, Any]:
+    """What this gateway itself saw of a decode worker (services/gateway/observed_load.py): what the router weighs."""
+    if o is None:
+        return {}
+    return {"gateway_routed": o.routed, "gateway_in_flight": len(o.flights),
+            "observed_ttft_s": o.ttft.value, "observed_token_gap_s": o.gap.value}
+
+
 def _beats(ctx: GatewayContext) -> tuple[list[LoadBeat], list[LoadBeat]]:
     """Every served model's decode and prefill workers (worker ids are unique in the mesh)."""
     decode = sorted((w.beat for m in ctx.served for w in m.router.alive() if w.beat is not None),
@@ -35,6 +44,7 @@ def _beats(ctx: GatewayContext) -> tuple[list[LoadBeat], list[LoadBeat]]:
 
 def get_load(ctx: GatewayContext) -> dict[str, Any]:
     decode, prefill = _beats(ctx)
+    observed = {w.worker_id: w.observed for m in ctx.served for w in m.router.alive()}
     return {
         "num_decode_workers": len(decode), "num_prefill_workers": len(prefill),
         # Requests are counted where they generate: the decode workers (a prefill worker's are theirs too).
@@ -42,7 +52,7 @@ def get_load(ctx: GatewayContext) -> dict[str, Any]:
         "num_reqs": sum(b.running + b.waiting for b in decode),
         "num_tokens": sum((b.total_blocks - b.free_blocks) * b.block_size for b in decode),
         "gateway_requests_in_flight": ctx.in_flight,
-        "workers": [_worker(b) for b in decode + prefill],
+        "workers": [_worker(b) | _observed(observed.get(b.worker_id)) for b in decode + prefill],
     }
 
 

@@ -10,6 +10,16 @@ host tier, `kvstore_cost` from the kvstore, 1 computed) - load, where load mixes
 length, so a worker with the whole prefix still loses to an idle one once it is busy enough.
 Workers whose waiting queue is at the bound take nothing new.
 
+Load is what the gateway knows before what a worker says (Router._load). The gateway counts the streams it
+sent to each worker and has not seen end, and measures how fast each worker answers them (dispatch to first
+token, gap per token: services/gateway/observed_load.py). A beat's counts are a hint, taken only where they
+exceed that count (another gateway's requests, a beat ahead of the streams); a beat that claims fewer
+requests than the worker has held for a while is not believed on its KV usage either. A worker that answers
+slower than the fastest one (a slow link, a slow device) has its load multiplied by how much slower, as in
+least-response-time balancing (Finagle's peak EWMA): it gets work only once the faster ones are that much
+busier, and nothing waits on it for lack of capacity elsewhere. A worker's slowness fades while nothing
+is measured there, so it is tried again.
+
 Bounded state: a worker exists for the router only once it has beaten (block events for ids never seen
 beating are dropped, so made-up ids cost nothing), it is forgotten some time after its beats stop, and
 each of its block sets keeps at most a cap of hashes, oldest stored dropped first. The device set's cap is
@@ -23,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.gateway.observed_load import ObservedLoad
 from shared.block_hash import hash_blocks, held_prefix, lora_root, salted_root
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 
@@ -46,6 +57,7 @@ class WorkerState:
     beat: LoadBeat | None = None
     seen: float = float("-inf")  # local monotonic time of the last beat (never the sender's clock)
     pending: int = 0  # requests routed here since its last beat, which the beat cannot show yet
+    observed: ObservedLoad = field(default_factory=ObservedLoad)  # what the gateway saw, whatever the beats say
 
     @property
     def kv_usage(self) -> float:
@@ -82,6 +94,20 @@ class RouterConfig:
     # A LoRA request: the score bonus of a worker whose beat says it holds the adapter (no load before its first
     # step), worth about one prompt's worth of cache hits; load still outweighs it, which spreads a hot adapter.
     lora_bonus: float = 0.5
+    # A running request's weight in the queue, against a waiting one's 1 (it shares the batch; its KV is counted
+    # apart). Small, so a cached prefix still outweighs a few running requests.
+    running_weight: float = 0.1
+    # Observed slowness (Router._slowness): a worker's smoothed latency against the fastest's, each plus a floor
+    # (latencies within the floor count as equal, so tiny ones' noise is not a ratio), at most max_slowdown,
+    # fading towards 1 with this half-life while nothing is measured there.
+    ttft_floor_s: float = 0.01
+    gap_floor_s: float = 0.002
+    max_slowdown: float = 8.0
+    slowness_half_life_s: float = 10.0
+    # A beat is not believed on KV usage when it claims fewer requests than the gateway has had in flight there
+    # since this long before the beat arrived, beyond a tolerance of 1 + a quarter (streams whose last chunk
+    # the gateway has not read yet).
+    beat_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
         assert self.policy in ("kv", "round-robin"), f"unknown routing policy {self.policy!r}"
@@ -243,6 +269,8 @@ class Router:
             open_ = [open_[self._turn % len(open_)]]  # scored alone below: the route still says what it holds
             self._turn += 1
         hashes: dict[tuple[bytes, int], list[bytes]] = {}  # workers of one model share a hashing scheme
+        now = self._clock()
+        fastest = self._fastest(workers)
         best: tuple[float, int, str] | None = None
         best_route: Route | None = None
         for w in open_:
@@ -259,17 +287,72 @@ class Router:
             stored = held_prefix(chain[cached + host:], self._kvstore_blocks)
             c = self.config
             cost = host * c.host_cost + stored * c.kvstore_cost + (len(chain) - cached - host - stored)
-            load = w.kv_usage + (w.beat.waiting + w.pending) / self.config.max_waiting
+            load = self._load(w) * self._slowness(w, fastest, now)
             score = (1.0 - cost / len(chain) if chain else 0.0) - self.config.load_weight * load
             if lora is not None and lora[0] in w.beat.lora_resident:
                 score += c.lora_bonus
-            busy = w.beat.running + w.beat.waiting + w.pending
+            busy = max(w.beat.running + w.beat.waiting + w.pending, len(w.observed.flights))
             rank = (score, -busy, w.worker_id)  # ties: the less busy, then a stable order
             if best is None or rank[:2] > best[:2] or (rank[:2] == best[:2] and rank[2] < best[2]):
                 best, best_route = rank, Route(w.worker_id, cached, len(chain), host, stored)
         assert best_route is not None
         self._workers[best_route.worker_id].pending += 1
         return best_route
+
+    # --- what the gateway observes (services/gateway/token_stream.py reports its streams) ------------------
+
+    def dispatched(self, worker_id: str, key: str, prompt_tokens: int) -> None:
+        """A token stream (key: its request id) went to the worker."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.observed.dispatched(key, prompt_tokens, self._clock())
+
+    def arrived(self, worker_id: str, key: str, tokens: int) -> None:
+        """A chunk of the stream arrived (the first one: its time to first token)."""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.observed.arrived(key, tokens, self._clock())
+
+    def landed(self, worker_id: str, key: str) -> None:
+        """The stream is over on the worker: finished, refused, aborted or moved away. (A worker that died took
+        its flights with it: Router.forget.)"""
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.observed.landed(key)
+
+    def observed(self, worker_id: str) -> ObservedLoad | None:
+        w = self._workers.get(worker_id)
+        return w.observed if w is not None else None
+
+    def _load(self, w: WorkerState) -> float:
+        """KV usage + queue / max_waiting, each count the higher of the beat's and the gateway's own, + 1 for the
+        request being placed (so the slowness factor tells idle workers apart)."""
+        b, o, c = w.beat, w.observed, self.config
+        assert b is not None
+        queue = max(b.waiting + w.pending, o.waiting) + c.running_weight * max(b.running, o.running)
+        kv = w.kv_usage
+        held = o.sent_before(w.seen - c.beat_grace_s)
+        if held > b.running + b.waiting + 1 + held // 4 and b.total_blocks > 0:
+            # The beat hides requests the worker has had for a while: its KV usage is no better than its counts.
+            kv = max(kv, min(1.0, o.blocks(b.block_size) / b.total_blocks))
+        return kv + (queue + 1) / c.max_waiting
+
+    @staticmethod
+    def _fastest(workers: list[WorkerState]) -> tuple[float | None, float | None]:
+        """The lowest smoothed time to first token and gap per token among the candidates."""
+        ttfts = [w.observed.ttft.value for w in workers if w.observed.ttft.value is not None]
+        gaps = [w.observed.gap.value for w in workers if w.observed.gap.value is not None]
+        return (min(ttfts) if ttfts else None, min(gaps) if gaps else None)
+
+    def _slowness(self, w: WorkerState, fastest: tuple[float | None, float | None], now: float) -> float:
+        """How much slower than the fastest candidate the worker answers (1: as fast, or nothing measured)."""
+        c, o = self.config, w.observed
+        ratios = [(mine + floor) / (best + floor)
+                  for mine, best, floor in ((o.ttft.value, fastest[0], c.ttft_floor_s),
+                                            (o.gap.value, fastest[1], c.gap_floor_s))
+                  if mine is not None and best is not None]
+        slow = min(max(ratios, default=1.0), c.max_slowdown)
+        return 1.0 + (slow - 1.0) * 0.5 ** (max(0.0, now - o.last_sample) / c.slowness_half_life_s)
 
     def _worker(self, worker_id: str) -> WorkerState:
         w = self._workers.get(worker_id)

@@ -82,6 +82,7 @@ class TokenStream:
         self._reconnects = 0  # the connection's reconnect count the current stream is known to have survived
         self._reconnected_at: float | None = None  # when a reconnect the stream has not yet survived was seen
         self._worker_reconnects: int | None = None  # the routed worker's, from its beats (router.bus_reconnects)
+        self._flight: tuple[str, str] | None = None  # (worker, request id) the router counts this stream on
 
     async def open(self) -> None:
         """Sends the request and waits for the first chunk, so refusals become HTTP statuses."""
@@ -119,6 +120,7 @@ class TokenStream:
     async def _send(self, subject: str) -> TokenChunk:
         # Routed to one worker: only its chunks count.
         sender = None if subject == self.ctx.subjects.decode_generate_any else subjects.worker_from_subject(subject)
+        self._fly(sender)
         stream = await self._request(subject, self._req, sender)
         self.sent = True
         try:
@@ -170,6 +172,7 @@ class TokenStream:
                     chunk = await self._resume()
             raise APIError(500, "decode ended the stream before the last token", code="stream_ended")
         finally:
+            self._land()
             await self._stream.aclose()
 
     def keep(self, token_ids: list[int]) -> None:
@@ -225,6 +228,10 @@ class TokenStream:
 
     def _arrived(self, chunk: TokenChunk) -> TokenChunk:
         self._next_seq = chunk.seq + 1
+        if self._flight is not None:
+            self.ctx.router.arrived(*self._flight, len(chunk.token_ids))
+            if chunk.finished:
+                self._land()
         if self._reconnected_at is not None:  # in sequence after the reconnect: nothing was lost, go on
             self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
         return chunk
@@ -278,6 +285,7 @@ class TokenStream:
         max_tokens. Greedy output is identical to an undisturbed run; the client sees no break.
         worker_died=False: the stream broke, not the worker (it may take the continuation itself)."""
         lost = self.worker_id
+        self._land()
         if lost is not None and worker_died:
             self._dead.add(lost)
             self.ctx.router.forget(lost)
@@ -324,8 +332,21 @@ class TokenStream:
                 lost = route.worker_id
 
     async def close(self) -> None:
+        self._land()
         if self._stream is not None:
             await self._stream.aclose()
+
+    def _fly(self, worker_id: str | None) -> None:
+        """The router counts this stream on the worker it goes to (None: whoever answers, not counted)."""
+        self._land()
+        if worker_id is not None:
+            self._flight = (worker_id, self.request_id)
+            self.ctx.router.dispatched(worker_id, self.request_id, len(self._req.prompt_token_ids))
+
+    def _land(self) -> None:
+        if self._flight is not None:
+            self.ctx.router.landed(*self._flight)
+            self._flight = None
 
     def cancel_soon(self, reason: str) -> None:
         """Tells every worker to drop this choice, at most once, from a task that outlives the request."""
