@@ -55,9 +55,9 @@ class ObservedLoad:
         f.tokens += tokens
         f.last = now
 
-    def landed(self, key: str) -> None:
+    def landed(self, key: str) -> Flight | None:
         """The stream is over on this worker (finished, refused, aborted, moved elsewhere)."""
-        self.flights.pop(key, None)
+        return self.flights.pop(key, None)
 
     @property
     def waiting(self) -> int:

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.gateway.observed_load import ObservedLoad
+from services.gateway.observed_load import Ewma, ObservedLoad
 from shared.block_hash import hash_blocks, held_prefix, lora_root, salted_root
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 
@@ -97,11 +97,11 @@ class RouterConfig:
     # A running request's weight in the queue, against a waiting one's 1 (it shares the batch; its KV is counted
     # apart). Small, so a cached prefix still outweighs a few running requests.
     running_weight: float = 0.1
-    # Observed slowness (Router._slowness): a worker's smoothed latency against the fastest's, each plus a floor
-    # (latencies within the floor count as equal, so tiny ones' noise is not a ratio), at most max_slowdown,
-    # fading towards 1 with this half-life while nothing is measured there.
-    ttft_floor_s: float = 0.01
-    gap_floor_s: float = 0.002
+    # Observed slowness (Router._slowness): the time a stream takes on a worker (its smoothed time to first token +
+    # gap per token x the streams' mean length) against the fastest's, each plus a floor (latencies within it count
+    # as equal, so tiny ones' noise is not a ratio), at most max_slowdown, fading towards 1 with this half-life
+    # while nothing is measured there.
+    latency_floor_s: float = 0.01
     max_slowdown: float = 8.0
     slowness_half_life_s: float = 10.0
     # A beat is not believed on KV usage when it claims fewer requests than the gateway has had in flight there
@@ -120,6 +120,7 @@ class Router:
         self._workers: dict[str, WorkerState] = {}
         self._kvstore_blocks: OrderedDict[bytes, None] = OrderedDict()
         self._turn = 0  # round robin's position
+        self._stream_tokens = Ewma(0.1)  # tokens per stream, over every worker (what a token gap is multiplied by)
         # The gateway's own hearing (Router._silent): when it last handled any load beat (decode or prefill),
         # and when it started hearing again after a stretch of an expiry period or more with no beat at all.
         self._last_heard = float("-inf")
@@ -317,8 +318,9 @@ class Router:
         """The stream is over on the worker: finished, refused, aborted or moved away. (A worker that died took
         its flights with it: Router.forget.)"""
         w = self._workers.get(worker_id)
-        if w is not None:
-            w.observed.landed(key)
+        f = w.observed.landed(key) if w is not None else None
+        if f is not None and f.tokens > 0:
+            self._stream_tokens.add(f.tokens)
 
     def observed(self, worker_id: str) -> ObservedLoad | None:
         w = self._workers.get(worker_id)
@@ -337,22 +339,26 @@ class Router:
             kv = max(kv, min(1.0, o.blocks(b.block_size) / b.total_blocks))
         return kv + (queue + 1) / c.max_waiting
 
-    @staticmethod
-    def _fastest(workers: list[WorkerState]) -> tuple[float | None, float | None]:
-        """The lowest smoothed time to first token and gap per token among the candidates."""
-        ttfts = [w.observed.ttft.value for w in workers if w.observed.ttft.value is not None]
-        gaps = [w.observed.gap.value for w in workers if w.observed.gap.value is not None]
-        return (min(ttfts) if ttfts else None, min(gaps) if gaps else None)
+    def _latency(self, w: WorkerState) -> float | None:
+        """What a stream takes on the worker, as the gateway measured them: first token, then the mean length's
+        tokens at the smoothed gap (None: nothing measured yet)."""
+        o = w.observed
+        if o.ttft.value is None:
+            return None
+        return o.ttft.value + (o.gap.value or 0.0) * (self._stream_tokens.value or 1.0)
 
-    def _slowness(self, w: WorkerState, fastest: tuple[float | None, float | None], now: float) -> float:
+    def _fastest(self, workers: list[WorkerState]) -> float | None:
+        """The lowest measured latency among the candidates."""
+        measured = [t for t in map(self._latency, workers) if t is not None]
+        return min(measured) if measured else None
+
+    def _slowness(self, w: WorkerState, fastest: float | None, now: float) -> float:
         """How much slower than the fastest candidate the worker answers (1: as fast, or nothing measured)."""
-        c, o = self.config, w.observed
-        ratios = [(mine + floor) / (best + floor)
-                  for mine, best, floor in ((o.ttft.value, fastest[0], c.ttft_floor_s),
-                                            (o.gap.value, fastest[1], c.gap_floor_s))
-                  if mine is not None and best is not None]
-        slow = min(max(ratios, default=1.0), c.max_slowdown)
-        return 1.0 + (slow - 1.0) * 0.5 ** (max(0.0, now - o.last_sample) / c.slowness_half_life_s)
+        c, mine = self.config, self._latency(w)
+        if mine is None or fastest is None:
+            return 1.0
+        slow = min((mine + c.latency_floor_s) / (fastest + c.latency_floor_s), c.max_slowdown)
+        return 1.0 + (slow - 1.0) * 0.5 ** (max(0.0, now - w.observed.last_sample) / c.slowness_half_life_s)
 
     def _worker(self, worker_id: str) -> WorkerState:
         w = self._workers.get(worker_id)

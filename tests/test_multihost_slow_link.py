@@ -1,0 +1,112 @@
+"""A slow link to one decode host (network namespaces, tests/netns_hosts.py): the gateway, tokenizer and kvstore
+on host a, a decode worker on b and one on c, each host with its own nats-server in one routed cluster; every
+byte between c and the rest of the mesh is held 20 ms each way (c's route to a goes through a delaying relay,
+tests/netns_delay.py: this kernel has no netem). The router sees c answer later and sends it less; nobody times
+out. KVMESH_SLOW_LINK_RESULT=FILE writes the measured split and latencies there as JSON."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shared.launcher.join import JOINED
+from tests.checkpoints import build_checkpoint
+from tests.netns_delay import RELAY_READY
+from tests.netns_hosts import NetnsHosts, available
+from tests.netns_mesh import ROOT, Lines, MultiHostMesh, _env
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(available() is not None, reason=f"no network namespaces: {available()}")]
+
+DELAY_MS = 20
+RELAY_PORT = 17222  # on host c's own loopback
+FAST, SLOW = "decode-b_0", "decode-c_0"
+REQUESTS, CONCURRENCY, MAX_TOKENS = 60, 4, 8
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_checkpoint("llama", tmp_path_factory.mktemp("multihost-slow") / "llama")
+
+
+def _slow_join_file(mesh: MultiHostMesh) -> Path:
+    """The first host's join file with its route sent through a relay on host c that delays it DELAY_MS each way."""
+    body = json.loads(mesh.join_file.read_text())
+    route = re.match(r"nats-route://([^:]+):(\d+)$", body["routes"][0])
+    assert route, body["routes"]
+    c = mesh.hosts["c"]
+    relay = c.popen([sys.executable, "-m", "tests.netns_delay", "127.0.0.1", str(RELAY_PORT), route[1], route[2],
+                     str(DELAY_MS)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    Lines(relay.stdout).wait_for(RELAY_READY, timeout=30)
+    slow = mesh.workdir / "slow.join"
+    fd = os.open(slow, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({**body, "routes": [f"nats-route://127.0.0.1:{RELAY_PORT}"]}, f)
+    return slow
+
+
+@pytest.fixture(scope="module")
+def mesh(llama, tmp_path_factory):
+    with NetnsHosts(3) as hosts:
+        m = MultiHostMesh(hosts, llama.path, tmp_path_factory.mktemp("multihost-slow-mesh"))
+        try:
+            m.start_first("a")
+            joining = [m.join("b", 1, 0, wait=False), m.join("c", 1, 0, wait=False, join_file=_slow_join_file(m))]
+            for lines in joining:
+                lines.wait_for(JOINED, timeout=60)
+            m.wait_ready({FAST, SLOW})
+            yield m
+        except BaseException:
+            print(m.output())
+            raise
+
+
+def _workers(mesh: MultiHostMesh) -> dict[str, dict]:
+    return {w["worker_id"]: w for w in httpx.get(f"{mesh.url}/get_load", timeout=10).json()["workers"]}
+
+
+def test_a_slow_link_to_one_decode_host_gets_it_less_and_nobody_times_out(mesh) -> None:
+    # Every connection host c holds to host a is the relay's (c's nats-server routes only through it).
+    a = mesh.hosts["a"].address
+    direct = [(local, peer, proc) for local, peer, proc in mesh.hosts["c"].tcp_peers()
+              if peer.startswith(a + ":") and "nats-server" in proc]
+    assert not direct, direct
+    client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+
+    def one(i: int) -> float:
+        prompt = [(11 * i + 5 * k) % 240 + 3 for k in range(32)]  # distinct: no cache hit, load alone decides
+        t0 = time.monotonic()
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == MAX_TOKENS and r.choices[0].finish_reason == "length"
+        return time.monotonic() - t0
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:  # warm-up: both workers answer (first steps build kernels)
+        list(pool.map(one, range(1000, 1000 + 2 * CONCURRENCY)))
+    before = _workers(mesh)
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        latencies = list(pool.map(one, range(REQUESTS)))  # any failure or timeout raises here
+    after = _workers(mesh)
+    routed = {w: after[w]["gateway_routed"] - before[w]["gateway_routed"] for w in (FAST, SLOW)}
+    assert sum(routed.values()) == REQUESTS, routed
+    ttft = {w: after[w]["observed_ttft_s"] for w in (FAST, SLOW)}
+    gap = {w: after[w]["observed_token_gap_s"] for w in (FAST, SLOW)}
+    result = {"delay_ms_each_way": DELAY_MS, "requests": REQUESTS, "concurrency": CONCURRENCY,
+              "max_tokens": MAX_TOKENS, "routed": routed, "observed_ttft_s": ttft, "observed_token_gap_s": gap,
+              "added_ttft_s": ttft[SLOW] - ttft[FAST],
+              "client_latency_s": {"mean": sum(latencies) / len(latencies), "max": max(latencies)}}
+    print(json.dumps(result, indent=1))
+    if path := os.environ.get("KVMESH_SLOW_LINK_RESULT"):
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    # The gateway sees the link (c's first tokens come later) and sends c less.
+    assert ttft[SLOW] > ttft[FAST] and routed[SLOW] < routed[FAST], result
