@@ -154,3 +154,4 @@ def test_flights_end_with_the_stream_and_die_with_the_worker() -> None:
     r.on_beat(beat("a"))
     r.landed("a", "y")
     assert r.observed("a").flights == {} and r.observed("a").routed == 0
+

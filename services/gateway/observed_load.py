@@ -38,6 +38,7 @@ class ObservedLoad:
     flights: dict[str, Flight] = field(default_factory=dict)  # by the stream's request id
     last_sample: float = float("-inf")  # when either average last moved
     routed: int = 0  # streams dispatched here (cumulative, for /get_load)
+    running: int = 0  # flights with a token already (the rest wait: queued or prefilling there)
 
     def dispatched(self, key: str, prompt_tokens: int, now: float) -> None:
         self.flights[key] = Flight(now, prompt_tokens)
@@ -49,6 +50,7 @@ class ObservedLoad:
             return
         if f.last is None:
             self.ttft.add(now - f.sent)
+            self.running += 1
         elif tokens > 0:
             self.gap.add((now - f.last) / tokens)
         self.last_sample = now
@@ -57,16 +59,15 @@ class ObservedLoad:
 
     def landed(self, key: str) -> Flight | None:
         """The stream is over on this worker (finished, refused, aborted, moved elsewhere)."""
-        return self.flights.pop(key, None)
+        f = self.flights.pop(key, None)
+        if f is not None and f.last is not None:
+            self.running -= 1
+        return f
 
     @property
     def waiting(self) -> int:
         """Streams with no token yet: queued or prefilling there."""
-        return sum(1 for f in self.flights.values() if f.last is None)
-
-    @property
-    def running(self) -> int:
-        return sum(1 for f in self.flights.values() if f.last is not None)
+        return len(self.flights) - self.running
 
     def sent_before(self, t: float) -> int:
         """Flights dispatched at or before t (the worker must know of them by a beat produced after t)."""

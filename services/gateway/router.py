@@ -333,8 +333,9 @@ class Router:
         assert b is not None
         queue = max(b.waiting + w.pending, o.waiting) + c.running_weight * max(b.running, o.running)
         kv = w.kv_usage
-        held = o.sent_before(w.seen - c.beat_grace_s)
-        if held > b.running + b.waiting + 1 + held // 4 and b.total_blocks > 0:
+        claimed = b.running + b.waiting
+        held = o.sent_before(w.seen - c.beat_grace_s) if len(o.flights) > claimed + 1 else 0
+        if held > claimed + 1 + held // 4 and b.total_blocks > 0:
             # The beat hides requests the worker has had for a while: its KV usage is no better than its counts.
             kv = max(kv, min(1.0, o.blocks(b.block_size) / b.total_blocks))
         return kv + (queue + 1) / c.max_waiting
