@@ -5,7 +5,7 @@ in the root namespace, which also gets an address so the test process can reach 
 HTTP). A process runs on a host through `ip netns exec`. Faults are real network events: a partition takes the
 host's link down (its processes live on, cut off), a lost host has every process in its namespace SIGKILLed,
 and a slow link is a `tc` qdisc on the host's link (tbf: rate and queueing latency; this machine's kernel has
-no netem, so fixed added delay is not available).
+no netem, so a fixed added delay comes from a userspace relay on the host's route instead: tests/netns_delay.py).
 
 Names start with `kvmh-<pid>-` (links `kvmh<tag>...`), so a run's leftovers are recognisable: `NetnsHosts`
 removes everything it made on exit, failure included, and removes namespaces a dead test run left behind.
