@@ -86,6 +86,14 @@ def test_a_slow_decode_worker_gets_clearly_fewer_requests_and_nothing_times_out(
         slow = mesh.gateway.ctx.router.observed("slow")
         fast = mesh.gateway.ctx.router.observed("fast")
         assert slow.gap.value > fast.gap.value and slow.flights == {} and fast.flights == {}
+        # A client that goes away mid-stream: the stream's count on its worker ends with it.
+        client = openai_client(mesh)
+        stream = client.completions.create(model=client.models.list().data[0].id, prompt="Once upon a time",
+                                           max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        assert sum(len(o.flights) for o in (slow, fast)) == 1
+        stream.close()
+        mesh.wait_until(lambda: not slow.flights and not fast.flights, timeout=10)
     finally:
         mesh.close()
 
