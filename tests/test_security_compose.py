@@ -193,3 +193,14 @@ def test_prefill_replica_one_cannot_beat_as_replica_two(compose, server, monkeyp
     assert any('publish to "kvmesh.prefill.load.prefill-2"' in e for e in errors), errors
     assert any('subscription to "kvmesh.lora.update.prefill-2"' in e for e in errors), errors
     assert not any("prefill-1" in e for e in errors), errors
+
+
+def test_no_compose_file_gives_an_engine_worker_a_shared_role_user() -> None:
+    import re
+
+    from shared.bus.roles import ENGINE_ROLES, server_auth_config
+
+    for f in sorted(COMPOSE.glob("docker-compose*.yml")):
+        users = re.findall(r"^\s*NATS_USER:\s*(\S+)", f.read_text(), flags=re.M)
+        assert not set(users) & set(ENGINE_ROLES), (f.name, users)
+    assert not any(f'user: "{role}"' in server_auth_config() for role in ENGINE_ROLES)
