@@ -7,7 +7,8 @@ tokenizer's identity answering through bus.serve), without HTTP and without a re
 measured is the server's cost (allow_responses keeps a reply permission per request until it is used or
 expires). CPU is read from /proc for the nats-server process.
 
-    python -m loadtest.bus_reply_cpu --rate 500 --seconds 20 --out loadtest/results/bus_reply_cpu.json
+    python -m loadtest.experiments.bus_reply_cpu.bus_reply_cpu --rate 500 --seconds 150 \
+        --out loadtest/experiments/bus_reply_cpu/results/bus_reply_cpu_500rps_cpu.json
 """
 from __future__ import annotations
 
