@@ -19,7 +19,7 @@ from tests.gateway_harness import one_decoder_mesh
 
 FAKE_WORKERS = 300  # with the longest lists: about 45,000 series, seconds of rendering on a busy 2-core machine
 HEALTH_BOUND_S = 2.5
-SCRAPES = 3
+SCRAPES = 5  # on the loop, five renders in a row; off it, one shared
 
 
 def _longest(field: str) -> int:
