@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from shared.engine.llm_engine import EngineStats
 from shared.kv_transport.outgoing import PushStats
-from shared.protocol.events import LoadBeat
+from shared.protocol.events import MAX_DRAFT_POSITIONS, LoadBeat
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         lora_resident=lora_resident or [],
         spec_num_drafts=spec.num_drafts if spec else 0, spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-        spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos) if spec else [],
+        spec_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos[:MAX_DRAFT_POSITIONS]) if spec else [],
         spec_verify_graph_replays=verify.replays if verify else 0,
         spec_verify_padded_eager=verify.padded_eager if verify else 0,
         spec_verify_eager=verify.eager if verify else 0)

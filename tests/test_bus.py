@@ -530,11 +530,13 @@ def test_reassembler_limits() -> None:
     r.feed(chunk(0, 2, 4, b"ab", "x"))
     with pytest.raises(bus.ChunkError, match="received"):
         r.feed(chunk(1, 2, 4, b"cdef", "x"))
-    r.feed(chunk(0, 2, 10, b"ab", "p1"))
+    # Partial messages hold the bytes they sent, not the sizes they announced.
+    r.feed(chunk(0, 2, 10, b"abcdefgh", "p1"))
+    assert r.feed(chunk(0, 2, 10, b"ab", "p0")) is None and r.pending_bytes == 10
     with pytest.raises(bus.ChunkError, match="partially received"):
-        r.feed(chunk(0, 2, 10, b"ab", "p2"))
-    now[0] = 6.0  # p1 expires
-    assert r.feed(chunk(0, 2, 10, b"ab", "p2")) is None and r.pending_bytes == 10
+        r.feed(chunk(0, 2, 10, b"abcdefgh", "p2"))
+    now[0] = 6.0  # p1 and p0 expire
+    assert r.feed(chunk(0, 2, 10, b"abcdefgh", "p2")) is None and r.pending_bytes == 8
 
 
 def test_subjects() -> None:
@@ -551,7 +553,8 @@ def test_one_memory_cap_across_all_uploads_of_a_connection(nats_server: str) -> 
     """Uploads on two subjects together may not hold more than max_pending_bytes of what they sent (not of
     what they announced): the one over it is refused at once, the others go on, and released room serves
     the next upload."""
-    limits = bus.BusLimits(max_message_bytes=1000, max_pending_bytes=1500, reassembly_timeout=2)
+    # (one sender may hold the whole budget here: the per-sender share is tests/test_security_upload_sender.py's)
+    limits = bus.BusLimits(max_message_bytes=1000, max_pending_bytes=1500, max_sender_bytes=1500, reassembly_timeout=2)
     other = ENCODE + ".other"
 
     async def body() -> None:

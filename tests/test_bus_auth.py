@@ -112,13 +112,13 @@ def test_compose_auth_config_is_generated_from_the_roles_and_loads_in_nats_serve
     from pathlib import Path
 
     from shared.bus.natsd import free_port, nats_server_binary
-    from shared.bus.roles import ROLES, password_variable, server_auth_config
+    from shared.bus.roles import compose_password_variables, server_auth_config
 
     conf = Path(__file__).resolve().parents[1] / "compose" / "nats-auth.conf"
     assert conf.read_text() == server_auth_config(), "regenerate compose/nats-auth.conf from shared/bus/roles.py"
     port = free_port()
-    passwords = {role: f"pw-{role}" for role in ROLES}
-    env = {**os.environ, **{password_variable(r): p for r, p in passwords.items()}}
+    passwords = {user: f"pw-{user}" for user in compose_password_variables()}
+    env = {**os.environ, **{var: passwords[user] for user, var in compose_password_variables().items()}}
     env |= {"KVMESH_NATS_ROUTE_PASSWORD": "pw-route", "KVMESH_NATS_ROUTE_SEED": "nats-route://route:pw-route@127.0.0.1:1"}
     # compose's fixed cluster and monitoring ports moved to free ones (in the file: a --cluster flag would
     # replace the cluster block, its route authorization too)

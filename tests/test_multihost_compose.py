@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.bus.roles import ROLES, password_variable
+from shared.bus.roles import compose_password_variables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def _compose(files: list[str], env: dict[str, str]) -> subprocess.CompletedProce
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    return env | {password_variable(r): f"pw-{r}" for r in ROLES} | {
+    return env | {var: f"pw-{u}" for u, var in compose_password_variables().items()} | {
         "KVMESH_CACHE_SALT": "salt", "KVMESH_NATS_ROUTE_PASSWORD": "pw-route"} | extra
 
 
@@ -40,8 +40,10 @@ def test_multihost_compose_first_host_overlay() -> None:
 
 
 def test_multihost_compose_worker_host() -> None:
-    env = _env(KVMESH_FIRST_HOST="10.0.0.1", KVMESH_ADVERTISE_HOST="10.0.0.2")
-    for needed in ("KVMESH_FIRST_HOST", "KVMESH_ADVERTISE_HOST", "KVMESH_CACHE_SALT", "KVMESH_NATS_ROUTE_PASSWORD"):
+    env = _env(KVMESH_FIRST_HOST="10.0.0.1", KVMESH_ADVERTISE_HOST="10.0.0.2", KVMESH_WORKER_REPLICA="7",
+               KVMESH_NATS_WORKER_PREFILL_PASSWORD="pw-prefill-7", KVMESH_NATS_WORKER_DECODE_PASSWORD="pw-decode-7")
+    for needed in ("KVMESH_FIRST_HOST", "KVMESH_ADVERTISE_HOST", "KVMESH_CACHE_SALT", "KVMESH_NATS_ROUTE_PASSWORD",
+                   "KVMESH_WORKER_REPLICA", "KVMESH_NATS_DECODE_7_PASSWORD"):
         missing = _compose(["docker-compose.worker-host.yml"], {k: v for k, v in env.items() if k != needed})
         assert f"required variable {needed}" in missing.stderr, needed
     out = _compose(["docker-compose.worker-host.yml"], env)
@@ -57,7 +59,7 @@ def test_multihost_compose_worker_host() -> None:
         svc = services[name]
         assert svc["network_mode"] == "host"
         e = svc["environment"]
-        assert e["NATS_URL"] == "nats://127.0.0.1:4222" and e["NATS_USER"] == name
-        assert e["NATS_PASSWORD"] == f"pw-{name}" and e["KVMESH_CACHE_SALT"] == "salt"
+        assert e["NATS_URL"] == "nats://127.0.0.1:4222" and e["NATS_USER"] == e["KVMESH_WORKER_ID"] == f"{name}-7"
+        assert e["NATS_PASSWORD"] == f"pw-{name}-7" and e["KVMESH_CACHE_SALT"] == "salt"
         assert svc["command"][:3] == ["python", "-m", f"services.{name}"]
     assert services["decode"]["environment"]["KVMESH_KV_HOST"] == "10.0.0.2"

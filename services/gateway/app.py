@@ -227,6 +227,6 @@ def create_app(ctx: GatewayContext) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await ctx.metrics.scrape(), media_type=CONTENT_TYPE)  # rendered off the loop
 
     return app

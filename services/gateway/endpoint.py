@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
+from services.gateway.auth import scoped_to_caller
 from services.gateway.pooling_mode import not_generative
 from services.gateway.overload import admit
 from services.gateway.context import GatewayContext
@@ -65,7 +66,7 @@ async def serve_generation(ctx: GatewayContext, request: Request, body: B, route
 
         async def start() -> Generation | BeamGeneration:
             with trace.use_span(span, end_on_exit=False):  # tokenizer and decode spans become children
-                prepared = await prepare(ctx, body)
+                prepared = scoped_to_caller(await prepare(ctx, body), request)
             span.set_attribute("gen_ai.request.max_tokens", prepared.max_tokens)
             span.set_attribute("kvmesh.request_id", prepared.request_id)
             span.set_attribute("gen_ai.response.model", prepared.model)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.gateway.auth import check_api_key
+from services.gateway.auth import SCOPE_KEY, check_api_key
 from services.gateway.errors import APIError
 
 Scope = dict[str, Any]
@@ -77,7 +77,9 @@ class Intake:
             if scope["path"] not in OPEN_PATHS:
                 # Anthropic's clients send their key as x-api-key (/v1/messages); OpenAI's as a bearer token.
                 key = _header(scope, b"x-api-key")
-                check_api_key(self.api_key, _header(scope, b"authorization") or (f"Bearer {key}" if key else None))
+                tenant = check_api_key(self.api_key, _header(scope, b"authorization") or (f"Bearer {key}" if key else None))
+                if tenant is not None:  # the caller's own prefix cache (services/gateway/auth.py)
+                    scope.setdefault("state", {})[SCOPE_KEY] = tenant
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 self.admit(scope["path"])
                 receive = await self._bounded(scope, receive)

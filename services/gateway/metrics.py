@@ -10,6 +10,7 @@ models has one GatewayMetrics per model (`for_model`), all in one registry.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 from collections.abc import Callable, Iterator
@@ -89,104 +90,114 @@ class _WorkerCollector(Collector):
     def add(self, router: Router, prefill: PrefillWorkers, model: str) -> None:
         self._models.append((model, router, prefill))
 
+    def snapshot(self) -> list[tuple[str, list[LoadBeat], list[LoadBeat]]]:
+        """Each model's live decode and prefill beats, as they are now: taken on the event loop (the router's
+        state is the loop's), rendered anywhere (beats are frozen)."""
+        return [(model, [w.beat for w in router.alive() if w.beat is not None], prefill.alive())
+                for model, router, prefill in self._models]
+
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
-        labels = ["model_name", "worker", "role"]
-        running = GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the worker's running batch", labels=labels)
-        waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting in the worker", labels=labels)
-        usage = GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV-cache usage of the worker (0 to 1)", labels=labels)
-        preempt = CounterMetricFamily(f"{PREFIX}num_preemptions", "Preemptions in the worker's engine", labels=labels)
-        queries = CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                                      "caches (the worker's own, then the kvstore)", labels=labels)
-        hits = CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in a prefix cache", labels=labels)
-        iteration = HistogramMetricFamily(f"{PREFIX}iteration_tokens_total", "Tokens computed per engine step",
-                                          labels=labels)
-        config = GaugeMetricFamily(f"{PREFIX}cache_config_info", "KV-cache configuration of the worker",
-                                   labels=labels + ["block_size", "num_gpu_blocks", "cache_dtype"])
-        offloaded = CounterMetricFamily(f"{PREFIX}kv_offloaded_blocks", "KV blocks the worker handed to the kvstore",
-                                        labels=labels)
-        dropped = CounterMetricFamily(f"{PREFIX}kv_offload_dropped_blocks", "KV blocks not offloaded under "
-                                      "backpressure (requests are never dropped)", labels=labels)
-        tier_hits = CounterMetricFamily(f"{PREFIX}kv_tier_hit_tokens", "Prompt tokens loaded from a tier below "
-                                        "the device pool: the worker's host tier or the kvstore",
-                                        labels=labels + ["tier"])
-        host_bytes = GaugeMetricFamily(f"{PREFIX}host_tier_bytes", "Bytes of KV in the worker's host tier",
-                                       labels=labels)
-        pushes = CounterMetricFamily(f"{PREFIX}kv_pushes", "KV transfers a prefill worker pushed to decode workers",
-                                     labels=labels)
-        push_bytes = CounterMetricFamily(f"{PREFIX}kv_push_bytes", "Bytes of KV a prefill worker pushed",
-                                         labels=labels)
-        push_wait = CounterMetricFamily(f"{PREFIX}kv_push_wait_seconds", "Seconds decode workers waited for pushed "
-                                        "KV after the prompt's last chunk computed (what compute did not hide)",
-                                        labels=labels)
-        replays = CounterMetricFamily(f"{PREFIX}stream_replays", "Token chunks a gateway lost over a NATS reconnect "
-                                      "that the decode worker resent from its recent chunks (no migration)",
+        return worker_families(self.snapshot())
+
+
+def worker_families(models: list[tuple[str, list[LoadBeat], list[LoadBeat]]]
+                    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    """The per-worker series of a snapshot (_WorkerCollector.snapshot)."""
+    labels = ["model_name", "worker", "role"]
+    running = GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the worker's running batch", labels=labels)
+    waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting in the worker", labels=labels)
+    usage = GaugeMetricFamily(f"{PREFIX}kv_cache_usage_perc", "KV-cache usage of the worker (0 to 1)", labels=labels)
+    preempt = CounterMetricFamily(f"{PREFIX}num_preemptions", "Preemptions in the worker's engine", labels=labels)
+    queries = CounterMetricFamily(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                  "caches (the worker's own, then the kvstore)", labels=labels)
+    hits = CounterMetricFamily(f"{PREFIX}prefix_cache_hits", "Prompt tokens found in a prefix cache", labels=labels)
+    iteration = HistogramMetricFamily(f"{PREFIX}iteration_tokens_total", "Tokens computed per engine step",
                                       labels=labels)
-        replay_misses = CounterMetricFamily(f"{PREFIX}stream_replay_misses", "Replays the decode worker could not "
-                                            "serve (chunks no longer kept, unknown request): the choice migrated",
-                                            labels=labels)
-        handout = CounterMetricFamily(f"{PREFIX}kv_handout_seconds", "Engine seconds a prefill worker spent handing "
-                                      "pushed KV out (reading the captured blocks, or rank-to-rank shard sends): "
-                                      "the part of a push inside its engine steps", labels=labels)
-        # vLLM's spec_decode counters (vllm:spec_decode_num_drafts, ...) under the kvmesh prefix.
-        drafts = CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Verify steps of a request with drafted "
-                                     "tokens (speculative decoding)", labels=labels)
-        draft_tokens = CounterMetricFamily(f"{PREFIX}spec_decode_num_draft_tokens", "Tokens drafted for verification",
-                                           labels=labels)
-        accepted = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens", "Drafted tokens the target accepted",
+    config = GaugeMetricFamily(f"{PREFIX}cache_config_info", "KV-cache configuration of the worker",
+                               labels=labels + ["block_size", "num_gpu_blocks", "cache_dtype"])
+    offloaded = CounterMetricFamily(f"{PREFIX}kv_offloaded_blocks", "KV blocks the worker handed to the kvstore",
+                                    labels=labels)
+    dropped = CounterMetricFamily(f"{PREFIX}kv_offload_dropped_blocks", "KV blocks not offloaded under "
+                                  "backpressure (requests are never dropped)", labels=labels)
+    tier_hits = CounterMetricFamily(f"{PREFIX}kv_tier_hit_tokens", "Prompt tokens loaded from a tier below "
+                                    "the device pool: the worker's host tier or the kvstore",
+                                    labels=labels + ["tier"])
+    host_bytes = GaugeMetricFamily(f"{PREFIX}host_tier_bytes", "Bytes of KV in the worker's host tier",
+                                   labels=labels)
+    pushes = CounterMetricFamily(f"{PREFIX}kv_pushes", "KV transfers a prefill worker pushed to decode workers",
+                                 labels=labels)
+    push_bytes = CounterMetricFamily(f"{PREFIX}kv_push_bytes", "Bytes of KV a prefill worker pushed",
+                                     labels=labels)
+    push_wait = CounterMetricFamily(f"{PREFIX}kv_push_wait_seconds", "Seconds decode workers waited for pushed "
+                                    "KV after the prompt's last chunk computed (what compute did not hide)",
+                                    labels=labels)
+    replays = CounterMetricFamily(f"{PREFIX}stream_replays", "Token chunks a gateway lost over a NATS reconnect "
+                                  "that the decode worker resent from its recent chunks (no migration)",
+                                  labels=labels)
+    replay_misses = CounterMetricFamily(f"{PREFIX}stream_replay_misses", "Replays the decode worker could not "
+                                        "serve (chunks no longer kept, unknown request): the choice migrated",
+                                        labels=labels)
+    handout = CounterMetricFamily(f"{PREFIX}kv_handout_seconds", "Engine seconds a prefill worker spent handing "
+                                  "pushed KV out (reading the captured blocks, or rank-to-rank shard sends): "
+                                  "the part of a push inside its engine steps", labels=labels)
+    # vLLM's spec_decode counters (vllm:spec_decode_num_drafts, ...) under the kvmesh prefix.
+    drafts = CounterMetricFamily(f"{PREFIX}spec_decode_num_drafts", "Verify steps of a request with drafted "
+                                 "tokens (speculative decoding)", labels=labels)
+    draft_tokens = CounterMetricFamily(f"{PREFIX}spec_decode_num_draft_tokens", "Tokens drafted for verification",
                                        labels=labels)
-        per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this "
-                                      "position was accepted", labels=labels + ["position"])
-        verify_steps = CounterMetricFamily(f"{PREFIX}spec_decode_verify_steps", "Engine steps that verified drafts, "
-                                           "by how they ran: graph (a captured CUDA graph replayed), padded_eager "
-                                           "(the graphs' padded path, capture off), eager (the runner's eager path)",
-                                           labels=labels + ["path"])
-        alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
-                                  labels=["model_name", "role"])
-        for model, router, prefill_workers in self._models:
-            decode = [w.beat for w in router.alive() if w.beat is not None]
-            prefill = prefill_workers.alive()
-            alive.add_metric([model, "decode"], len(decode))
-            alive.add_metric([model, "prefill"], len(prefill))
-            for b in decode + prefill:
-                v = [model, b.worker_id, b.role]
-                running.add_metric(v, b.running)
-                waiting.add_metric(v, b.waiting)
-                usage.add_metric(v, 1.0 - b.free_blocks / b.total_blocks if b.total_blocks else 0.0)
-                preempt.add_metric(v, b.num_preemptions)
-                queries.add_metric(v, b.prefix_cache_queries)
-                hits.add_metric(v, b.prefix_cache_hits)
-                offloaded.add_metric(v, b.offloaded_blocks)
-                dropped.add_metric(v, b.offload_dropped_blocks)
-                tier_hits.add_metric(v + ["host"], b.host_tier_hit_tokens)
-                tier_hits.add_metric(v + ["kvstore"], b.kvstore_hit_tokens)
-                host_bytes.add_metric(v, b.host_tier_bytes)
-                pushes.add_metric(v, b.kv_pushes)
-                push_bytes.add_metric(v, b.kv_push_bytes)
-                push_wait.add_metric(v, b.kv_push_wait_seconds)
-                if b.role == "decode":
-                    replays.add_metric(v, b.stream_replays)
-                    replay_misses.add_metric(v, b.stream_replay_misses)
-                handout.add_metric(v, b.kv_handout_seconds)
-                if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
-                    cumulative, acc = [], 0
-                    for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
-                        acc += n
-                        cumulative.append((le, acc))
-                    iteration.add_metric(v, cumulative, b.iteration_tokens_sum)
-                if b.spec_num_drafts:
-                    drafts.add_metric(v, b.spec_num_drafts)
-                    draft_tokens.add_metric(v, b.spec_num_draft_tokens)
-                    accepted.add_metric(v, b.spec_num_accepted_tokens)
-                    for pos, n in enumerate(b.spec_num_accepted_tokens_per_pos):
-                        per_pos.add_metric(v + [str(pos)], n)
-                if b.spec_verify_graph_replays or b.spec_verify_padded_eager or b.spec_verify_eager:
-                    for path, n in (("graph", b.spec_verify_graph_replays), ("padded_eager", b.spec_verify_padded_eager),
-                                    ("eager", b.spec_verify_eager)):
-                        verify_steps.add_metric(v + [path], n)
-                config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
-        yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
-                    pushes, push_bytes, push_wait, handout, replays, replay_misses, iteration, config, drafts,
-                    draft_tokens, accepted, per_pos, verify_steps, alive)
+    accepted = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens", "Drafted tokens the target accepted",
+                                   labels=labels)
+    per_pos = CounterMetricFamily(f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this "
+                                  "position was accepted", labels=labels + ["position"])
+    verify_steps = CounterMetricFamily(f"{PREFIX}spec_decode_verify_steps", "Engine steps that verified drafts, "
+                                       "by how they ran: graph (a captured CUDA graph replayed), padded_eager "
+                                       "(the graphs' padded path, capture off), eager (the runner's eager path)",
+                                       labels=labels + ["path"])
+    alive = GaugeMetricFamily(f"{PREFIX}workers_alive", "Workers with a recent load beat",
+                              labels=["model_name", "role"])
+    for model, decode, prefill in models:
+        alive.add_metric([model, "decode"], len(decode))
+        alive.add_metric([model, "prefill"], len(prefill))
+        for b in decode + prefill:
+            v = [model, b.worker_id, b.role]
+            running.add_metric(v, b.running)
+            waiting.add_metric(v, b.waiting)
+            usage.add_metric(v, 1.0 - b.free_blocks / b.total_blocks if b.total_blocks else 0.0)
+            preempt.add_metric(v, b.num_preemptions)
+            queries.add_metric(v, b.prefix_cache_queries)
+            hits.add_metric(v, b.prefix_cache_hits)
+            offloaded.add_metric(v, b.offloaded_blocks)
+            dropped.add_metric(v, b.offload_dropped_blocks)
+            tier_hits.add_metric(v + ["host"], b.host_tier_hit_tokens)
+            tier_hits.add_metric(v + ["kvstore"], b.kvstore_hit_tokens)
+            host_bytes.add_metric(v, b.host_tier_bytes)
+            pushes.add_metric(v, b.kv_pushes)
+            push_bytes.add_metric(v, b.kv_push_bytes)
+            push_wait.add_metric(v, b.kv_push_wait_seconds)
+            if b.role == "decode":
+                replays.add_metric(v, b.stream_replays)
+                replay_misses.add_metric(v, b.stream_replay_misses)
+            handout.add_metric(v, b.kv_handout_seconds)
+            if b.iteration_token_buckets and len(b.iteration_token_counts) == len(b.iteration_token_buckets) + 1:
+                cumulative, acc = [], 0
+                for le, n in zip([str(x) for x in b.iteration_token_buckets] + ["+Inf"], b.iteration_token_counts):
+                    acc += n
+                    cumulative.append((le, acc))
+                iteration.add_metric(v, cumulative, b.iteration_tokens_sum)
+            if b.spec_num_drafts:
+                drafts.add_metric(v, b.spec_num_drafts)
+                draft_tokens.add_metric(v, b.spec_num_draft_tokens)
+                accepted.add_metric(v, b.spec_num_accepted_tokens)
+                for pos, n in enumerate(b.spec_num_accepted_tokens_per_pos):
+                    per_pos.add_metric(v + [str(pos)], n)
+            if b.spec_verify_graph_replays or b.spec_verify_padded_eager or b.spec_verify_eager:
+                for path, n in (("graph", b.spec_verify_graph_replays), ("padded_eager", b.spec_verify_padded_eager),
+                                ("eager", b.spec_verify_eager)):
+                    verify_steps.add_metric(v + [path], n)
+            config.add_metric(v + [str(b.block_size), str(b.total_blocks), b.kv_cache_dtype or "auto"], 1.0)
+    yield from (running, waiting, usage, preempt, queries, hits, offloaded, dropped, tier_hits, host_bytes,
+                pushes, push_bytes, push_wait, handout, replays, replay_misses, iteration, config, drafts,
+                draft_tokens, accepted, per_pos, verify_steps, alive)
 
 
 class GatewayMetrics:
@@ -243,8 +254,9 @@ class GatewayMetrics:
                               "(vLLM's older name of inter_token_latency_seconds)", m, buckets=_ITL_BUCKETS, registry=r)
         self.request_tpot = Histogram(f"{PREFIX}request_time_per_output_token_seconds", "A choice's decode time "
                                       "per output token after the first", m, buckets=_ITL_BUCKETS, registry=r)
+        # Not in the registry: a scrape renders the workers' series from a snapshot taken on the event loop.
         self._workers = _WorkerCollector(router, self.prefill_workers, model)
-        r.register(self._workers)
+        self._scrape = _Scrape()  # shared by every model's view (copy.copy)
         self.kvstore = KVStoreFigures(model)
         r.register(self.kvstore)
         self._queries = 0
@@ -304,4 +316,46 @@ class GatewayMetrics:
         self.errors.labels(self.model, str(status)).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self._render(self._workers.snapshot())
+
+    def _render(self, workers: list[tuple[str, list[LoadBeat], list[LoadBeat]]]) -> bytes:
+        return generate_latest(self.registry) + generate_latest(_Families(workers))
+
+    async def scrape(self) -> bytes:
+        """/metrics without holding the event loop: the workers' beats are snapshotted on the loop and rendered
+        in a thread (thousands of series from many workers' beats take a while); scrapes that arrive while one
+        renders share its text, and a text is reused for SCRAPE_REUSE_S."""
+        s = self._scrape
+        if s.text is not None and time.monotonic() - s.at < SCRAPE_REUSE_S:
+            return s.text
+        if s.rendering is None:
+            s.rendering = asyncio.ensure_future(asyncio.to_thread(self._render, self._workers.snapshot()))
+            s.rendering.add_done_callback(s.done)
+        return await asyncio.shield(s.rendering)
+
+
+SCRAPE_REUSE_S = 1.0  # Prometheus scrapes every 10-15 s; a burst of scrapes costs one render
+
+
+class _Scrape:
+    """The render in progress and the last one rendered."""
+
+    def __init__(self) -> None:
+        self.rendering: asyncio.Future[bytes] | None = None
+        self.text: bytes | None = None
+        self.at = 0.0
+
+    def done(self, fut: asyncio.Future[bytes]) -> None:
+        self.rendering = None
+        if not fut.cancelled() and fut.exception() is None:
+            self.text, self.at = fut.result(), time.monotonic()
+
+
+class _Families:
+    """A registry-like view of a snapshot's worker series, for generate_latest."""
+
+    def __init__(self, workers: list[tuple[str, list[LoadBeat], list[LoadBeat]]]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        return worker_families(self._workers)

@@ -104,29 +104,50 @@ async def send_upload(nc: Client, subject: str, data: bytes, headers: dict[str, 
 class UploadBudget:
     """Bytes of the chunked uploads one connection is receiving, all subjects together: each upload has
     its own bound (max_message_bytes), and this one bounds their sum (max_pending_bytes), so many
-    concurrent uploads cannot exhaust the process's memory."""
+    concurrent uploads cannot exhaust the process's memory, and each sender's share (sender_bytes), so one
+    sender's uploads, sent slowly or never finished, cannot take the whole budget from the others."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, sender_limit: int | None = None) -> None:
         self.limit = limit
+        self.sender_limit = limit if sender_limit is None else sender_limit
         self.used = 0
+        self.by_sender: dict[str, int] = {}
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, sender: str = "") -> None:
+        held = self.by_sender.get(sender, 0)
+        if held + nbytes > self.sender_limit:
+            raise ChunkError(f"this sender's uploads being received would hold {held + nbytes} bytes, over the "
+                             f"{self.sender_limit}-byte limit a sender has; try again later")
         if self.used + nbytes > self.limit:
             raise ChunkError(f"uploads being received would hold {self.used + nbytes} bytes, over the "
                              f"{self.limit}-byte limit; try again later")
         self.used += nbytes
+        self.by_sender[sender] = held + nbytes
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, sender: str = "") -> None:
         self.used -= nbytes
+        left = self.by_sender.get(sender, 0) - nbytes
+        if left > 0:
+            self.by_sender[sender] = left
+        else:
+            self.by_sender.pop(sender, None)
 
 
 def upload_budget(nc: Client, limits: BusLimits) -> UploadBudget:
     """The connection's budget (made on first use; a process normally has one connection)."""
     budget = getattr(nc, "_kvmesh_upload_budget", None)
     if budget is None:
-        budget = UploadBudget(limits.max_pending_bytes)
+        budget = UploadBudget(limits.max_pending_bytes, limits.sender_bytes)
         nc._kvmesh_upload_budget = budget  # type: ignore[attr-defined]
     return budget
+
+
+def upload_sender(reply: str) -> str:
+    """Who an upload is from: its reply subject's inbox (`_INBOX.<token>.…`). On a locked-down bus only the
+    identity whose inbox it is receives the handshake answer, so only it can send the upload's other chunks
+    (shared/bus/roles.py); on an open bus the token is the sending connection's own."""
+    parts = reply.split(".")
+    return ".".join(parts[:2])
 
 
 async def receive_upload(nc: Client, first: Msg, limits: BusLimits = DEFAULT_LIMITS) -> Envelope:
@@ -139,7 +160,7 @@ async def receive_upload(nc: Client, first: Msg, limits: BusLimits = DEFAULT_LIM
     # The budget holds the bytes received, not the size announced: an upload announced big and never sent
     # holds only what it sent (the announced size is still bounded by max_message_bytes in feed()).
     budget = upload_budget(nc, limits)
-    held = _Held(budget)
+    held = _Held(budget, upload_sender(first.reply))
     held.add(len(first.data))
     try:
         return await _collect(nc, first, assembler, limits, held)
@@ -148,17 +169,17 @@ async def receive_upload(nc: Client, first: Msg, limits: BusLimits = DEFAULT_LIM
 
 
 class _Held:
-    """Bytes of one upload held against the connection's budget."""
+    """Bytes of one upload held against the connection's budget and its sender's share."""
 
-    def __init__(self, budget: UploadBudget) -> None:
-        self.budget, self.n = budget, 0
+    def __init__(self, budget: UploadBudget, sender: str = "") -> None:
+        self.budget, self.sender, self.n = budget, sender, 0
 
     def add(self, nbytes: int) -> None:
-        self.budget.reserve(nbytes)
+        self.budget.reserve(nbytes, self.sender)
         self.n += nbytes
 
     def release(self) -> None:
-        self.budget.release(self.n)
+        self.budget.release(self.n, self.sender)
         self.n = 0
 
 
@@ -221,7 +242,9 @@ class Reassembler:
 
     @property
     def pending_bytes(self) -> int:
-        return sum(p.size for p in self._partial.values())
+        """Bytes received of partial messages (not the sizes they announce: an announced size costs nothing
+        until it is sent)."""
+        return sum(p.received for p in self._partial.values())
 
     def feed(self, msg: Msg) -> Envelope | None:
         hdrs = msg.headers or {}
@@ -249,11 +272,12 @@ class Reassembler:
         if p is None:
             if i != 0:
                 raise ChunkError(f"chunk {i}/{n} of unknown message {msg_id} (lost chunks or timed out)")
-            if self.pending_bytes + size > self._limits.max_pending_bytes:
-                raise ChunkError("too many bytes in partially received messages")
-            p = self._partial[msg_id] = _Partial(msg, n, size, self._clock())
+            p = _Partial(msg, n, size, self._clock())
         elif (n, size) != (p.n, p.size) or i != len(p.parts):
             raise ChunkError(f"chunk {i}/{n} out of order for message {msg_id} (expected {len(p.parts)}/{p.n})")
+        if self.pending_bytes + len(msg.data) > self._limits.max_pending_bytes:
+            raise ChunkError("too many bytes in partially received messages")
+        self._partial[msg_id] = p
         p.parts.append(msg.data)
         p.received += len(msg.data)
         if p.received > p.size or (i == n - 1 and p.received != p.size):

@@ -10,7 +10,7 @@ import nats
 from nats.aio.client import Client
 
 from shared.bus import slow_consumer
-from shared.bus.roles import ROLES, inbox_prefix
+from shared.bus.roles import ENGINE_ROLES, ROLES, inbox_prefix
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
       NATS_NO_RANDOMIZE  1: try the servers in the order given (the first is this process's home
                      server; `kvmesh up` rotates the list to spread services). Default: nats-py's
                      random order, which spreads scaled replicas (compose).
-      NATS_USER, NATS_PASSWORD   username/password authentication; a kvmesh role name as the user
-                     (shared/bus/roles.py) also sets the inbox prefix its permissions allow
+      NATS_USER, NATS_PASSWORD   username/password authentication; a kvmesh role name or an engine replica's
+                     user (decode-2; shared/bus/roles.py) also sets the inbox prefix its permissions allow
       NATS_INBOX_PREFIX  this identity's inboxes (`kvmesh up` gives each process its own user, which may
                      read only `_INBOX.<user>.>`)
       NATS_TOKEN     token authentication
@@ -48,7 +48,8 @@ async def connect(url: str | None = None, **opts: Any) -> Client:
     if env.get("NATS_USER"):
         kwargs["user"] = env["NATS_USER"]
         kwargs["password"] = env.get("NATS_PASSWORD", "")
-        if env["NATS_USER"] in ROLES:  # a locked-down mesh: this role may only read its own inboxes
+        # A locked-down mesh: a role's user, or an engine replica's (compose's decode-2), reads only its own inboxes.
+        if env["NATS_USER"] in ROLES or env["NATS_USER"].rsplit("-", 1)[0] in ENGINE_ROLES:
             kwargs["inbox_prefix"] = inbox_prefix(env["NATS_USER"])
     if env.get("NATS_INBOX_PREFIX"):
         kwargs["inbox_prefix"] = env["NATS_INBOX_PREFIX"]

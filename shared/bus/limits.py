@@ -8,6 +8,9 @@ from dataclasses import dataclass
 class BusLimits:
     max_message_bytes: int = 256 << 20  # largest logical (reassembled) message
     max_pending_bytes: int = 1 << 30  # all partially reassembled messages of one receiver together
+    # ... of them from one sender (its inbox: on a locked-down bus, its identity); 0: a quarter of the above, at
+    # least one largest message. One sender's uploads cannot shut the others out.
+    max_sender_bytes: int = 0
     reassembly_timeout: float = 30.0  # seconds from a message's first chunk to its last
     max_inflight: int = 1024  # concurrent handler tasks per served subject; beyond it: "overloaded"
     # Messages a streamed reply's inbox holds unread before the client library drops them (then the stream
@@ -16,6 +19,11 @@ class BusLimits:
 
     def __post_init__(self) -> None:
         assert 0 < self.max_message_bytes <= self.max_pending_bytes
+        assert 0 <= self.max_sender_bytes <= self.max_pending_bytes
+
+    @property
+    def sender_bytes(self) -> int:
+        return self.max_sender_bytes or max(self.max_message_bytes, self.max_pending_bytes // 4)
         assert self.reassembly_timeout > 0 and self.max_inflight > 0
         assert self.reply_pending_msgs is None or self.reply_pending_msgs > 0
 

@@ -1,5 +1,5 @@
-"""Who may say what on the bus: one NATS user per process (`kvmesh up`) or per service role (compose), with
-subject permissions.
+"""Who may say what on the bus: one NATS user per process (`kvmesh up`), or per engine replica and per other
+service role (compose), with subject permissions.
 
 Only workers publish block events, load beats and kvstore puts, and an engine worker with its own identity
 only for its own id; only the gateway publishes generate requests and reads load beats. Shared
@@ -139,9 +139,27 @@ def identity_permissions(identity: Identity) -> dict[str, object]:
     return permissions(identity.role, identity.worker_id, identity.user, identity.namespaces)
 
 
-def password_variable(role: str) -> str:
-    """The environment variable that holds a role's password where a file must not (compose)."""
-    return f"KVMESH_NATS_{role.upper()}_PASSWORD"
+def password_variable(user: str) -> str:
+    """The environment variable that holds a user's password where a file must not (compose): a role's
+    (KVMESH_NATS_GATEWAY_PASSWORD) or an engine replica's (decode-2: KVMESH_NATS_DECODE_2_PASSWORD)."""
+    return f"KVMESH_NATS_{user.upper().replace('-', '_')}_PASSWORD"
+
+
+# Compose's engine workers, each with its own user: replicas 1-4 of each engine role serve the base file's model
+# (docker-compose.yml), 5 the second model's (docker-compose.second-model.yml), 6-8 run on worker machines
+# (docker-compose.worker-host.yml). Replicas share no secret, so one replica's password neither reads another's
+# requests, pushed KV and inbox replies nor beats under its id.
+COMPOSE_REPLICAS = 8
+
+
+def compose_identities(replicas: int = COMPOSE_REPLICAS) -> list[Identity]:
+    """compose/nats-auth.conf's users: the gateway, tokenizer and kvstore roles' shared users (any replica of
+    them holds only what every one of them needs), and `<role>-<n>` for each engine replica, whose worker id
+    is its user name. Each serves whichever model its container runs: every model's subjects."""
+    every = ("", s.ANY_NAMESPACE)
+    shared = [Identity(role, role, namespaces=every) for role in ROLES if role not in ENGINE_ROLES]
+    return shared + [Identity(f"{role}-{n}", role, f"{role}-{n}", namespaces=every)
+                     for role in ENGINE_ROLES for n in range(1, replicas + 1)]
 
 
 ROUTE_PASSWORD_VARIABLE = "KVMESH_NATS_ROUTE_PASSWORD"
@@ -150,7 +168,7 @@ ROUTE_SEED_VARIABLE = "KVMESH_NATS_ROUTE_SEED"  # nats-route://route:<route pass
 
 def server_auth_config() -> str:
     """nats-server configuration text for compose (compose/nats-auth.conf is this text, and a test keeps it
-    so): the role users, passwords taken from the server's environment (nats-server resolves `$NAME`); the
+    so): the users of compose_identities(), passwords taken from the server's environment (nats-server resolves `$NAME`); the
     cluster listener, which admits only routes that hold the route password (a whole-value variable holds
     the seed's route URL with it, as nats-server does not expand variables inside strings; the seed's
     route to itself is dropped by nats-server); monitoring on the container's loopback only, for its own
@@ -158,14 +176,20 @@ def server_auth_config() -> str:
     import json
 
     users = []
-    for role in ROLES:
-        # A compose role user serves whichever model its container runs: every model's subjects.
-        perms = json.dumps(permissions(role, namespaces=("", s.ANY_NAMESPACE)), indent=None)
-        users.append(f'    {{user: "{role}", password: ${password_variable(role)}, permissions: {perms}}}')
-    return ("# Generated from shared/bus/roles.py (tests/test_bus_auth.py checks it): one user per kvmesh role.\n"
+    for identity in compose_identities():
+        perms = json.dumps(identity_permissions(identity), indent=None)
+        users.append(f'    {{user: "{identity.user}", password: ${password_variable(identity.user)}, '
+                     f'permissions: {perms}}}')
+    return ("# Generated from shared/bus/roles.py (tests/test_bus_auth.py checks it): a user per kvmesh role, and\n"
+            f"# one per engine replica (prefill-1..{COMPOSE_REPLICAS}, decode-1..{COMPOSE_REPLICAS}), its worker id.\n"
             f"max_pending: {SERVER_MAX_PENDING}  # shared/bus/limits.py says why\n"
             'http: "127.0.0.1:8222"  # monitoring: inside the container only\n'
             "cluster {\n  name: kvmesh\n  listen: \"0.0.0.0:6222\"  # the compose network (no host port)\n"
             f"  authorization {{ user: route, password: ${ROUTE_PASSWORD_VARIABLE} }}\n"
             f"  routes: [${ROUTE_SEED_VARIABLE}]\n}}\n"
             "authorization {\n  users = [\n" + ",\n".join(users) + "\n  ]\n}\n")
+
+
+def compose_password_variables() -> dict[str, str]:
+    """Every secret compose/nats-auth.conf reads, by the user it belongs to (the route's aside)."""
+    return {identity.user: password_variable(identity.user) for identity in compose_identities()}

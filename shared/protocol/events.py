@@ -1,11 +1,18 @@
 """decode workers -> routers (fan-out): what each worker caches and how busy it is."""
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field
 
 from shared.wire import Message
+
+# A beat's strings and lists are bounded: the gateway keeps the latest beat of every worker and renders them
+# all in /metrics, and the planner parses them.
+MAX_NAME = 256  # a worker id, an adapter's name, an endpoint
+MAX_ADAPTERS = 4096  # LoRA adapters a worker names in one beat
+MAX_DRAFT_POSITIONS = 64  # draft positions a beat counts acceptances of (a worker drafting more sends the first 64)
+Name = Annotated[str, Field(max_length=MAX_NAME)]
 
 
 class BlockStored(Message):
@@ -44,7 +51,7 @@ class LoadBeat(Message):
 
     KIND: ClassVar[str] = "event.load"
 
-    worker_id: str
+    worker_id: str = Field(max_length=MAX_NAME)
     running: int
     waiting: int
     free_blocks: int
@@ -53,7 +60,7 @@ class LoadBeat(Message):
     block_size: int = 16
     hash_root: bytes = Field(default=b"", max_length=64)
     max_model_len: int = 0
-    role: str = "decode"  # "decode" | "prefill"
+    role: str = Field(default="decode", max_length=16)  # "decode" | "prefill"
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up (own prefix cache, then the kvstore)
     prefix_cache_hits: int = 0  # prompt tokens found in either
@@ -62,14 +69,14 @@ class LoadBeat(Message):
     iteration_token_buckets: list[int] = Field(default_factory=list, max_length=64)
     iteration_token_counts: list[int] = Field(default_factory=list, max_length=65)
     iteration_tokens_sum: int = 0
-    kv_cache_dtype: str = ""
+    kv_cache_dtype: str = Field(default="", max_length=MAX_NAME)
     offloaded_blocks: int = 0  # blocks handed to the kvstore (cumulative)
     offload_dropped_blocks: int = 0  # blocks not offloaded under backpressure (cumulative; never a request)
     # Prompt tokens loaded per tier below the device (cumulative), and the host tier's size now.
     host_tier_hit_tokens: int = 0
     kvstore_hit_tokens: int = 0
     host_tier_bytes: int = 0
-    kv_endpoint: str = ""  # the worker's direct KV channel (tcp://host:port), "" when KV comes over NATS only
+    kv_endpoint: str = Field(default="", max_length=MAX_NAME)  # the worker's direct KV channel (tcp://host:port), "" when KV comes over NATS only
     # A prefill worker's KV pushes (cumulative): how many, their bytes, and the seconds decode workers
     # waited on them after the prompt's last chunk computed (the part of a push no compute hid).
     # Speculative decoding (cumulative; vLLM's spec_decode counters): verifies with drafts, drafted tokens,
@@ -77,7 +84,7 @@ class LoadBeat(Message):
     spec_num_drafts: int = Field(default=0, ge=0)
     spec_num_draft_tokens: int = Field(default=0, ge=0)
     spec_num_accepted_tokens: int = Field(default=0, ge=0)
-    spec_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list, max_length=1024)
+    spec_num_accepted_tokens_per_pos: list[int] = Field(default_factory=list, max_length=MAX_DRAFT_POSITIONS)
     # How the engine ran those verify steps (cumulative; shared/engine/verify_graphs.py): replayed from a captured
     # CUDA graph, through the graphs' padded path run eagerly (capture off), or on the runner's eager path (no
     # bucket fits, a prompt chunk in the step, tensor parallel).
@@ -99,6 +106,6 @@ class LoadBeat(Message):
     stream_replays: int = Field(default=0, ge=0)
     stream_replay_misses: int = Field(default=0, ge=0)
     # The LoRA adapters this worker holds, by name (the router prefers a worker holding a request's adapter).
-    lora_adapters: list[str] = Field(default_factory=list)
+    lora_adapters: list[Name] = Field(default_factory=list, max_length=MAX_ADAPTERS)
     # ... and those of them in its device slots or host cache: a request for one starts without reading it from disk.
-    lora_resident: list[str] = Field(default_factory=list)
+    lora_resident: list[Name] = Field(default_factory=list, max_length=MAX_ADAPTERS)
