@@ -119,8 +119,14 @@ class TokenStream:
     async def _send(self, subject: str) -> TokenChunk:
         # Routed to one worker: only its chunks count.
         sender = None if subject == self.ctx.subjects.decode_generate_any else subjects.worker_from_subject(subject)
-        stream = await self._request(subject, self._req, sender)
+        # Marked before it goes out: a request given up while being sent (its client left, its wait ran out) may
+        # reach a worker all the same, and only a cancel stops it there (one overtaking it is remembered).
         self.sent = True
+        try:
+            stream = await self._request(subject, self._req, sender)
+        except bus.NoRespondersError:
+            self.sent = False
+            raise
         try:
             return self._arrived(await stream.__anext__())
         except StopAsyncIteration:
