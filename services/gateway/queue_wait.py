@@ -57,8 +57,8 @@ class QueueWait:
         self._trim(now)
         if len(self._starts) < MIN_STARTS:
             return None
-        span = min(WINDOW_S, max(now - self._starts[0], 1e-3))
-        return len(self._starts) / span
+        # Intervals between starts over the time they span up to now: a mesh that stopped starting slows down.
+        return (len(self._starts) - 1) / max(now - self._starts[0], 1e-3)
 
     def expected_wait_s(self) -> float:
         """How long a request sent now would wait for its first token, from the queue ahead of it."""
