@@ -82,6 +82,7 @@ class TokenStream:
         self._reconnects = 0  # the connection's reconnect count the current stream is known to have survived
         self._reconnected_at: float | None = None  # when a reconnect the stream has not yet survived was seen
         self._worker_reconnects: int | None = None  # the routed worker's, from its beats (router.bus_reconnects)
+        self._incarnation: str | None = None  # the routed worker's process, from its beats (router.incarnation)
 
     async def open(self) -> None:
         """Sends the request and waits for the first chunk, so refusals become HTTP statuses."""
@@ -109,6 +110,7 @@ class TokenStream:
         only that worker's chunks count (shared/bus/sender.py); None: whoever answers."""
         self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
         self._worker_reconnects = self.ctx.router.bus_reconnects(self.worker_id) if self.worker_id else None
+        self._incarnation = self.ctx.router.incarnation(self.worker_id) if self.worker_id else None
         with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
             stream = await bus.request_stream(self.ctx.nc, subject, msg, timeout=self.ctx.config.stream_idle_timeout_s,
                                               expect=TokenChunk, sender=sender, limits=self.ctx.stream_limits)
@@ -187,6 +189,8 @@ class TokenStream:
         task per chunk): WorkerLost as soon as the router stops hearing from the worker."""
         if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
             raise WorkerLost(self.worker_id)
+        if self._restarted():
+            raise WorkerLost(self.worker_id)
         if self._worker_moved():
             raise StreamInterrupted()
         if self.ctx.nc.stats["reconnects"] != self._reconnects:
@@ -202,6 +206,14 @@ class TokenStream:
                 raise StreamInterrupted()
         # (A stream whose messages NATS' client dropped because the gateway fell behind raises
         # MessagesDroppedError itself, checked at every wait.)
+
+    def _restarted(self) -> bool:
+        """The routed worker beats as another process than the one the request went to (killed and restarted under
+        its id, faster than its beats expire): the request died with the old one."""
+        if self.worker_id is None or not self._incarnation:
+            return False
+        now = self.ctx.router.incarnation(self.worker_id)
+        return bool(now) and now != self._incarnation
 
     def _worker_moved(self) -> bool:
         """The routed worker's connection reconnected since the stream opened: on a locked-down bus its
