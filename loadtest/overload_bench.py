@@ -36,15 +36,15 @@ MODEL_NAME = "smollm2"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=300, help="chat requests in all")
+    p.add_argument("--concurrency", type=int, default=32, help="requests open at once")
     p.add_argument("--cancel-every", type=int, default=5, help="every k-th request is given up mid-stream (0: none)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a request may take to be answered")
     p.add_argument("--kill-at", type=float, default=0.3,
                    help="SIGKILL a decode worker once this fraction of the requests has ended (negative: never)")
     p.add_argument("--settle", type=float, default=10.0, help="seconds after the last request to read the engines")
-    p.add_argument("--port", type=int, default=8031)
+    p.add_argument("--port", type=int, default=8031, help="the gateway's port")
     p.add_argument("--up-arg", action="append", default=[], metavar="ARG",
                    help="one more `kvmesh up` argument (repeat), e.g. --up-arg=--max-queue-wait=20")
     p.add_argument("--json", default=None, help="also write the report here")
@@ -73,7 +73,7 @@ def engines(metrics_text: str) -> dict[str, dict[str, float]]:
         if not m:
             continue
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m[2]))
-        w = labels.get("worker_id", "?")
+        w = labels.get("worker", "?")
         row = out.setdefault(w, {"role": labels.get("role", "")})
         if m[1] == "cache_config_info":
             pool[w] = int(labels.get("num_gpu_blocks", 0))
@@ -165,14 +165,14 @@ def summarize(results: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.models.smollm2 import smollm2_gguf
+    from shared.models.smollm2 import smollm2_checkpoint
 
     warn_if_busy()
     machine = machine_info("cpu")
     extra = ["--prefill", "1", "--decode", "2", *args.up_arg]
     base_url = f"http://127.0.0.1:{args.port}"
     with tempfile.TemporaryDirectory(prefix="kvmesh-overload-") as tmp:
-        with kvmesh_up(smollm2_gguf(), args.port, MODEL_NAME, extra, Path(tmp) / "up.log") as (proc, log_path):
+        with kvmesh_up(smollm2_checkpoint(), args.port, MODEL_NAME, extra, Path(tmp) / "up.log") as (proc, log_path):
             results, kill = asyncio.run(_load(base_url, log_path, args))
             time.sleep(args.settle)
             after = engines(httpx.get(f"{base_url}/metrics", timeout=30).text)
