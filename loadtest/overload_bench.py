@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SIGKILL a decode worker once this fraction of the requests has ended (negative: never)")
     p.add_argument("--settle", type=float, default=10.0, help="seconds after the last request to read the engines")
     p.add_argument("--port", type=int, default=8031, help="the gateway's port")
+    p.add_argument("--kill-worker", default="decode-1", help="the worker to SIGKILL")
     p.add_argument("--up-arg", action="append", default=[], metavar="ARG",
                    help="one more `kvmesh up` argument (repeat), e.g. --up-arg=--max-queue-wait=20")
     p.add_argument("--json", default=None, help="also write the report here")
@@ -88,6 +89,7 @@ def engines(metrics_text: str) -> dict[str, dict[str, float]]:
 async def _one(client: openai.AsyncOpenAI, prompt: str, cancel: bool, args: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     rec: dict = {"cancel": cancel}
+    stream = None
     try:
         async with asyncio.timeout(args.deadline):
             stream = await client.chat.completions.create(
@@ -105,6 +107,8 @@ async def _one(client: openai.AsyncOpenAI, prompt: str, cancel: bool, args: argp
                     return rec | {"outcome": "answered", "e2e_s": time.monotonic() - t0}
             return rec | {"outcome": "lost", "why": "stream ended without a finish_reason"}
     except TimeoutError:
+        if stream is not None:  # a client that gives up closes its connection (the gateway then drops the request)
+            await stream.close()
         return rec | {"outcome": "lost", "why": f"no answer within {args.deadline:g}s"}
     except openai.APIStatusError as e:
         clean = e.status_code in (429, 503) and "retry-after" in e.response.headers and isinstance(e.body, dict)
@@ -134,10 +138,10 @@ async def _load(base_url: str, log_path: Path, args: argparse.Namespace) -> tupl
     if args.kill_at >= 0:
         while len(results) < args.kill_at * args.requests and not all(t.done() for t in tasks):
             await asyncio.sleep(0.1)
-        pid = _worker_pid(log_path, "decode-1")
+        pid = _worker_pid(log_path, args.kill_worker)
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
-            kill = {"worker": "decode-1", "pid": pid, "at_s": round(time.monotonic() - t0, 1),
+            kill = {"worker": args.kill_worker, "pid": pid, "at_s": round(time.monotonic() - t0, 1),
                     "requests_ended_before": len(results)}
     await asyncio.gather(*tasks)
     kill["run_s"] = round(time.monotonic() - t0, 1)
@@ -175,8 +179,11 @@ def run(args: argparse.Namespace) -> int:
         with kvmesh_up(smollm2_checkpoint(), args.port, MODEL_NAME, extra, Path(tmp) / "up.log") as (proc, log_path):
             results, kill = asyncio.run(_load(base_url, log_path, args))
             time.sleep(args.settle)
-            after = engines(httpx.get(f"{base_url}/metrics", timeout=30).text)
-            restarted = any("decode-1 exited" in x and "restarting" in x for x in log_path.read_text().splitlines())
+            text = httpx.get(f"{base_url}/metrics", timeout=30).text
+            after = engines(text)
+            in_flight = sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                            if x.startswith("kvmesh:gateway_requests_in_flight{"))
+            restarted = any(f"{args.kill_worker} exited" in x and "restarting" in x for x in log_path.read_text().splitlines())
     summary = summarize(results)
     report = {
         "benchmark": "overload",
@@ -186,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         "kill": kill | {"restarted_by_supervisor": restarted},
         **summary,
         f"engines_{args.settle:g}s_after": after,
+        f"gateway_in_flight_{args.settle:g}s_after": in_flight,
         "engines_idle": all(r.get("running", 0) == 0 and r.get("waiting", 0) == 0 and r["blocks_held"] == 0
                             for r in after.values()),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

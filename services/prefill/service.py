@@ -60,6 +60,7 @@ class PrefillService(EngineWorker):
         self.pending: dict[str, asyncio.Future] = {}
         self.outgoing: dict[str, OutgoingTransfer] = {}  # each request's KV push, open while it computes
         self.early_cancels = EarlyCancels()  # cancels that overtook their request (refused when it comes)
+        self._cancelling: set[asyncio.Task] = set()  # cancels on their way to the engine
         self.refused_cancelled = 0  # requests refused because their cancel came first
         self.kv_pieces = 0  # blocks of a chunk pushed while the prompt's next chunk computed
         self.draining = False
@@ -204,12 +205,18 @@ class PrefillService(EngineWorker):
                 fut.cancel()
 
     async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:
-        await self._cancel(msg.request_id)
+        if msg.request_id not in self.pending:
+            self.early_cancels.remember(msg.request_id)
+            return
+        # Not awaited (cancels are handled one at a time and each abort waits for the engine's step in progress):
+        # a burst of cancels reaches the engine together instead of costing a step each.
+        task = asyncio.ensure_future(self._cancel(msg.request_id))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
 
     async def _cancel(self, rid: str) -> None:
         fut = self.pending.get(rid)
         if fut is None:
-            self.early_cancels.remember(rid)
             return
         out = await self.thread.run(Abort(rid))
         if not fut.done():
