@@ -112,3 +112,22 @@ def test_a_request_the_mesh_cannot_start_in_time_gets_a_fast_429(mesh) -> None: 
         assert out.choices[0].finish_reason == "length"
     finally:
         served.queue = real
+
+
+def test_kvmesh_up_passes_max_queue_wait_to_the_gateway() -> None:
+    import argparse
+
+    from services.gateway.service import add_arguments as gateway_arguments
+    from shared.launcher.process_spec import MeshOptions, mesh_services
+    from shared.launcher.up import add_arguments as up_arguments
+
+    up = argparse.ArgumentParser()
+    up_arguments(up)
+    assert up.parse_args(["--max-queue-wait", "12.5"]).max_queue_wait == 12.5
+    args = {s.service: s.args for s in mesh_services(MeshOptions(model="m", max_queue_wait=12.5))}["gateway"]
+    i = args.index("--max-queue-wait")
+    gateway = argparse.ArgumentParser()
+    gateway_arguments(gateway)
+    assert gateway.parse_args(["--model", "m", "--max-queue-wait", args[i + 1]]).max_queue_wait == 12.5
+    default = {s.service: s.args for s in mesh_services(MeshOptions(model="m"))}["gateway"]
+    assert "--max-queue-wait" not in default  # the gateway's own default (GatewayConfig.max_queue_wait_s)
