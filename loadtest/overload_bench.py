@@ -121,7 +121,7 @@ async def _one(client: openai.AsyncOpenAI, prompt: str, cancel: bool, args: argp
 
 async def _load(base_url: str, log_path: Path, args: argparse.Namespace) -> tuple[list[dict], dict]:
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                                timeout=args.deadline + 5, http_client=None)
+                                timeout=args.deadline + 5)
     prompts = questions(64)
     rng = random.Random(0)
     sem = asyncio.Semaphore(args.concurrency)
