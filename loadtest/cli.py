@@ -23,6 +23,7 @@ BENCH = {
     "scale": ("loadtest.scale_bench", "a 64 decode + 16 prefill simulated mesh under streaming load: throughput, NATS, CPU, mesh overhead, prefix routing"),
     "spec": ("loadtest.spec_bench", "speculative decoding off vs ngram vs suffix on SmolLM2: tok/s, ITL, acceptance length"),
     "spec-shared": ("loadtest.spec_shared_suffix", "suffix speculation on 2+ real decode workers, sharing outputs off vs on: acceptance"),
+    "overload": ("loadtest.overload_bench", "kvmesh up --prefill 1 --decode 2 on SmolLM2 past its capacity: cancels, a killed worker, what is left"),
     "serve": ("loadtest.serve.cli", "serving benchmark against any OpenAI-compatible server"),
     "compare": ("loadtest.serve.compare", "same workload against two servers, side by side"),
     "baseline": ("loadtest.serve.baseline", "start `transformers serve --continuous-batching` on a model dir"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 from collections.abc import Callable
 from functools import partial
@@ -53,6 +54,7 @@ class EngineWorker(Service):
         self.engine_config = engine_config
         self.use_kvstore = use_kvstore
         self.worker_id = worker_id
+        self.incarnation = secrets.token_hex(8)  # this process's life under worker_id (LoadBeat.incarnation)
         self.beat_interval_s = beat_interval_s
         self.kv_push = PushStats()  # KV this worker pushed to others (a prefill worker's)
         self._stats_pending: asyncio.Future | None = None
@@ -114,7 +116,7 @@ class EngineWorker(Service):
                          off.dropped if off else 0, self.host_hit_tokens,
                          e.tiers.host_bytes,
                          self.transport.endpoint or "", self.kv_push, self.nc.stats["reconnects"],
-                         *lora_names(getattr(e, "lora", None)))
+                         *lora_names(getattr(e, "lora", None)), incarnation=self.incarnation)
 
     async def wait_closed(self) -> None:
         """Ends the service (non-zero exit, so a supervisor restarts it) if the engine thread crashed."""

@@ -78,7 +78,8 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
               hash_root: bytes, max_model_len: int, kv_cache_dtype: str, offloaded: int = 0,
               offload_dropped: int = 0, host_hit_tokens: int = 0, host_bytes: int = 0,
               kv_endpoint: str = "", kv_push: PushStats | None = None, bus_reconnects: int = 0,
-              lora_adapters: list[str] | None = None, lora_resident: list[str] | None = None) -> LoadBeat:
+              lora_adapters: list[str] | None = None, lora_resident: list[str] | None = None,
+              incarnation: str = "") -> LoadBeat:
     push = kv_push or PushStats()
     hist = stats.iteration_tokens
     spec = stats.spec_decode
@@ -95,7 +96,7 @@ def load_beat(worker_id: str, role: str, stats: EngineStats, kvstore_hit_tokens:
         kvstore_hit_tokens=kvstore_hit_tokens, host_tier_bytes=host_bytes, kv_endpoint=kv_endpoint,
         kv_pushes=push.pushes, kv_push_bytes=push.bytes, kv_push_wait_seconds=push.wait_s,
         kv_handout_seconds=stats.kv_handout_seconds,
-        bus_reconnects=bus_reconnects, lora_adapters=lora_adapters or [],
+        bus_reconnects=bus_reconnects, incarnation=incarnation, lora_adapters=lora_adapters or [],
         lora_resident=lora_resident or [],
         spec_num_drafts=spec.num_drafts if spec else 0, spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
         spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,

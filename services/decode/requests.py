@@ -6,7 +6,6 @@ request is refused when it arrives.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -14,8 +13,7 @@ from opentelemetry import trace
 from shared.bus.stream import StreamReply
 from shared.protocol.generate import GenerateRequest
 from services.decode.admission import Admission
-
-EARLY_CANCELS_KEPT = 10_000
+from services.early_cancels import EarlyCancels
 
 
 @dataclass
@@ -36,7 +34,7 @@ class DecodeRequest:
 @dataclass
 class RequestTable:
     active: dict[str, DecodeRequest] = field(default_factory=dict)
-    _early_cancels: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _early_cancels: EarlyCancels = field(default_factory=EarlyCancels)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.active
@@ -57,10 +55,8 @@ class RequestTable:
         return list(self.active)
 
     def remember_cancel(self, rid: str) -> None:
-        self._early_cancels[rid] = None
-        while len(self._early_cancels) > EARLY_CANCELS_KEPT:
-            self._early_cancels.popitem(last=False)
+        self._early_cancels.remember(rid)
 
     def was_cancelled(self, rid: str) -> bool:
         """True once for a request whose cancel came first."""
-        return self._early_cancels.pop(rid, "missing") is None
+        return self._early_cancels.take(rid)

@@ -86,6 +86,7 @@ class DecodeService(EngineWorker):
         self.queued_local = 0  # admitted while the KV pool was full: prefilled here once blocks free up
         self.suffix_sharing: SuffixSharing | None = None
         self.kv_rank_endpoints: list[str] = []  # this worker's ranks 1..N-1 direct KV channels (tensor parallel)
+        self._aborting: set[asyncio.Task] = set()  # aborts of cancelled requests on their way to the engine
 
     @property
     def active(self) -> dict[str, DecodeRequest]:
@@ -253,7 +254,13 @@ class DecodeService(EngineWorker):
     async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:
         self.num_cancels += 1
         if msg.request_id in self.requests:
-            await self._abort(msg.request_id, msg.reason or "cancelled")
+            # Not awaited here: cancels are handled one at a time, and each abort waits for the engine's step in
+            # progress. A burst of them (clients leaving an overloaded mesh) would cost a step each, and on a busy
+            # CPU the requests of clients long gone would run on for many seconds; spawned, the aborts reach the
+            # engine together and end between two steps.
+            task = asyncio.ensure_future(self._abort(msg.request_id, msg.reason or "cancelled"))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
         else:
             self.requests.remember_cancel(msg.request_id)
         self.replay.forget(msg.request_id)  # the gateway gave it up (its abort chunk too): it asks for no replay

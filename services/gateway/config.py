@@ -31,6 +31,10 @@ class GatewayConfig:
     # ... and while its own NATS input lags more than this (services/gateway/input_lag.py), whatever the count:
     # the bound that follows the machine. 0: off.
     max_input_lag_s: float = 0.5
+    # Longest a request may wait for its first token (services/gateway/queue_wait.py): a new one the mesh is
+    # expected not to start in time gets a 429 with Retry-After, one sent that has not started by then a 503 (its
+    # workers drop it). 0: no bound (requests queue in the engines for as long as it takes).
+    max_queue_wait_s: float = 30.0
     max_waiting: int = 128  # per decode worker, from its load beats; at the bound it takes no new work
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     # Absent max_tokens: this many, capped by what is left of the context; 0 means "the rest of the
@@ -91,6 +95,7 @@ class GatewayConfig:
         assert self.max_waiting > 0, "max_waiting must be positive"
         assert self.max_inflight_requests >= 0, "max_inflight_requests must be 0 (no bound) or positive"
         assert self.max_input_lag_s >= 0, "max_input_lag_s must be 0 (off) or positive"
+        assert self.max_queue_wait_s >= 0, "max_queue_wait_s must be 0 (off) or positive"
         assert self.default_max_tokens >= 0
         assert self.migration_limit >= 0
         assert self.max_model_len is None or self.max_model_len > 0

@@ -69,11 +69,42 @@ class Generation:
                                            route.worker_id, self.span, prompt_index=k, stop_regex=p.stop_regex,
                                            streaming=p.stream))
         self.ctx.metrics.prompt_tokens.labels(self.ctx.metrics.model).inc(self.prompt_tokens)
-        results = await asyncio.gather(*(c.open() for c in self.choices), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            self.abort("a sibling choice failed")
-            raise errors[0]
+        queue = self.ctx.model.queue
+        token, started = queue.enter(), False
+        try:
+            results = await self._open_choices()
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                self.abort("a sibling choice failed")
+                raise errors[0]
+            started = True
+        finally:
+            queue.leave(token, started)
+
+    async def _open_choices(self) -> list[object]:
+        """Every choice's open(), each result or exception; within --max-queue-wait of the request's arrival
+        (services/gateway/queue_wait.py): past it the choices are given up in the workers (their blocks freed,
+        nothing left queued for a client that is gone) and the request is answered 503 with Retry-After."""
+        opening = asyncio.ensure_future(asyncio.gather(*(c.open() for c in self.choices), return_exceptions=True))
+        bound = self.ctx.config.max_queue_wait_s
+        if not bound:
+            return await opening
+        try:
+            return await asyncio.wait_for(asyncio.shield(opening),
+                                          max(bound - (time.monotonic() - self.arrival), 0.0))
+        except asyncio.TimeoutError:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            self.abort("not started within --max-queue-wait")
+            queue = self.ctx.model.queue
+            retry_s = self.ctx.retry.for_wait(max(queue.expected_wait_s() - bound, 1.0))
+            raise APIError(503, f"the mesh did not start this request within {bound:g}s (--max-queue-wait: "
+                                f"{queue.waiting} requests wait for their first token); retry in {retry_s:.1f}s",
+                           code="queue_timeout", headers=self.ctx.retry.headers(retry_s)) from None
+        except BaseException:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            raise
 
     async def deltas(self, idle_marks: bool = False) -> AsyncIterator[Delta | Idle]:
         """Deltas of every choice as they come (choices interleave; each one's deltas stay in order).

@@ -36,6 +36,7 @@ def admit(ctx: GatewayContext) -> None:
     """Raises a 429 when the gateway already serves its bound. Call after ctx.begin() (which counts this
     request), so the bound is the number of requests served at once."""
     _count_bound(ctx, ctx.in_flight - 1)  # the others: this request is already counted
+    _wait_bound(ctx)
 
 
 def admit_early(ctx: GatewayContext, path: str) -> None:
@@ -96,7 +97,21 @@ def _count_bound(ctx: GatewayContext, others: int) -> None:
                                                      "(--max-inflight-requests)", ctx.retry.for_count(others))
 
 
-def _refused(ctx: GatewayContext, reason: str, why: str, retry_s: float) -> APIError:
+def _wait_bound(ctx: GatewayContext) -> None:
+    """A 429 when the mesh is expected to start this request later than --max-queue-wait
+    (services/gateway/queue_wait.py: its requests waiting for a first token / the rate it starts them)."""
+    bound = ctx.config.max_queue_wait_s
+    if not bound:
+        return
+    queue = ctx.model.queue
+    if (wait := queue.expected_wait_s()) > bound:
+        raise _refused(ctx, "queue_wait", f"the mesh is expected to start this request in {wait:.0f}s ({queue.waiting} "
+                                          f"requests wait for their first token), more than the bound of {bound:g}s "
+                                          "(--max-queue-wait)", ctx.retry.for_wait(wait - bound),
+                       code="server_overloaded")
+
+
+def _refused(ctx: GatewayContext, reason: str, why: str, retry_s: float, code: str = "too_many_requests") -> APIError:
     """A 429 whose Retry-After (and retry-after-ms) follows the backlog, with jitter (services/gateway/retry_after.py)."""
     ctx.metrics.rejected.labels(ctx.metrics.model, reason).inc()
-    return APIError(429, f"{why}; retry in {retry_s:.1f}s", code="too_many_requests", headers=ctx.retry.headers(retry_s))
+    return APIError(429, f"{why}; retry in {retry_s:.1f}s", code=code, headers=ctx.retry.headers(retry_s))

@@ -46,6 +46,14 @@ class RetryAdvice:
         self._trim(now)
         return self._jittered(lag_s)
 
+    def for_wait(self, excess_s: float) -> float:
+        """Seconds to send a client refused because the mesh is expected to start it `excess_s` later than its
+        bound on a request's wait (services/gateway/queue_wait.py): the time the queue ahead takes to shrink."""
+        now = self._clock()
+        self._refused.append(now)
+        self._trim(now)
+        return self._jittered(excess_s)
+
     def for_count(self, in_flight: int) -> float:
         """Seconds to send a client refused because `in_flight` requests fill the bound."""
         now = self._clock()

@@ -248,6 +248,11 @@ class Router:
         w = self._workers.get(worker_id)
         return w.beat.bus_reconnects if w is not None and w.beat is not None else None
 
+    def incarnation(self, worker_id: str) -> str | None:
+        """The worker process's incarnation, as its last beat says (None or "": unknown)."""
+        w = self._workers.get(worker_id)
+        return w.beat.incarnation if w is not None and w.beat is not None else None
+
     def max_model_len(self) -> int | None:
         lens = [w.beat.max_model_len for w in self.alive() if w.beat and w.beat.max_model_len > 0]
         return min(lens) if lens else None

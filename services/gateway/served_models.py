@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.gateway.errors import APIError
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.queue_wait import QueueWait
 from services.gateway.router import Router
 from services.gateway.special_tokens import added_tokens
 from shared.subjects import Subjects
@@ -32,6 +33,8 @@ class ServedModel:
     metrics: GatewayMetrics  # the gateway's metrics, labelled with this model
     created: int  # unix time the gateway loaded it, for /v1/models
     in_flight: int = 0  # its generation requests being served
+    # Its requests sent and not yet started, and how fast its workers start them (--max-queue-wait).
+    queue: QueueWait = field(default_factory=QueueWait)
 
     @functools.cached_property
     def added_tokens(self) -> dict[int, str]:

@@ -205,6 +205,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="while the gateway's own NATS input lags more than this (or 3x the smallest lag of "
                              "the last 30 s, when that is more: the busy machine's floor), new requests get 429 "
                              "with Retry-After (0: off)")
+    parser.add_argument("--max-queue-wait", type=float, default=GatewayConfig.max_queue_wait_s, metavar="SECONDS",
+                        help="longest a request may wait for its first token: a new request the mesh is expected not "
+                             "to start in time (its requests waiting / the rate it starts them) gets 429 with "
+                             "Retry-After, one that has not started by then 503 and its workers drop it (0: off)")
     parser.add_argument("--max-waiting", type=int, default=128,
                         help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")
@@ -259,7 +263,8 @@ def build(args: argparse.Namespace) -> GatewayService:
     return GatewayService(GatewayConfig(
         model_dir=models[0].model_dir, served_model_name=models[0].served_model_name, more_models=tuple(models[1:]),
         host=args.host, port=args.port, max_waiting=args.max_waiting, max_inflight_requests=args.max_inflight_requests,
-        max_input_lag_s=args.max_input_lag, max_model_len=args.max_model_len,
+        max_input_lag_s=args.max_input_lag, max_queue_wait_s=args.max_queue_wait,
+        max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens, stream_idle_timeout_s=args.stream_idle_timeout,
         stream_write_timeout_s=args.stream_write_timeout,
         api_key=os.environ.get("KVMESH_API_KEY") or None, max_body_bytes=args.max_body_bytes,

@@ -83,6 +83,7 @@ class TokenStream:
         self._reconnected_at: float | None = None  # when a reconnect the stream has not yet survived was seen
         self._worker_reconnects: int | None = None  # the routed worker's, from its beats (router.bus_reconnects)
         self._flight: tuple[str, str] | None = None  # (worker, request id) the router counts this stream on
+        self._incarnation: str | None = None  # the routed worker's process, from its beats (router.incarnation)
 
     async def open(self) -> None:
         """Sends the request and waits for the first chunk, so refusals become HTTP statuses."""
@@ -110,6 +111,7 @@ class TokenStream:
         only that worker's chunks count (shared/bus/sender.py); None: whoever answers."""
         self._reconnects, self._reconnected_at = self.ctx.nc.stats["reconnects"], None
         self._worker_reconnects = self.ctx.router.bus_reconnects(self.worker_id) if self.worker_id else None
+        self._incarnation = self.ctx.router.incarnation(self.worker_id) if self.worker_id else None
         with trace.use_span(self.span, end_on_exit=False):  # the trace context rides in the NATS headers
             stream = await bus.request_stream(self.ctx.nc, subject, msg, timeout=self.ctx.config.stream_idle_timeout_s,
                                               expect=TokenChunk, sender=sender, limits=self.ctx.stream_limits)
@@ -121,8 +123,15 @@ class TokenStream:
         # Routed to one worker: only its chunks count.
         sender = None if subject == self.ctx.subjects.decode_generate_any else subjects.worker_from_subject(subject)
         self._fly(sender)
-        stream = await self._request(subject, self._req, sender)
+        # Marked before it goes out: a request given up while being sent (its client left, its wait ran out) may
+        # reach a worker all the same, and only a cancel stops it there (one overtaking it is remembered).
         self.sent = True
+        try:
+            stream = await self._request(subject, self._req, sender)
+        except bus.NoRespondersError:
+            self.sent = False
+            self._land()
+            raise
         try:
             return self._arrived(await stream.__anext__())
         except StopAsyncIteration:
@@ -184,6 +193,8 @@ class TokenStream:
         task per chunk): WorkerLost as soon as the router stops hearing from the worker."""
         if self.worker_id is not None and not self.ctx.router.is_alive(self.worker_id):
             raise WorkerLost(self.worker_id)
+        if self._restarted():
+            raise WorkerLost(self.worker_id)
         if self._worker_moved():
             raise StreamInterrupted()
         if self.ctx.nc.stats["reconnects"] != self._reconnects:
@@ -199,6 +210,14 @@ class TokenStream:
                 raise StreamInterrupted()
         # (A stream whose messages NATS' client dropped because the gateway fell behind raises
         # MessagesDroppedError itself, checked at every wait.)
+
+    def _restarted(self) -> bool:
+        """The routed worker beats as another process than the one the request went to (killed and restarted under
+        its id, faster than its beats expire): the request died with the old one."""
+        if self.worker_id is None or not self._incarnation:
+            return False
+        now = self.ctx.router.incarnation(self.worker_id)
+        return bool(now) and now != self._incarnation
 
     def _worker_moved(self) -> bool:
         """The routed worker's connection reconnected since the stream opened: on a locked-down bus its

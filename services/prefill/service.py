@@ -30,6 +30,7 @@ from shared.protocol.generate import CancelRequest, TokenLogprob
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 from services.engine_args import (PREFILL_CHUNK_TOKENS, add_engine_arguments, add_pooling_arguments,
                                   engine_config_from_args, engine_factory_from_args)
+from services.early_cancels import EarlyCancels
 from services.engine_worker import EngineWorker, default_worker_id
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class PrefillService(EngineWorker):
         self.settings = settings
         self.pending: dict[str, asyncio.Future] = {}
         self.outgoing: dict[str, OutgoingTransfer] = {}  # each request's KV push, open while it computes
+        self.early_cancels = EarlyCancels()  # cancels that overtook their request (refused when it comes)
+        self._cancelling: set[asyncio.Task] = set()  # cancels on their way to the engine
+        self.refused_cancelled = 0  # requests refused because their cancel came first
         self.kv_pieces = 0  # blocks of a chunk pushed while the prompt's next chunk computed
         self.draining = False
         self.moved = 0  # requests answered MOVE_ELSEWHERE after a rank was lost
@@ -104,6 +108,10 @@ class PrefillService(EngineWorker):
         if req.block_size != self.block_size:
             raise bus.RemoteError(codes.BAD_REQUEST, f"block_size {req.block_size} != this worker's {self.block_size}")
         rid = req.request_id
+        if self.early_cancels.take(rid):
+            # Its decode worker gave it up (fell back to computing it, or the request was cancelled) before it got here.
+            self.refused_cancelled += 1
+            return RemotePrefillReply(request_id=rid, transfer_id=req.transfer_id, error="cancelled")
         if rid in self.pending:
             raise bus.RemoteError(codes.BAD_REQUEST, f"request {rid!r} is already being prefilled")
         first_block = req.num_cached_tokens // self.block_size
@@ -197,7 +205,14 @@ class PrefillService(EngineWorker):
                 fut.cancel()
 
     async def _on_cancel(self, msg: CancelRequest, ctx: bus.RequestContext) -> None:
-        await self._cancel(msg.request_id)
+        if msg.request_id not in self.pending:
+            self.early_cancels.remember(msg.request_id)
+            return
+        # Not awaited (cancels are handled one at a time and each abort waits for the engine's step in progress):
+        # a burst of cancels reaches the engine together instead of costing a step each.
+        task = asyncio.ensure_future(self._cancel(msg.request_id))
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
 
     async def _cancel(self, rid: str) -> None:
         fut = self.pending.get(rid)

@@ -89,6 +89,7 @@ class MeshOptions:
     sim_workers_per_process: int = 1
     routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
     max_inflight_requests: int | None = None  # the gateway's bound on requests at once (None: its default)
+    max_queue_wait: float | None = None  # the gateway's bound on a request's wait for its first token (None: its default)
     # The gateway's request-limit switches (docs/security.md): None/False: its defaults.
     trust_request_chat_template: bool = False
     scheduling_policy: str | None = None
@@ -370,6 +371,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--routing", opts.routing]
         if opts.max_inflight_requests is not None:
             args += ["--max-inflight-requests", str(opts.max_inflight_requests)]
+        if opts.max_queue_wait is not None:
+            args += ["--max-queue-wait", f"{opts.max_queue_wait:g}"]
         if opts.trust_request_chat_template:
             args.append("--trust-request-chat-template")
         if opts.scheduling_policy:

@@ -169,6 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inflight-requests", type=int, default=None, metavar="N",
                         help="the gateway serves at most N generation requests at once; past it 429 with Retry-After "
                              "(default: the gateway's, 1024; 0: no bound)")
+    parser.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
+                        help="the longest a request may wait for its first token: past it (expected or actual) 429/503 "
+                             "with Retry-After (default: the gateway's, 30; 0: no bound)")
     parser.add_argument("--planner", choices=["load", "sla"], default=None,
                         help="scale prefill and decode workers while serving: load (queue and KV-usage thresholds) "
                              "or sla (predicted TTFT/ITL against --ttft-slo-ms/--itl-slo-ms); --prefill/--decode "
@@ -242,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
             share_suffix_outputs=args.share_suffix_outputs,
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
             sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
-            max_inflight_requests=args.max_inflight_requests,
+            max_inflight_requests=args.max_inflight_requests, max_queue_wait=args.max_queue_wait,
             trust_request_chat_template=args.trust_request_chat_template, scheduling_policy=args.scheduling_policy,
             trusted_hosts=args.trusted_hosts,
             max_num_seqs=args.max_num_seqs,

@@ -101,6 +101,10 @@ class LoadBeat(Message):
     # only on the connection that received it, so a worker that moved to another server can no longer
     # stream the requests it already had: the gateway resumes them elsewhere when this grows.
     bus_reconnects: int = Field(default=0, ge=0)
+    # Drawn once per worker process: a worker restarted under the same id (its supervisor's restart) beats with
+    # another, so the gateway knows the streams it had are gone even when the restart beat the beats' expiry.
+    # "": unknown (no such check).
+    incarnation: str = Field(default="", max_length=64)
     # A decode worker's replays (cumulative; services/decode/replay.py): chunks a gateway lost over a reconnect and
     # asked again, answered from the worker's recent chunks (served) or no longer kept (misses: it migrated).
     stream_replays: int = Field(default=0, ge=0)
