@@ -47,3 +47,11 @@ def test_gpu_and_simulated_layouts_keep_their_prefill_workers(model: Path, capsy
     assert CPU_LAYOUT_NOTE not in out and "prefill-0" in procs
     out, procs = _processes(capsys, "--model", str(model), "--engine", "sim")
     assert CPU_LAYOUT_NOTE not in out and "prefill-0" in procs
+
+
+def test_a_gguf_file_is_served_from_its_converted_directory(smollm2_gguf_file, capsys) -> None:
+    """`kvmesh up --model FILE.gguf` alone: every worker is handed the converted checkpoint directory."""
+    _, procs = _processes(capsys, "--model", str(smollm2_gguf_file), "--devices", "none")
+    argv = procs["decode-0"].split()
+    served = Path(argv[argv.index("--model") + 1])
+    assert served.suffix != ".gguf" and (served / "config.json").is_file()

@@ -321,9 +321,10 @@ def run(args: argparse.Namespace) -> int:
         if opts.total("prefill") == 0 and opts.remote_prefill_threshold is None:
             # Prefill workers may come later: decode must keep asking for them (it prefills locally meanwhile).
             opts = replace(opts, remote_prefill_threshold=planner.remote_prefill_threshold)
-    if opts.more_models:
+    if opts.more_models or args.model is not None:
         try:
-            # (the default first model is the demo model, written below when missing)
+            # A .gguf becomes its converted checkpoint directory here, so every worker and the gateway start from
+            # the same directory (the default first model is the demo model, written below when missing).
             opts = opts.with_models(tuple(m if i == 0 and args.model is None else replace(m, model=checkpoint_dir(m.model))
                                           for i, m in enumerate(opts.models)))
         except CheckpointError as e:
