@@ -25,7 +25,10 @@ def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return None
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    from kernels.cpu.extension import mask_flags  # KVMESH_CPU_ISA=avx2 hides AVX512-BF16 here too
+
+    flags = mask_flags(set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                                 if line.startswith("flags")), [])))
     return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
 
 
