@@ -15,6 +15,7 @@ import datetime
 import math
 import os
 import subprocess
+import sys
 import time
 
 import torch
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--arms", default=",".join(ARMS), help="a subset of " + ", ".join(ARMS))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -45,10 +47,12 @@ def main() -> None:
     from shared.models.tokenizer import load_tokenizer
     from shared.sampling_params import SamplingParams
 
+    arms = {a: ARMS[a] for a in args.arms.split(",")}
+    assert "f32 dequant" in arms, "the baseline arm is needed for the ratios"
     model = str(smollm2_checkpoint())
     batches = [int(b) for b in args.batches.split(",")]
     engines, build_s = {}, {}
-    for name, (quant, act) in ARMS.items():
+    for name, (quant, act) in arms.items():
         if act:
             os.environ[ACT_ENV] = act
         t = time.perf_counter()
@@ -56,6 +60,7 @@ def main() -> None:
                                                max_num_seqs=max(batches), num_kv_blocks=128,
                                                max_num_batched_tokens=2048))
         build_s[name] = round(time.perf_counter() - t, 1)
+        print(f"{name}: engine built in {build_s[name]} s", file=sys.stderr, flush=True)
         os.environ.pop(ACT_ENV, None)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     report: dict = {"command": "python -m loadtest.experiments.cpu_quant.cpu_gguf_f32 " + " ".join(
@@ -68,10 +73,15 @@ def main() -> None:
                     "build_s": build_s}
     for e in engines.values():
         decode_tok_s(e, 1, 4, warm=True)
-    runs = interleaved(ARMS, batches, args.rounds, lambda arm, b: decode_tok_s(engines[arm], b, args.out_len))
+    def measure(arm: str, b: int) -> float:
+        tok_s = decode_tok_s(engines[arm], b, args.out_len)
+        print(f"{arm} batch {b}: {tok_s:.2f} tok/s", file=sys.stderr, flush=True)
+        return tok_s
+
+    runs = interleaved(arms, batches, args.rounds, measure)
     report["decode_tok_s"] = {"runs": runs, "median": medians(runs),
                               "ratio_vs_f32_dequant": {a: median_ratio(runs, a, "f32 dequant")
-                                                       for a in ARMS if a != "f32 dequant"}}
+                                                       for a in arms if a != "f32 dequant"}}
     if not args.skip_quality:
         tok = load_tokenizer(model)
         ids = tok(PERPLEXITY_TEXT.read_text())["input_ids"][:512]
@@ -90,7 +100,7 @@ def main() -> None:
                 "mean_tokens_before_first_difference": round(sum(
                     next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                     for a, b in zip(toks[n], toks["f32 dequant"])) / len(prompts), 1)}
-            for n in ARMS if n != "f32 dequant"}
+            for n in arms if n != "f32 dequant"}
     report["machine"]["load_average_at_end"] = os.getloadavg()
     emit_report(report, args.json)
 
