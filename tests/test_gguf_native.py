@@ -109,8 +109,18 @@ def test_auto_picks_native_only_where_it_applies(tiny, tmp_path, monkeypatch) ->
     assert cfg(dtype="float32", quantization="auto").quantization is None  # the native kernels compute in bf16
     monkeypatch.setenv("KVMESH_CPU_DTYPE", "bfloat16")
     assert cfg(dtype="auto", quantization="auto").quantization == "gguf-hybrid"
-    with pytest.raises(ConfigError, match="float32"):
-        cfg(dtype="float32", quantization="gguf")
+    # float32 by request: the C++ block kernels serve it when asked for, auto leaves the float32 weights alone
+    assert cfg(dtype="float32", quantization="gguf").quantization == "gguf"
+    with pytest.raises(ConfigError, match="float16"):
+        cfg(dtype="float16", quantization="gguf")
+    # float32 because the CPU has no native bf16 (emulated on any CPU by KVMESH_CPU_ISA=avx2): auto serves blocks
+    monkeypatch.delenv("KVMESH_CPU_DTYPE")
+    monkeypatch.setenv("KVMESH_CPU_ISA", "avx2")
+    assert cfg(dtype="auto", quantization="auto").quantization == "gguf"
+    monkeypatch.setenv("KVMESH_CPU_KERNELS", "torch")
+    assert cfg(dtype="auto", quantization="auto").quantization is None
+    with pytest.raises(ConfigError, match="C\\+\\+ CPU kernels"):
+        cfg(dtype="auto", quantization="gguf")
     with pytest.raises(ConfigError, match="not a converted GGUF"):
         EngineConfig(model=str(tmp_path), device="cpu", dtype="bfloat16", quantization="gguf")
     # native and dequantized weights compute different KV: their blocks never share a hash
@@ -162,3 +172,39 @@ def test_smollm2_native_q4_1_quality_against_dequantized(smollm2_dir) -> None:
 
     together = sum(_first_difference(a, b) for a, b in zip(toks["gguf"], toks["none"])) / len(chats)
     assert together >= 8, f"{together} tokens before the first difference, mean of 8 rows"
+
+
+def test_float32_serving_keeps_blocks_without_native_bf16(tiny, monkeypatch) -> None:
+    """The real loader on a CPU without native bf16 (KVMESH_CPU_ISA=avx2, --dtype and --quantization auto): float32
+    compute, Q4 and Q8_0 layers as GgufLinear holding the file's codes (their dequantization is the converted
+    float32 weights bit for bit), the Q5_0 layer dequantized; the engine's greedy tokens and logprobs follow the
+    dequantized float32 model's (int8 activations move each logprob a little)."""
+    from shared.models.quant_linear import GgufLinear
+
+    monkeypatch.delenv("KVMESH_CPU_DTYPE", raising=False)
+    monkeypatch.setenv("KVMESH_CPU_ISA", "avx2")
+    config = EngineConfig(model=tiny, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256, max_num_seqs=4,
+                          quantization="auto")
+    assert config.quantization == "gguf"
+    blocks = LLMEngine(config)
+    model = blocks.model
+    assert model.norm.weight.dtype == torch.float32 and blocks.runner.native is not None
+    exact, _ = load_model(tiny, dtype="float32")
+    layer = model.layers[0]
+    kinds = [(type(m).__name__, getattr(m, "gguf_type", None)) for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert kinds == [("GgufLinear", "Q4_0+Q4_1"), ("GgufLinear", "Q8_0"), ("Linear", None), ("GgufLinear", "Q4_0")]
+    for name in ("qkv_proj", "o_proj"):
+        got = getattr(layer.self_attn, name).dequantized()
+        assert torch.equal(got, getattr(exact.layers[0].self_attn, name).weight)
+    assert torch.equal(layer.mlp.down_proj.dequantized(), exact.layers[0].mlp.down_proj.weight)
+
+    monkeypatch.setenv("KVMESH_CPU_DTYPE", "float32")
+    dequant = LLMEngine(EngineConfig(model=tiny, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256,
+                                     max_num_seqs=4, quantization="auto"))
+    assert not any(isinstance(m, GgufLinear) for m in dequant.model.modules())
+    prompt = [1, 504, 3101, 27, 915, 4412, 28, 8, 77]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    a, b = (e.generate([prompt], params, use_tqdm=False)[0] for e in (blocks, dequant))
+    assert a.output_token_ids[0] == b.output_token_ids[0]
+    assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05

@@ -7,7 +7,8 @@
 // the matmuls call exactly the ATen ops the Python layers call (at::linear for nn.Linear, oneDNN's
 // _linear_pointwise for PackedLinear, _weight_int4pack_mm_for_cpu / _weight_int8pack_mm for the quantized
 // layers, the row split of RowSplitLinear), so they give the same results; the elementwise parts are the C++
-// kernels of this folder.
+// kernels of this folder. On CPUs without native bf16 the float32 model's weights can stay compact: 16-bit weights
+// (kW16, gemv_bf16.cpp) or GGUF blocks (kGguf, gemv_gguf.cpp), the kernels WeightLinear / GgufLinear call.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -21,14 +22,14 @@
 namespace kvmesh {
 namespace {
 
-enum Kind : int64_t { kDense = 0, kPacked = 1, kInt4 = 2, kInt8 = 3, kSplit = 4 };
+enum Kind : int64_t { kDense = 0, kPacked = 1, kInt4 = 2, kInt8 = 3, kSplit = 4, kW16 = 5, kGguf = 6 };
 
 struct Linear {
   int64_t kind = kDense;
-  at::Tensor a;                   // weight, packed weight, int4 packed or int8 weight
-  std::optional<at::Tensor> b;    // int4 scales_zeros / int8 scales
+  at::Tensor a;                   // weight, packed weight, int4 packed, int8 weight, 16-bit weight or GGUF codes
+  std::optional<at::Tensor> b;    // int4 scales_zeros / int8 scales / GGUF block scales
   std::optional<at::Tensor> bias;
-  int64_t group = 0;              // int4 group
+  int64_t group = 0;              // int4 group; kGguf: format + 2 * activation mode (linear_gguf's fmt, act)
   int64_t quant = -1, dense = -1, max_rows = 0;  // kSplit: the quantized layer up to max_rows rows, else dense
 };
 
@@ -84,6 +85,10 @@ at::Tensor apply(const Stack& s, int64_t id, const at::Tensor& x) {
     }
     case kSplit:
       return apply(s, x.size(0) <= l.max_rows ? l.quant : l.dense, x);
+    case kW16:
+      return linear_w16(x, l.a, l.bias);
+    case kGguf:
+      return linear_gguf(x, l.a, *l.b, l.bias, l.group % 2, l.group / 2);
   }
   TORCH_CHECK(false, "decoder stack: unknown linear kind ", l.kind);
 }
@@ -105,8 +110,10 @@ int64_t stack_new(const at::Tensor& final_w, double eps, int64_t heads, int64_t 
 
 int64_t stack_linear(int64_t handle, int64_t kind, const at::Tensor& a, const std::optional<at::Tensor>& b,
                      const std::optional<at::Tensor>& bias, int64_t group) {
-  TORCH_CHECK(kind >= kDense && kind <= kInt8, "stack_linear: kind ", kind);
-  TORCH_CHECK((kind == kInt4 || kind == kInt8) == b.has_value(), "stack_linear: scales for quantized kinds only");
+  TORCH_CHECK((kind >= kDense && kind <= kInt8) || kind == kW16 || kind == kGguf, "stack_linear: kind ", kind);
+  TORCH_CHECK((kind == kInt4 || kind == kInt8 || kind == kGguf) == b.has_value(),
+              "stack_linear: scales for quantized kinds only");
+  TORCH_CHECK(kind != kGguf || (group >= 0 && group < 4), "stack_linear: GGUF format/activation code ", group);
   auto s = get(handle);
   Linear l;
   l.kind = kind;

@@ -13,6 +13,9 @@ Flags follow the CPU: AVX-512 (with BF16 / VNNI when /proc/cpuinfo lists them) a
 elsewhere. A missing compiler or a failed build is logged once and the callers keep the torch path.
 
 KVMESH_CPU_KERNELS=torch turns the C++ path off (native, the default, uses it when it builds).
+KVMESH_CPU_ISA emulates a smaller CPU on a bigger one: `avx2` drops every AVX-512 flag (and with them AVX512-BF16,
+so shared/models/cpu_dtype.py also serves as on a CPU without native bf16), `generic` drops all vector flags; the
+default `native` takes /proc/cpuinfo as it is. Each choice builds its own library (the flags are in the hash).
 """
 from __future__ import annotations
 
@@ -38,7 +41,27 @@ _ISA = (("avx2", "-mavx2"), ("fma", "-mfma"), ("f16c", "-mf16c"), ("avx512f", "-
         ("avx512bw", "-mavx512bw"), ("avx512vl", "-mavx512vl"), ("avx512dq", "-mavx512dq"),
         ("avx512_bf16", "-mavx512bf16"), ("avx512_vnni", "-mavx512vnni"))
 
+ISA_ENV = "KVMESH_CPU_ISA"
+ISAS = ("native", "avx2", "generic")
+
 _lock = threading.Lock()
+
+
+def isa() -> str:
+    mode = os.environ.get(ISA_ENV, "native") or "native"
+    if mode not in ISAS:
+        raise ValueError(f"{ISA_ENV}={mode!r}: choose one of {', '.join(ISAS)}")
+    return mode
+
+
+def mask_flags(have: set[str]) -> set[str]:
+    """The /proc/cpuinfo flags as KVMESH_CPU_ISA lets the kernels (and the dtype choice) see them."""
+    mode = isa()
+    if mode == "avx2":
+        return {f for f in have if not f.startswith(("avx512", "amx"))}
+    if mode == "generic":
+        return {f for f in have if not f.startswith(("avx", "amx", "fma", "f16c"))}
+    return have
 _state: tuple[bool, str] | None = None
 
 
@@ -54,6 +77,7 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
         if line.startswith("flags"):
             have = set(line.split(":", 1)[1].split())
             break
+    have = mask_flags(have)
     flags = [f for name, f in _ISA if name in have]
     if not {"avx512f", "avx512bw", "avx512vl"} <= have:
         flags = [f for f in flags if not f.startswith("-mavx512")]

@@ -28,4 +28,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& decode_context_lens, const at::Tensor& decode_block_tables, double scale,
                            int64_t sliding_window);
 
+// x [rows, in] float32 times w [out, in] bfloat16 or float16 (widened in registers), plus bias: [rows, out] float32.
+at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+
+// x [rows, in] float32 times a weight in GGUF blocks (gemv_gguf.cpp: fmt 0 Q4_0/Q4_1, 1 Q8_0; act 0 float32
+// activations, 1 int8 activations), plus bias: [rows, out] float32.
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t fmt, int64_t act);
+
 }  // namespace kvmesh

@@ -16,6 +16,7 @@ from pathlib import Path
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 CPU_DTYPES = ("float32", "bfloat16", "float16")
+NO_NATIVE_BF16 = "this CPU has no native bf16 (no avx512_bf16 / amx_bf16)"
 
 
 def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
@@ -25,7 +26,10 @@ def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return None
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    from kernels.cpu.extension import mask_flags  # KVMESH_CPU_ISA=avx2 hides AVX512-BF16 here too
+
+    flags = mask_flags(set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                                 if line.startswith("flags")), [])))
     return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
 
 
@@ -39,4 +43,10 @@ def default_cpu_dtype(cpuinfo: str | None = None) -> tuple[str, str]:
     flag = native_bf16_flag(cpuinfo)
     if flag:
         return "bfloat16", f"this CPU computes bf16 natively ({flag})"
-    return "float32", "this CPU has no native bf16 (no avx512_bf16 / amx_bf16)"
+    return "float32", NO_NATIVE_BF16
+
+
+def float32_for_lack_of_bf16(dtype: str, device: str) -> bool:
+    """`--dtype auto` on this CPU serves float32 only because the CPU has no native bf16 (not pinned): there a
+    16-bit checkpoint's weights stay 16-bit (shared/models/quant_linear.py's WeightLinear)."""
+    return dtype == "auto" and device == "cpu" and default_cpu_dtype()[1] == NO_NATIVE_BF16

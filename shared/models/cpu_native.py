@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata
-from kernels.cpu.decoder_stack import DENSE, INT4, INT8, PACKED, DecoderStack
+from kernels.cpu.decoder_stack import DENSE, GGUF, INT4, INT8, PACKED, W16, DecoderStack
 from kernels.cpu.extension import native_status
 from kernels.triton_support import recording
 from shared.models.gguf_quant import RowSplitLinear
 from shared.models.packed_linear import PackedLinear
-from shared.models.quant_linear import Int4Linear, Int8Linear
+from shared.models.quant_linear import GgufLinear, Int4Linear, Int8Linear, WeightLinear
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,10 @@ def _linear(stack: DecoderStack, m: nn.Module) -> int:
         return stack.linear(INT4, m.packed, m.scales_zeros, m.bias, m.group)
     if isinstance(m, Int8Linear):
         return stack.linear(INT8, m.qweight, m.scales, m.bias)
+    if isinstance(m, WeightLinear):
+        return stack.linear(W16, m.weight16, bias=m.bias)
+    if isinstance(m, GgufLinear):
+        return stack.linear(GGUF, m.qs, m.scales, m.bias, m.fmt + 2 * m.act)
     if type(m) is nn.Linear:
         return stack.linear(DENSE, m.weight, bias=m.bias)
     raise TypeError(f"no C++ path for a {type(m).__name__} layer")

@@ -13,11 +13,19 @@ the default for a converted GGUF served in bf16 on a CPU, also keeps a bf16 twin
   (max |w| / 127). That is not the file's rounding; its error is measured beside the Q4 one.
 - Everything else (F32/F16/BF16, Q5 and K-quants) keeps the dequantized weights in the model dtype; embeddings
   and norms always do. A fused layer (q/k/v, gate/up) goes native only when all its parts are Q4_0/Q4_1, or all Q8_0.
+
+On a CPU without native bf16 (no AVX512-BF16 / AMX: most laptops, AVX2 servers) the model computes in float32 and
+the blocks go to this project's own kernels instead (GgufLinear, kernels/cpu/gemv_gguf.cpp): Q4_0/Q4_1 codes with
+float32 d and m, Q8_0 codes with float32 d (recovered exactly from the dequantized weights), multiplied with the
+activations rounded to int8 blocks of 32 in decode-sized steps (GGUF_ACT, measured faster than float32
+activations for both formats) and as float32 tiles in prefill. `--quantization auto` picks this where
+`--dtype auto` chose float32 for lack of native bf16; `--quantization gguf` picks it for any float32 serving.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -26,7 +34,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shared.models.gguf_blocks import BLOCKS_FILE, NATIVE_Q4
-from shared.models.quant_linear import Int4Linear, Int8Linear
+from shared.models.quant_linear import GgufLinear, Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,10 @@ HYBRID_MAX_ROWS = 4
 # What --quantization auto serves a GGUF as: hybrid, because pure int4 measured 0.58-0.67x of bf16 at batch 32 and
 # every prefill chunk (tens of rows) would go through the slow path too; gguf when memory matters more.
 AUTO_MODE = "gguf-hybrid"
+# Float32 serving: the activation mode per GGUF format (kernels/cpu/gemv_gguf.py's ACT_F32 / ACT_Q8), measured by
+# loadtest/experiments/cpu_quant/cpu_gemv.py; KVMESH_CPU_GGUF_ACT=f32|q8 sets both (for measuring the other).
+GGUF_ACT = {"Q4": "q8", "Q8_0": "q8"}
+ACT_ENV = "KVMESH_CPU_GGUF_ACT"
 
 
 class RowSplitLinear(nn.Module):
@@ -78,26 +90,45 @@ def resolve_gguf_quantization(requested: str, model: str, device: str, dtype: st
                               tensor_parallel_size: int) -> str | None:
     """auto / none / gguf / gguf-hybrid -> a GGUF mode or None, logged. auto: AUTO_MODE for a converted GGUF with
     Q4/Q8_0 weights served in bf16 on a CPU (the int4/int8 kernels compute in bf16), by one rank, from its weights
-    (not dummy ones)."""
+    (not dummy ones); "gguf" (the float32 block kernels) where `--dtype auto` serves float32 because the CPU has no
+    native bf16 and the C++ CPU kernels are on."""
+    from kernels.cpu.extension import requested as cpu_kernels
     from shared.engine.errors import ConfigError
-    from shared.models.cpu_dtype import default_cpu_dtype
+    from shared.models.cpu_dtype import NO_NATIVE_BF16, default_cpu_dtype
 
     if requested == "none":
         return None
     mode = requested if requested in GGUF_MODES else AUTO_MODE
     blocks = load_format != "dummy" and has_gguf_blocks(model)
-    served = default_cpu_dtype()[0] if dtype == "auto" and device == "cpu" else dtype
-    why = ("not a converted GGUF with Q4_0/Q4_1/Q8_0 weights" if not blocks
-           else f"not a CPU device ({device})" if device != "cpu"
-           else f"serving {served}, and the native kernels compute in bfloat16" if served != "bfloat16"
-           else "tensor parallelism" if tensor_parallel_size > 1 else None)
+    served, dtype_why = default_cpu_dtype() if dtype == "auto" and device == "cpu" else (dtype, "--dtype")
+    if not blocks:
+        why = "not a converted GGUF with Q4_0/Q4_1/Q8_0 weights"
+    elif device != "cpu":
+        why = f"not a CPU device ({device})"
+    elif tensor_parallel_size > 1:
+        why = "tensor parallelism"
+    elif served == "bfloat16":
+        why = None
+    elif served != "float32":
+        why = f"serving {served}, and the block kernels compute in bfloat16 or float32"
+    elif cpu_kernels() != "native":
+        why = "serving float32, and the C++ CPU kernels (the float32 block kernels) are off"
+    elif requested == "auto" and dtype_why != NO_NATIVE_BF16:
+        why = f"serving float32 by choice ({dtype_why}); --quantization gguf serves the blocks in float32 too"
+    else:
+        why = None
     if requested in GGUF_MODES and why is not None:
-        raise ConfigError(f"--quantization {requested} serves a GGUF's quantized weights natively on one CPU worker in "
-                          f"bfloat16; here: {why}")
+        raise ConfigError(f"--quantization {requested} serves a GGUF's quantized weights natively on one CPU worker "
+                          f"in bfloat16 or, with the C++ CPU kernels, float32; here: {why}")
     if why is not None:
         if blocks:
             log.info("GGUF weights dequantized (--quantization auto: %s)", why)
         return None
+    if served == "float32":
+        log.info("GGUF weights served as stored, float32 compute (--quantization %s -> gguf: %s; the C++ block "
+                 "kernels of kernels/cpu/gemv_gguf.cpp; --quantization none dequantizes them)", requested,
+                 NO_NATIVE_BF16 if requested == "auto" else "requested")
+        return "gguf"  # the float32 kernels multiply prefill tiles themselves: no bf16 twin
     log.info("GGUF weights served as stored (--quantization %s -> %s; --quantization none dequantizes them)",
              requested, mode)
     return mode
@@ -112,14 +143,30 @@ def _unpack(pairs: torch.Tensor) -> torch.Tensor:
     return torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).view(pairs.shape[0], -1)
 
 
-def _native(layer: nn.Module, names: list[str], types: dict[str, str], f) -> nn.Module | None:  # noqa: ANN001
+def _act(fmt: str) -> int:
+    from kernels.cpu.gemv_gguf import ACT_F32, ACT_Q8
+
+    choice = os.environ.get(ACT_ENV) or GGUF_ACT[fmt]
+    if choice not in ("f32", "q8"):
+        raise ValueError(f"{ACT_ENV}={choice!r}: choose f32 or q8")
+    return ACT_Q8 if choice == "q8" else ACT_F32
+
+
+def _native(layer: nn.Module, names: list[str], types: dict[str, str], f, float32: bool) -> nn.Module | None:  # noqa: ANN001
     kinds = {types.get(n) for n in names}
     if kinds <= set(NATIVE_Q4):  # Q4_0 and Q4_1 parts mix: both are codes, scale and minimum per 32
         q = torch.cat([_unpack(f.get_tensor(f"{n}.codes")) for n in names])
         d = torch.cat([f.get_tensor(f"{n}.d") for n in names])
         m = torch.cat([f.get_tensor(f"{n}.m") for n in names])
+        if float32:
+            return GgufLinear.from_q4(q, d, m, layer.bias, _act("Q4"), "+".join(sorted(kinds)))
         return Int4Linear.from_blocks(q, d, m, layer.bias)
     if kinds == {"Q8_0"}:
+        if float32:
+            new, exact = GgufLinear.from_q8_0(layer.weight, layer.bias, _act("Q8_0"))
+            if not exact:
+                log.warning("%s: the dequantized weights are not exactly Q8_0 blocks; requantized to Q8_0", names[0])
+            return new
         return Int8Linear(layer.weight, layer.bias)
     return None
 
@@ -131,7 +178,16 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
     twin for steps of more rows, RowSplitLinear); returns weights (elements)
     served natively per GGUF type (a fused layer of mixed Q4 parts counts as "Q4_0+Q4_1")."""
     types = gguf_types(model_dir)
+    float32 = model.norm.weight.dtype == torch.float32
     served: Counter = Counter()
+    if float32:
+        from kernels.cpu.extension import native_status
+
+        ok, why = native_status()
+        if not ok:
+            log.warning("GGUF weights dequantized to float32: the C++ block kernels did not load (%s)", why)
+            return served
+        dense_above = None  # the float32 kernels multiply large steps by dequantized tiles themselves
     kept: Counter = Counter()  # the same for layers left dequantized
     with safe_open(str(Path(model_dir) / BLOCKS_FILE), framework="pt") as f:
         for i, layer in enumerate(model.layers):
@@ -139,18 +195,25 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
                 parent = getattr(layer, parent_name)
                 names = [f"model.layers.{i}.{p}.weight" for p in parts]
                 old = getattr(parent, name)
-                new = _native(old, names, types, f)
+                new = _native(old, names, types, f, float32)
                 if new is not None:
                     setattr(parent, name, _with_dense(new, old, dense_above))
                 (kept if new is None else served)["+".join(sorted({types[n] for n in names}))] += old.weight.numel()
         head = "model.embed_tokens.weight" if tie_word_embeddings else "lm_head.weight"
-        new = _native(model.lm_head, [head], types, f)
+        new = _native(model.lm_head, [head], types, f, float32)
         if new is not None:
             served[types[head]] += model.lm_head.weight.numel()
             model.lm_head = _with_dense(new, model.lm_head, dense_above)
+    kept_text = ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(kept.items())) or "nothing"
+    served_text = ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(served.items())) or "none"
+    if float32:
+        acts = {fmt: "int8" if _act(fmt) else "float32" for fmt in ("Q4", "Q8_0")}
+        log.info("GGUF weights served as stored on CPU, float32 compute (no float32 copy): %s; C++ block kernels "
+                 "(kernels/cpu/gemv_gguf.cpp) with %s activations for Q4 and %s for Q8_0 in steps of up to 16 rows, "
+                 "float32 tiles above; kept dequantized: %s", served_text, acts["Q4"], acts["Q8_0"], kept_text)
+        return served
     log.info("GGUF weights served natively on CPU (no bf16 copy): %s; Q4 blocks through int4 (group 32, bf16 "
-             "scales), Q8_0 requantized per row to int8%s; kept dequantized: %s",
-             ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(served.items())) or "none",
+             "scales), Q8_0 requantized per row to int8%s; kept dequantized: %s", served_text,
              "" if dense_above is None else f"; a packed bf16 twin serves steps of more than {dense_above} rows",
-             ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(kept.items())) or "nothing")
+             kept_text)
     return served

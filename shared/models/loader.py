@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from shared.models.errors import CheckpointError
 from shared.models.llama import LlamaFamilyForCausalLM
-from shared.models.cpu_dtype import default_cpu_dtype
+from shared.models.cpu_dtype import default_cpu_dtype, float32_for_lack_of_bf16
 from shared.models.model_config import ModelConfig, load_model_config
 from shared.models.tp.degree import TPShard, shard_of
 from shared.models.tp.group import TPGroup
@@ -231,6 +231,14 @@ def load_model(
         # A rank quantizes its shards as the whole model's would be (every rank runs this: int8 row scales agree).
         n = (quantize_tp_model if shard is not None else quantize_model)(model, quantization)
         log.info("%s weight-only quantization: %.1f M weights quantized", quantization, n / 1e6)
+    elif shard is None and cfg.dtype in ("bfloat16", "float16") and float32_for_lack_of_bf16(dtype, device):
+        from kernels.cpu.extension import native_available
+        from shared.config import DTYPES
+        from shared.models.quant_linear import keep_weights_16bit
+
+        n = keep_weights_16bit(model, DTYPES[cfg.dtype]) if native_available() else 0
+        log.info("%s", f"{cfg.dtype} weights kept in {cfg.dtype}, float32 compute (C++ kernels/cpu/gemv_bf16.cpp): "
+                 f"{n / 1e6:.1f} M weights" if n else "weights in float32: the C++ CPU kernels are off")
     if pack_weights and device == "cpu" and torch_dtype == torch.bfloat16:
         from shared.models.packed_linear import pack_model, packing_available
 

@@ -143,3 +143,114 @@ def quantize_model(model: nn.Module, method: str) -> int:
         count += model.lm_head.weight.numel()
         model.lm_head = new_head
     return count
+
+
+# ---- compact weights with float32 compute, for CPUs without native bf16 -------------------------------------------
+# There torch's int4/int8 and bf16 matmuls are emulated and slow, so the model computes in float32; these layers
+# keep the weights as stored (16-bit floats, or a GGUF's blocks) and widen them in registers inside the C++ kernels
+# (kernels/cpu/gemv_bf16.cpp, gemv_gguf.cpp): a memory-bound decode step reads 2 (bf16), ~1.1 (Q8_0) or 0.75 (Q4)
+# bytes a weight instead of 4. Without the C++ kernels they run their torch twins (correct, slow): the callers
+# only build them when the kernels load.
+
+
+def _cpu_kernels() -> bool:
+    from kernels.cpu.extension import native_available
+
+    return native_available()
+
+
+class WeightLinear(nn.Module):
+    """float32 activations times a bfloat16 / float16 weight (kernels/cpu/gemv_bf16.py)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        from kernels.cpu.gemv_bf16 import W16_DTYPES
+
+        assert dtype in W16_DTYPES, dtype
+        self.register_buffer("weight16", weight.detach().to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.out_features, self.in_features = weight.shape
+        self.native = _cpu_kernels()
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight16.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.cpu.gemv_bf16 import linear_w16, linear_w16_ref
+
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        out = (linear_w16 if self.native else linear_w16_ref)(x2, self.weight16, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={self.weight16.dtype}"
+
+
+class GgufLinear(nn.Module):
+    """float32 activations times a weight in GGUF blocks (Q4_0/Q4_1 or Q8_0; kernels/cpu/gemv_gguf.py), with the
+    activations rounded to int8 blocks (act ACT_Q8) or not (ACT_F32) in steps of at most 16 rows."""
+
+    def __init__(self, qs: torch.Tensor, scales: torch.Tensor, fmt: int, act: int, bias: torch.Tensor | None,
+                 gguf_type: str) -> None:
+        super().__init__()
+        from kernels.cpu.gemv_gguf import BLOCK, Q4
+
+        self.register_buffer("qs", qs)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.fmt, self.act, self.gguf_type = fmt, act, gguf_type
+        self.out_features = qs.shape[0]
+        self.in_features = scales.shape[1] * BLOCK
+        assert qs.shape[1] == (self.in_features // 2 if fmt == Q4 else self.in_features)
+        self.native = _cpu_kernels()
+
+    @classmethod
+    def from_q4(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, act: int,
+                gguf_type: str) -> GgufLinear:
+        """codes [out, in] in 0..15, d / m [out, in / 32]: w = codes * d + m (Q4_0: m = -8 d)."""
+        from kernels.cpu.gemv_gguf import Q4, pack_q4
+
+        return cls(*pack_q4(codes, d, m), Q4, act, bias, gguf_type)
+
+    @classmethod
+    def from_q8_0(cls, weight: torch.Tensor, bias: torch.Tensor | None, act: int) -> tuple[GgufLinear, bool]:
+        """The Q8_0 blocks back from their exact float32 dequantization (w = q d, the block's largest |q| is 127 as
+        GGUF's quantizer writes it, so d = max |w| / 127 and q = w / d recover the file's values); (layer, whether
+        they did: otherwise the weight is requantized to Q8_0 blocks, as llama.cpp would)."""
+        from kernels.cpu.gemv_gguf import BLOCK, Q8_0, pack_q8
+
+        n, k = weight.shape
+        w = weight.detach().float().view(n, k // BLOCK, BLOCK)
+        d = w.abs().amax(dim=-1) / 127
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round(w / safe[..., None]).clamp(-127, 127)
+        exact = bool(torch.equal(q * d[..., None], w))
+        return cls(*pack_q8(q.to(torch.int8).view(n, k), d), Q8_0, act, bias, "Q8_0"), exact
+
+    def dequantized(self) -> torch.Tensor:
+        from kernels.cpu.gemv_gguf import dequantize_ref
+
+        return dequantize_ref(self.qs, self.scales, self.fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.cpu.gemv_gguf import linear_gguf, linear_gguf_ref
+
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        out = (linear_gguf if self.native else linear_gguf_ref)(x2, self.qs, self.scales, self.bias, self.fmt, self.act)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.gguf_type}, "
+                f"act={'int8' if self.act else 'float32'}")
+
+
+@torch.no_grad()
+def keep_weights_16bit(model: nn.Module, dtype: torch.dtype) -> int:
+    """A float32 model's decoder linears and output head as WeightLinear in dtype (the checkpoint's own 16-bit
+    dtype, so the conversion back is exact); returns how many weights (elements) are kept in 16 bits."""
+    count = quantize_layers(model, lambda linear: WeightLinear(linear.weight, linear.bias, dtype)
+                            if type(linear) is nn.Linear else linear)
+    if type(model.lm_head) is nn.Linear:
+        count += model.lm_head.weight.numel()
+        model.lm_head = WeightLinear(model.lm_head.weight, model.lm_head.bias, dtype)
+    return count

@@ -1,0 +1,76 @@
+// Shared parts of the decode matmul kernels (gemv_bf16.cpp, gemv_gguf.cpp): float32 activations times weights kept
+// in a compact format (16-bit floats, GGUF blocks), converted to float32 (or multiplied as integers) in registers.
+//
+// Small steps (at most kMaxRows rows, every decode step and the C++ stack's short chunks) go through over_rows:
+// parallel over output rows (at::parallel_for: the engine's thread count), each weight row read from memory once
+// for all the step's rows, in passes of up to kRowBlock activation rows whose accumulators stay in registers.
+// Larger steps (prefill) go through tiled: a tile of the weight (about 2 MiB) dequantized to float32 at a time and
+// multiplied by at::mm, so no float32 copy of the whole weight ever exists.
+#pragma once
+#include <algorithm>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include "common.h"
+
+namespace kvmesh {
+namespace gemv {
+
+constexpr int64_t kMaxRows = 16;
+constexpr int kRowBlock = 4;
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVMESH_GEMV_AVX2 1
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// out[m, n] for m < M, n < N: fn(std::integral_constant<int, RB>, n, m0) fills rows m0 .. m0 + RB - 1 of column n.
+template <typename F>
+void over_rows(int64_t M, int64_t N, int64_t weight_row_bytes, F&& fn) {
+  // Tasks of at least ~32 KiB of weights: below that the fork/join costs more than the rows.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(32) << 10) / std::max<int64_t>(1, weight_row_bytes));
+  at::parallel_for(0, N, grain, [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) {
+      int64_t m = 0;
+      for (; m + kRowBlock <= M; m += kRowBlock) fn(std::integral_constant<int, kRowBlock>(), n, m);
+      switch (M - m) {
+        case 3: fn(std::integral_constant<int, 3>(), n, m); break;
+        case 2: fn(std::integral_constant<int, 2>(), n, m); break;
+        case 1: fn(std::integral_constant<int, 1>(), n, m); break;
+        default: break;
+      }
+    }
+  });
+}
+
+// x [M, K] float32 times the weight whose rows [n0, n1) dequant(n0, n1, dst) writes to dst as float32 rows.
+template <typename F>
+at::Tensor tiled(const at::Tensor& x, int64_t N, int64_t K, F&& dequant) {
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const int64_t T = std::min<int64_t>(N, std::max<int64_t>(16, (int64_t(1) << 19) / K));  // 2 MiB of float32
+  at::Tensor tile = at::empty({T, K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += T) {
+    const int64_t tn = std::min(T, N - n0);
+    at::Tensor t = tile.narrow(0, 0, tn);
+    float* dst = t.data_ptr<float>();
+    at::parallel_for(0, tn, 8, [&](int64_t a, int64_t b) { dequant(n0 + a, n0 + b, dst + a * K); });
+    out.narrow(1, n0, tn).copy_(at::mm(x, t.t()));
+  }
+  return out;
+}
+
+inline void add_bias(at::Tensor& out, const std::optional<at::Tensor>& bias) {
+  if (bias) out.add_(*bias);
+}
+
+}  // namespace gemv
+}  // namespace kvmesh

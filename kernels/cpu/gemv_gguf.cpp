@@ -1,0 +1,301 @@
+// Float32 activations times weights kept in GGUF's blocks of 32 (dequantized in registers, never in memory):
+//   fmt 0, Q4 (GGUF Q4_0 and Q4_1): qs uint8 [N, K / 2], block b of a row at bytes 16 b .. 16 b + 15, byte j holding
+//     weight 32 b + j in its low nibble and 32 b + j + 16 in its high one (GGUF's own order); scales float32
+//     [N, K / 32, 2] = (d, m): w = q d + m (Q4_0: m = -8 d).
+//   fmt 1, Q8_0: qs int8 [N, K], scales float32 [N, K / 32] = d: w = q d.
+// Two ways to multiply, chosen per format by the caller (kernels/cpu/gemv_gguf.py, measured):
+//   act 0: the weights widened to float32 and multiplied by the float32 activations (the sum of q x per block,
+//     times d, plus m times the block's sum of x): the exact dequantized product up to float32 summation order.
+//   act 1: the activation rows first quantized to blocks of 32 int8 (d_x = max |x| / 127, q_x = round(x / d_x),
+//     llama.cpp's Q8_1 activations with a float32 scale), then integer dot products of the codes
+//     (AVX2 vpmaddubsw + vpmaddwd, or AVX512-VNNI vpdpbusd): sum_b d d_x sum(q q_x) + m d_x sum(q_x).
+//     It rounds the activations to 8 bits (relative error up to 1/254 of each block's largest value).
+// Twin: kernels/cpu/gemv_gguf.py's linear_gguf_ref (dequantize by the format's definition, the activations
+// through the same int8 rounding for act 1, then a float32 matmul).
+#include <torch/library.h>
+
+#include <vector>
+
+#include "gemv.h"
+#include "ops.h"
+
+namespace kvmesh {
+namespace {
+
+constexpr int64_t QK = 32;
+enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1 };
+
+// ---- act 0: float32 activations --------------------------------------------------------------------------------
+
+template <int RB>
+inline void q4_f32(const uint8_t* q, const float* sc, int64_t nb, const float* x, int64_t ldx, const float* xsum,
+                   int64_t ldb, float* out, int64_t ldo) {
+  float s[RB], ms[RB];
+  for (int r = 0; r < RB; ++r) s[r] = ms[r] = 0.f;
+#ifdef KVMESH_GEMV_AVX2
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
+    const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    const __m256 d = _mm256_set1_ps(sc[2 * b]);
+    const float m = sc[2 * b + 1];
+    for (int r = 0; r < RB; ++r) {
+      const float* xr = x + r * ldx + QK * b;
+      __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
+      t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
+      t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
+      t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
+      acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
+      ms[r] += m * xsum[r * ldb + b];
+    }
+  }
+  for (int r = 0; r < RB; ++r) s[r] = gemv::hsum(acc[r]);
+#else
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < RB; ++r) {
+      const float* xr = x + r * ldx + QK * b;
+      float t = 0.f;
+      for (int j = 0; j < 16; ++j) t += float(q[16 * b + j] & 15) * xr[j] + float(q[16 * b + j] >> 4) * xr[j + 16];
+      s[r] += t * sc[2 * b];
+      ms[r] += sc[2 * b + 1] * xsum[r * ldb + b];
+    }
+  }
+#endif
+  for (int r = 0; r < RB; ++r) out[r * ldo] = s[r] + ms[r];
+}
+
+template <int RB>
+inline void q8_f32(const int8_t* q, const float* sc, int64_t nb, const float* x, int64_t ldx, float* out,
+                   int64_t ldo) {
+  float s[RB];
+  for (int r = 0; r < RB; ++r) s[r] = 0.f;
+#ifdef KVMESH_GEMV_AVX2
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + QK * b));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + QK * b + 16));
+    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+    const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+    const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+    const __m256 d = _mm256_set1_ps(sc[b]);
+    for (int r = 0; r < RB; ++r) {
+      const float* xr = x + r * ldx + QK * b;
+      __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
+      t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
+      t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
+      t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
+      acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) s[r] = gemv::hsum(acc[r]);
+#else
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < RB; ++r) {
+      const float* xr = x + r * ldx + QK * b;
+      float t = 0.f;
+      for (int j = 0; j < QK; ++j) t += float(q[QK * b + j]) * xr[j];
+      s[r] += t * sc[b];
+    }
+  }
+#endif
+  for (int r = 0; r < RB; ++r) out[r * ldo] = s[r];
+}
+
+// ---- act 1: int8 activations -----------------------------------------------------------------------------------
+
+#ifdef KVMESH_GEMV_AVX2
+// Sum of u[i] * s[i] (u unsigned, s signed bytes) in 8 int32 lanes.
+inline __m256i dot_us8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+template <int RB>
+inline void q4_q8(const uint8_t* q, const float* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                  const float* xs, int64_t ldb, float* out, int64_t ldo) {
+  float s[RB], ms[RB];
+  for (int r = 0; r < RB; ++r) s[r] = ms[r] = 0.f;
+#ifdef KVMESH_GEMV_AVX2
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
+    const __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4);
+    const float d = sc[2 * b], m = sc[2 * b + 1];
+    for (int r = 0; r < RB; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * ldq + QK * b));
+      const __m256 p = _mm256_cvtepi32_ps(dot_us8(qw, qx));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[r * ldb + b]), acc[r]);
+      ms[r] += m * xs[r * ldb + b];
+    }
+  }
+  for (int r = 0; r < RB; ++r) s[r] = gemv::hsum(acc[r]);
+#else
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* xr = xq + r * ldq + QK * b;
+      int32_t t = 0;
+      for (int j = 0; j < 16; ++j) t += int32_t(q[16 * b + j] & 15) * xr[j] + int32_t(q[16 * b + j] >> 4) * xr[j + 16];
+      s[r] += float(t) * (sc[2 * b] * xd[r * ldb + b]);
+      ms[r] += sc[2 * b + 1] * xs[r * ldb + b];
+    }
+  }
+#endif
+  for (int r = 0; r < RB; ++r) out[r * ldo] = s[r] + ms[r];
+}
+
+template <int RB>
+inline void q8_q8(const int8_t* q, const float* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                  int64_t ldb, float* out, int64_t ldo) {
+  float s[RB];
+  for (int r = 0; r < RB; ++r) s[r] = 0.f;
+#ifdef KVMESH_GEMV_AVX2
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + QK * b));
+    const __m256i aw = _mm256_sign_epi8(qw, qw);  // |q|: the unsigned operand; the sign moves to the activations
+    const float d = sc[b];
+    for (int r = 0; r < RB; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * ldq + QK * b));
+      const __m256 p = _mm256_cvtepi32_ps(dot_us8(aw, _mm256_sign_epi8(qx, qw)));
+      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[r * ldb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) s[r] = gemv::hsum(acc[r]);
+#else
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < RB; ++r) {
+      const int8_t* xr = xq + r * ldq + QK * b;
+      int32_t t = 0;
+      for (int j = 0; j < QK; ++j) t += int32_t(q[QK * b + j]) * xr[j];
+      s[r] += float(t) * (sc[b] * xd[r * ldb + b]);
+    }
+  }
+#endif
+  for (int r = 0; r < RB; ++r) out[r * ldo] = s[r];
+}
+
+// Each activation row in blocks of 32: d = max |x| / 127, q = round-half-even(x * 127 / max |x|), s = d * sum(q).
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs) {
+  const int64_t nb = K / QK;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* v = x + i * QK;
+    float amax = 0.f;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      const int32_t c = int32_t(std::nearbyint(v[j] * id));
+      xq[i * QK + j] = int8_t(c);
+      sum += c;
+    }
+    xd[i] = d;
+    xs[i] = d * float(sum);
+  }
+}
+
+void dequant_rows(int64_t fmt, const uint8_t* qs, const float* sc, int64_t K, int64_t n0, int64_t n1, float* dst) {
+  const int64_t nb = K / QK;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* o = dst + (n - n0) * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (fmt == kQ4) {
+        const uint8_t* q = qs + n * (K / 2) + 16 * b;
+        const float d = sc[2 * (n * nb + b)], m = sc[2 * (n * nb + b) + 1];
+        for (int j = 0; j < 16; ++j) {
+          o[QK * b + j] = float(q[j] & 15) * d + m;
+          o[QK * b + j + 16] = float(q[j] >> 4) * d + m;
+        }
+      } else {
+        const int8_t* q = reinterpret_cast<const int8_t*>(qs) + n * K + QK * b;
+        const float d = sc[n * nb + b];
+        for (int j = 0; j < QK; ++j) o[QK * b + j] = float(q[j]) * d;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t fmt, int64_t act) {
+  TORCH_CHECK(fmt == kQ4 || fmt == kQ8_0, "linear_gguf: fmt 0 (Q4_0/Q4_1) or 1 (Q8_0), got ", fmt);
+  TORCH_CHECK(act == 0 || act == 1, "linear_gguf: act 0 (float32) or 1 (int8), got ", act);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "linear_gguf: x [rows, in] float32 contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / QK;
+  TORCH_CHECK(K % QK == 0, "linear_gguf: in features ", K, " not a multiple of 32");
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (fmt == kQ4 ? K / 2 : K) &&
+                  qs.scalar_type() == (fmt == kQ4 ? at::kByte : at::kChar),
+              "linear_gguf: qs [out, in / 2] uint8 (Q4) or [out, in] int8 (Q8_0), contiguous");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == N * nb * (fmt == kQ4 ? 2 : 1),
+              "linear_gguf: scales float32 [out, in / 32", fmt == kQ4 ? ", 2]" : "]", " contiguous");
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  at::Tensor out;
+  if (M > gemv::kMaxRows) {
+    out = gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(fmt, qp, sp, K, n0, n1, dst); });
+  } else {
+    out = at::empty({M, N}, x.options());
+    float* op = out.data_ptr<float>();
+    const int64_t row_bytes = fmt == kQ4 ? K / 2 : K;
+    const int64_t sc_per_row = fmt == kQ4 ? 2 * nb : nb;
+    if (act == 0) {
+      std::vector<float> xsum(fmt == kQ4 ? M * nb : 0);
+      for (int64_t i = 0; i < int64_t(xsum.size()); ++i) {
+        float t = 0.f;
+        for (int j = 0; j < QK; ++j) t += xp[i * QK + j];
+        xsum[i] = t;
+      }
+      gemv::over_rows(M, N, row_bytes, [&](auto rb, int64_t n, int64_t m0) {
+        constexpr int RB = decltype(rb)::value;
+        if (fmt == kQ4) {
+          q4_f32<RB>(qp + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K, K, xsum.data() + m0 * nb, nb,
+                     op + m0 * N + n, N);
+        } else {
+          q8_f32<RB>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K, K,
+                     op + m0 * N + n, N);
+        }
+      });
+    } else {
+      std::vector<int8_t> xq(M * K);
+      std::vector<float> xd(M * nb), xs(M * nb);
+      quantize_rows(xp, M, K, xq.data(), xd.data(), xs.data());
+      gemv::over_rows(M, N, row_bytes, [&](auto rb, int64_t n, int64_t m0) {
+        constexpr int RB = decltype(rb)::value;
+        if (fmt == kQ4) {
+          q4_q8<RB>(qp + n * row_bytes, sp + n * sc_per_row, nb, xq.data() + m0 * K, K, xd.data() + m0 * nb,
+                    xs.data() + m0 * nb, nb, op + m0 * N + n, N);
+        } else {
+          q8_q8<RB>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb, xq.data() + m0 * K,
+                    K, xd.data() + m0 * nb, nb, op + m0 * N + n, N);
+        }
+      });
+    }
+  }
+  gemv::add_bias(out, bias);
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
+  m.def("linear_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? bias, int fmt, int act) -> Tensor");
+  m.impl("linear_gguf", c10::DispatchKey::CPU, &linear_gguf);
+}
+
+}  // namespace kvmesh

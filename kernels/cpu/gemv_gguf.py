@@ -1,0 +1,80 @@
+"""Wrapper of gemv_gguf.cpp: float32 activations times a weight kept in GGUF blocks of 32 (Q4_0 / Q4_1 as one
+format, w = q d + m; Q8_0, w = q d), in the kernel's layout (pack_q4 / pack_q8 build it from the file's blocks).
+
+act: ACT_F32 multiplies the float32 activations by the weights widened in registers; ACT_Q8 first rounds each
+activation row to int8 blocks of 32 (d_x = max |x| / 127, round half to even) and multiplies codes by integer dot
+products. Steps of more than MAX_ROWS rows multiply dequantized float32 tiles of the weight (at::mm) whatever act
+says. Oracle: linear_gguf_ref (dequantize by the format's definition, the same activation rounding, a float32
+matmul): the kernel differs from it only by float32 summation order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Q4, Q8_0 = 0, 1  # fmt
+ACT_F32, ACT_Q8 = 0, 1
+FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8_0}
+BLOCK = 32
+MAX_ROWS = 16  # gemv.h's kMaxRows
+
+
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [out, in] in 0..15 (column order), d / m [out, in / 32] -> (qs [out, in / 2] uint8 in GGUF's in-block
+    order: byte j of a block holds value j low and j + 16 high; scales [out, in / 32, 2] float32 (d, m))."""
+    n, k = codes.shape
+    assert k % BLOCK == 0 and d.shape == m.shape == (n, k // BLOCK)
+    c = codes.to(torch.uint8).view(n, k // BLOCK, 2, 16)
+    qs = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return qs, torch.stack([d.float(), m.float()], dim=-1).contiguous()
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [out, in] int8 codes, d [out, in / 32] -> (qs int8 [out, in], scales float32 [out, in / 32])."""
+    n, k = q.shape
+    assert k % BLOCK == 0 and d.shape == (n, k // BLOCK) and q.dtype == torch.int8
+    return q.contiguous(), d.float().contiguous()
+
+
+def check(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
+          act: int) -> None:
+    assert fmt in (Q4, Q8_0) and act in (ACT_F32, ACT_Q8), f"fmt {fmt}, act {act}"
+    assert x.dim() == 2 and x.dtype == torch.float32, f"x [rows, in] float32, got {x.dtype} {tuple(x.shape)}"
+    k = x.shape[1]
+    assert k % BLOCK == 0, f"in features {k} not a multiple of {BLOCK}"
+    n = qs.shape[0]
+    want = (torch.uint8, (n, k // 2), (n, k // BLOCK, 2)) if fmt == Q4 else (torch.int8, (n, k), (n, k // BLOCK))
+    assert qs.dtype == want[0] and tuple(qs.shape) == want[1], f"qs {qs.dtype} {tuple(qs.shape)}, want {want[:2]}"
+    assert scales.dtype == torch.float32 and tuple(scales.shape) == want[2], f"scales {tuple(scales.shape)}"
+    assert bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)), "bias [out] float32"
+
+
+def linear_gguf(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
+                act: int) -> torch.Tensor:
+    check(x, qs, scales, bias, fmt, act)
+    return torch.ops.kvmesh_cpu.linear_gguf(x.contiguous(), qs, scales, bias, fmt, act)
+
+
+def dequantize_ref(qs: torch.Tensor, scales: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The weight [out, in] float32 the blocks stand for."""
+    n = qs.shape[0]
+    if fmt == Q4:
+        b = qs.view(n, -1, 16)
+        codes = torch.cat([b & 0x0F, b >> 4], dim=-1).float()  # [out, blocks, 32]
+        return (codes * scales[..., :1] + scales[..., 1:]).reshape(n, -1)
+    return (qs.float().view(n, -1, BLOCK) * scales[..., None]).reshape(n, -1)
+
+
+def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through int8 blocks of 32, as ACT_Q8 multiplies it (float32)."""
+    b = x.reshape(x.shape[0], -1, BLOCK)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(b * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def linear_gguf_ref(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
+                    act: int) -> torch.Tensor:
+    check(x, qs, scales, bias, fmt, act)
+    xa = quantize_act_ref(x) if act == ACT_Q8 and x.shape[0] <= MAX_ROWS else x
+    return F.linear(xa, dequantize_ref(qs, scales, fmt), bias)

@@ -1,0 +1,205 @@
+"""The decode matmul kernels for CPUs without native bf16 (kernels/cpu/gemv_bf16.cpp, gemv_gguf.cpp) against their
+torch twins, the int8-activation error bound, the decoder stack with the new linear kinds against the eager model,
+the 16-bit-weights load path, and KVMESH_CPU_ISA's masking (an AVX2-only build of the kernels is the slow test)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cpu import extension
+from kernels.cpu import gemv_gguf as G
+from kernels.cpu.extension import native_status
+from kernels.cpu.gemv_bf16 import linear_w16, linear_w16_ref
+from shared.models.cpu_native import NativeDecode
+from shared.models.quant_linear import GgufLinear, WeightLinear
+from tests.checkpoints import build_checkpoint
+from tests.engine_helpers import greedy, make_engine, random_prompts
+
+ROWS = [1, 3, 4, 5, 16, 17, 40]  # 1-16: the row-block kernels (4-row passes and their tails); above: float32 tiles
+SHAPES = [(24, 64), (100, 576), (7, 96)]  # (out, in)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    ok, why = native_status()
+    assert ok, f"the C++ CPU kernels did not load: {why}"
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Equal up to float32 summation order: within 1e-5 of the sum of |x| |w| (the largest any partial sum gets)."""
+    scale = x.abs() @ w.abs().t()
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert ((out - ref).abs() <= 1e-5 * scale + 1e-6).all(), float(((out - ref).abs() / (scale + 1e-6)).max())
+
+
+def _blocks(n: int, k: int, g: torch.Generator):
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    d = torch.rand(n, k // 32, generator=g) * 0.02
+    q4 = G.pack_q4(codes, d, -8 * d + torch.randn(n, k // 32, generator=g) * 0.01)
+    q8 = G.pack_q8(torch.randint(-127, 128, (n, k), generator=g).to(torch.int8), d)
+    return {G.Q4: q4, G.Q8_0: q8}, codes, d
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w16_kernel_matches_twin(rows, dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    for n, k in SHAPES:
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g).to(dtype)
+        bias = torch.randn(n, generator=g)
+        _close(linear_w16(x, w, bias), linear_w16_ref(x, w, bias), x, w.float())
+        _close(linear_w16(x, w), linear_w16_ref(x, w), x, w.float())
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_gguf_kernels_match_twin(rows) -> None:
+    g = torch.Generator().manual_seed(100 + rows)
+    for n, k in SHAPES:
+        if k % 32:
+            continue
+        blocks, codes, d = _blocks(n, k, g)
+        x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+        for fmt, (qs, sc) in blocks.items():
+            w = G.dequantize_ref(qs, sc, fmt)
+            for act in (G.ACT_F32, G.ACT_Q8):
+                _close(G.linear_gguf(x, qs, sc, bias, fmt, act), G.linear_gguf_ref(x, qs, sc, bias, fmt, act), x, w)
+        # the layout: the twin's dequantization is the format's definition, w = q d + m per 32 columns
+        qs, sc = blocks[G.Q4]
+        ref = codes.float().view(n, -1, 32) * sc[..., :1] + sc[..., 1:]
+        assert torch.equal(G.dequantize_ref(qs, sc, G.Q4), ref.view(n, k))
+
+
+def test_int8_activations_error_bound() -> None:
+    """ACT_Q8 rounds each activation by at most half its block's step (max |x| / 254): the output is within
+    sum |w| * step / 2 of the exact float32 product (plus float32 rounding)."""
+    g = torch.Generator().manual_seed(5)
+    blocks, _, _ = _blocks(64, 256, g)
+    x = torch.randn(4, 256, generator=g) * torch.logspace(-2, 1, 256)  # blocks of very different ranges
+    step = (x.view(4, -1, 32).abs().amax(-1, keepdim=True) / 127).expand(4, 8, 32).reshape(4, 256)
+    for fmt, (qs, sc) in blocks.items():
+        w = G.dequantize_ref(qs, sc, fmt)
+        exact = x @ w.t()
+        got = G.linear_gguf(x, qs, sc, None, fmt, G.ACT_Q8)
+        bound = (step / 2) @ w.abs().t() + 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
+        assert ((got - exact).abs() <= bound).all()
+        assert not torch.allclose(got, exact, rtol=1e-6, atol=1e-6)  # it does round
+
+
+def test_bad_shapes_rejected() -> None:
+    g = torch.Generator().manual_seed(0)
+    (qs, sc), _, _ = (lambda b: ((b[0][G.Q4]), b[1], b[2]))(_blocks(8, 64, g))
+    with pytest.raises(AssertionError):
+        G.linear_gguf(torch.randn(2, 64), qs, sc, None, G.Q8_0, G.ACT_F32)  # Q4 codes as Q8_0
+    with pytest.raises(AssertionError):
+        linear_w16(torch.randn(2, 64), torch.randn(8, 64), None)  # a float32 weight
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.kvmesh_cpu.linear_gguf(torch.randn(2, 48), qs, sc, None, 0, 0)
+
+
+def _quantize_q4(w: torch.Tensor):
+    n, k = w.shape
+    b = w.float().view(n, k // 32, 32)
+    lo, hi = b.amin(-1), b.amax(-1)
+    d = (hi - lo) / 15
+    q = torch.round((b - lo[..., None]) / torch.where(d > 0, d, 1)[..., None]).clamp(0, 15).view(n, k)
+    return q, d, lo
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_checkpoint("llama", tmp_path_factory.mktemp("gemv-llama"), seed=3)
+
+
+def test_decoder_stack_with_new_kinds_matches_eager(llama) -> None:
+    """q/k/v and down as Q4 blocks (int8 activations), o_proj Q8_0 (float32 activations), gate/up bf16: the C++
+    stack's greedy tokens equal the eager model's (the same layers called from Python)."""
+    engine = make_engine(llama, dtype="float32")
+    for layer in engine.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        a.qkv_proj = GgufLinear.from_q4(*_quantize_q4(a.qkv_proj.weight), a.qkv_proj.bias, G.ACT_Q8, "Q4_1")
+        a.o_proj = GgufLinear.from_q8_0(a.o_proj.weight, None, G.ACT_F32)[0]
+        mlp.gate_up_proj = WeightLinear(mlp.gate_up_proj.weight, None, torch.bfloat16)
+        mlp.down_proj = GgufLinear.from_q4(*_quantize_q4(mlp.down_proj.weight), None, G.ACT_Q8, "Q4_0")
+    native = NativeDecode(engine.model)
+    engine.runner.native = native
+    prompts = random_prompts([5, 16, 40], seed=2)  # 40: a prompt chunk through the eager path (float32 tiles)
+    on = engine.generate(prompts, greedy(10))
+    assert native.calls >= 5  # every decode step after the 40-token prefill
+    engine.runner.native = None
+    off = engine.generate(prompts, greedy(10))
+    assert [o.output_token_ids for o in on] == [o.output_token_ids for o in off]
+
+
+def test_bf16_checkpoint_keeps_16bit_weights_without_native_bf16(llama, tmp_path, monkeypatch) -> None:
+    """--dtype auto on a CPU without native bf16 (emulated by KVMESH_CPU_ISA=avx2): float32 compute, the bf16
+    checkpoint's linears stay bf16 (WeightLinear), and the C++ stack takes them; pinned float32 keeps nn.Linear."""
+    from shared.models.loader import load_model
+
+    cfg = json.loads((llama.path / "config.json").read_text())
+    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
+    for p in llama.path.iterdir():
+        (tmp_path / p.name).write_bytes(p.read_bytes()) if p.is_file() else None
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    pinned, _ = load_model(tmp_path, dtype="auto")
+    assert type(pinned.layers[0].mlp.down_proj).__name__ == "Linear"
+    monkeypatch.setenv("KVMESH_CPU_ISA", "avx2")
+    monkeypatch.delenv("KVMESH_CPU_DTYPE", raising=False)
+    model, _ = load_model(tmp_path, dtype="auto")
+    assert model.norm.weight.dtype == torch.float32
+    layer = model.layers[0].mlp.down_proj
+    assert isinstance(layer, WeightLinear) and layer.weight16.dtype == torch.bfloat16
+    assert isinstance(model.lm_head, WeightLinear)
+    assert torch.equal(layer.dequantized(), pinned.layers[0].mlp.down_proj.weight.bfloat16().float())
+    assert NativeDecode(model).stack.num_layers == len(model.layers)
+
+
+def test_isa_override_masks_flags(monkeypatch) -> None:
+    from shared.models.cpu_dtype import native_bf16_flag
+
+    info = "flags\t: fpu sse avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16 avx512_vnni amx_bf16\n"
+    assert "-mavx512f" in extension.cpu_flags(info) and native_bf16_flag(info) == "amx_bf16"
+    monkeypatch.setenv("KVMESH_CPU_ISA", "avx2")
+    assert extension.cpu_flags(info) == ["-mavx2", "-mfma", "-mf16c"] and native_bf16_flag(info) is None
+    monkeypatch.setenv("KVMESH_CPU_ISA", "generic")
+    assert extension.cpu_flags(info) == []
+    monkeypatch.setenv("KVMESH_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="KVMESH_CPU_ISA"):
+        extension.cpu_flags(info)
+
+
+_AVX2_CHECK = """
+import torch
+from kernels.cpu.extension import native_status
+ok, why = native_status()
+assert ok and "avx512" not in why, why
+from kernels.cpu import gemv_gguf as G
+from kernels.cpu.gemv_bf16 import linear_w16, linear_w16_ref
+g = torch.Generator().manual_seed(0)
+for rows in (1, 5, 17):
+    x = torch.randn(rows, 576, generator=g)
+    w = torch.randn(40, 576, generator=g)
+    scale = x.abs() @ w.abs().t()
+    assert ((linear_w16(x, w.bfloat16()) - linear_w16_ref(x, w.bfloat16())).abs() <= 1e-5 * scale + 1e-6).all()
+    qs, sc = G.pack_q4(torch.randint(0, 16, (40, 576), generator=g), torch.rand(40, 18, generator=g),
+                       torch.randn(40, 18, generator=g))
+    for act in (0, 1):
+        out, ref = G.linear_gguf(x, qs, sc, None, 0, act), G.linear_gguf_ref(x, qs, sc, None, 0, act)
+        wd = G.dequantize_ref(qs, sc, 0)
+        assert ((out - ref).abs() <= 1e-5 * (x.abs() @ wd.abs().t()) + 1e-5).all(), act
+print("avx2 ok", why)
+"""
+
+
+@pytest.mark.slow
+def test_avx2_build_matches_twins() -> None:
+    """The kernels built as for an AVX2-only CPU (KVMESH_CPU_ISA=avx2: its own build, about a minute on 2 idle
+    cores) against the twins, in a fresh process."""
+    env = dict(os.environ, KVMESH_CPU_ISA="avx2", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0 and "avx2 ok" in r.stdout, r.stderr[-3000:]
