@@ -160,7 +160,12 @@ class Run:
 
 
 def _kvmesh(extra: list[str], gguf: Path, run: Run, tag: str, env: dict[str, str], port: int = 8010) -> dict:
-    with kvmesh_up(gguf, port, MODEL_NAME, extra, run.tmp / f"{tag}-up.log", env=env) as (_, log_path):
+    from shared.models.model_source import resolve_model
+
+    # The GGUF's cached checkpoint directory (what the workers load from a .gguf): `kvmesh up --model FILE.gguf`
+    # of a one-model mesh stops at its config.json check in this tree.
+    model = Path(resolve_model(gguf))
+    with kvmesh_up(model, port, MODEL_NAME, extra, run.tmp / f"{tag}-up.log", env=env) as (_, log_path):
         lines = log_path.read_text().splitlines()
         dtype = next((m[1] for x in lines if (m := re.search(r"dtype (\w+) on CPU", x))), "?")
         threads = next((x.split("CPU threads: ", 1)[1] for x in lines if "CPU threads: " in x), None)
