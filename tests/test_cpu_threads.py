@@ -92,17 +92,18 @@ def test_threads_flag_overrides_and_leaves_affinity_alone() -> None:
 
 
 def test_openmp_defaults_yield_to_the_users_choice() -> None:
-    assert openmp_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_env({}) == {"GOMP_SPINCOUNT": "1000"}
     assert openmp_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
     assert openmp_env({"GOMP_SPINCOUNT": "10000"}) == {}
+    assert openmp_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
     env: dict[str, str] = {}
     assert apply_openmp_defaults(env) is ("torch" not in sys.modules)
 
 
 def test_worker_env_for_the_launcher() -> None:
     env = worker_env([("decode-0", 1), ("prefill-0", 1)], environ={})
-    assert env == {"decode-0": {SHARE_ENV: "0,1,2", "OMP_WAIT_POLICY": "PASSIVE"},
-                   "prefill-0": {SHARE_ENV: "1,1,2", "OMP_WAIT_POLICY": "PASSIVE"}}
+    assert env == {"decode-0": {SHARE_ENV: "0,1,2", "GOMP_SPINCOUNT": "1000"},
+                   "prefill-0": {SHARE_ENV: "1,1,2", "GOMP_SPINCOUNT": "1000"}}
     assert worker_env([("decode-0", 1)], environ={"OMP_WAIT_POLICY": "ACTIVE"}) == {"decode-0": {SHARE_ENV: "0,1,1"}}
 
 
@@ -125,7 +126,7 @@ def _allowed(status: Path) -> set[int]:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux affinity")
 def test_real_decode_worker_takes_its_share(demo_model: Path, tmp_path: Path) -> None:
     """A decode worker started as the second of two engine workers on this host: pinned to its share of the cores,
-    its torch threads set to match, OpenMP waiting passively, and it says so in its log."""
+    its torch threads set to match, OpenMP's spin bounded, and it says so in its log."""
     share = {SHARE_ENV: "1,1,2"}
     expected = plan_for_this_process(None, share)
     env = {k: v for k, v in os.environ.items()
@@ -148,7 +149,7 @@ def test_real_decode_worker_takes_its_share(demo_model: Path, tmp_path: Path) ->
             line = lines[-1]
             m = re.search(r"CPU threads: (\d+) of (\d+) cores", line)
             assert m and int(m[1]) == expected.threads and int(m[2]) == expected.cores, line
-            assert "OMP_WAIT_POLICY=PASSIVE" in line, line
+            assert "GOMP_SPINCOUNT=1000" in line, line
             if expected.cpus is not None:
                 assert "pinned to CPUs" in line, line
                 # Every thread of the worker, the ones made before the pinning included.

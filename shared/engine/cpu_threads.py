@@ -11,9 +11,11 @@ any busy job), every barrier waits for the descheduled thread while the others b
   one engine process, or one tensor-parallel rank), pinned to disjoint cores when there is more than one slot, so
   the mesh's own workers never sit on each other's cores. Usable cores are the process's affinity mask, one CPU a
   physical core (SMT siblings share their core's execution units), capped by the cgroup's CPU quota;
-- the team waits passively (OMP_WAIT_POLICY=PASSIVE): a waiting thread sleeps at once, so a neighbour that took a
-  core costs this process that core's share of time, not every barrier (measured in
-  loadtest/experiments/cpu_engine/omp_neighbour_ab.py; docs/cpu.md has the figures).
+- the team spins briefly, then sleeps (GOMP_SPINCOUNT=1000, libgomp's own figure for an oversubscribed team: tens
+  of microseconds, enough for a quiet step's barriers): a neighbour that took a core costs this process that core's
+  share of time, not every barrier. Beside other jobs it decoded 4-9x faster than libgomp's default spin and as
+  fast as OMP_WAIT_POLICY=PASSIVE, which sleeps at every barrier and so pays a wake-up per parallel op even on a
+  quiet machine (loadtest/experiments/cpu_engine/omp_neighbour_ab.py; docs/cpu.md has the figures).
 
 The OpenMP environment is read once, when torch loads libgomp: it is set in the launcher's child environment and
 at the top of the engine services' entry points, never later. Standard library only: it runs before torch loads.
@@ -36,7 +38,7 @@ SHARE_ENV = "KVMESH_CPU_SHARE"
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 CPU_SYSFS = Path("/sys/devices/system/cpu")
 # What a CPU engine process's OpenMP team does at a barrier; a value the user set in the environment wins.
-OPENMP_DEFAULTS: Mapping[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
+OPENMP_DEFAULTS: Mapping[str, str] = {"GOMP_SPINCOUNT": "1000"}
 OPENMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 

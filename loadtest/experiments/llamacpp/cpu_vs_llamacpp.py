@@ -274,7 +274,7 @@ def main() -> None:
                 r["ttft_long_prompt"] = round(results[ours]["long_prompt"]["ttft_p50_ms"] /
                                               results[theirs]["long_prompt"]["ttft_p50_ms"], 3)
             ratios[f"{ours}/{theirs}"] = r
-    report = {"workload": f"{max(args.prompts, args.c1_prompts)} chat prompts (~50 tokens), {args.output_len} output "
+    report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "workload": f"{max(args.prompts, args.c1_prompts)} chat prompts (~50 tokens), {args.output_len} output "
                           f"tokens, ignore_eos, greedy, streamed; c1: {args.c1_prompts} requests, levels {args.levels}"
                           + (f"; long prompt: {args.ttft_reps} distinct prompts of ~{args.ttft_prompt_tokens} tokens, "
                              "1 output token, TTFT" if args.ttft_prompt_tokens else ""),

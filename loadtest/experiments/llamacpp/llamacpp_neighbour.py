@@ -17,6 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from loadtest.experiments.llamacpp.cpu_vs_llamacpp import cpu_report, neighbour
@@ -68,7 +69,7 @@ def main() -> None:
                 load.append(os.getloadavg()[0])
                 print(f"round {r} {cond:9s} {arm:12s} {tok_s:.2f} tok/s (load {load[-1]:.1f})", flush=True)
     median = {a: {c: statistics.median(v) for c, v in by.items()} for a, by in runs.items()}
-    report = {"tool": f"llama-bench -p 0 -n {args.tokens} -r 1 (token generation, batch 1)", "gguf": gguf.name,
+    report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "tool": f"llama-bench -p 0 -n {args.tokens} -r 1 (token generation, batch 1)", "gguf": gguf.name,
               "llama_cpp": f"llama-cpp-python {source_version(binary)} vendor/llama.cpp", "binary": str(binary),
               "neighbour": "one `while True: pass` python process, normal priority, unpinned",
               "busy_machine": "shared with other jobs during the run (loadavg samples below): compare ratios only",
