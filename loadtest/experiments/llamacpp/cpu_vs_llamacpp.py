@@ -281,6 +281,8 @@ def main() -> None:
               "model": MODEL_NAME if args.shape == "smollm2" else f"{args.shape} architecture, random weights, "
                                                                   f"SmolLM2 tokenizer, {args.quant}",
               "neighbour": "one `while True: pass` python process, normal priority, unpinned" if args.neighbour else None,
+              # Both servers inherit it (kvmesh up keeps a wait policy the user set; llama.cpp's OpenMP reads it).
+              "openmp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
               "cpu": cpu_report(args.isa, binary), "cores": os.cpu_count(), "loadavg_1m_samples": load,
               "llama_cpp": {"source": f"llama-cpp-python {source_version(binary)} vendor/llama.cpp" if binary else None,
                             "binary": str(binary) if binary else None},
