@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus.natsd import NatsServer
-from shared.engine.cpu_threads import (SHARE_ENV, CoreShare, apply_openmp_defaults, host_shares, openmp_env,
+from shared.engine.cpu_threads import (SHARE_ENV, CoreShare, apply_openmp_defaults, capped, host_shares, openmp_env,
                                        plan_for_this_process, plan_threads, quota_cores, sibling_groups, worker_env)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +91,16 @@ def test_threads_flag_overrides_and_leaves_affinity_alone() -> None:
     assert plan.reason.startswith("--threads 3 given")
 
 
+def test_omp_num_threads_caps_the_share() -> None:
+    # The test suite runs every service with OMP_NUM_THREADS=1 under xdist: the share must not undo that.
+    plan = plan_threads({0, 1, 2, 3}, None, CoreShare(0, 1, 2), None)
+    one = capped(plan, "1")
+    assert (one.threads, one.cpus) == (1, (0, 1)) and "OMP_NUM_THREADS=1 caps it" in one.reason
+    assert capped(plan, "8") == plan and capped(plan, None) == plan and capped(plan, "x") == plan
+    given = plan_threads({0, 1}, None, None, 2)
+    assert capped(given, "1") == given  # --threads wins over the environment
+
+
 def test_openmp_defaults_yield_to_the_users_choice() -> None:
     assert openmp_env({}) == {"GOMP_SPINCOUNT": "1000"}
     assert openmp_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
@@ -162,3 +172,42 @@ def test_real_decode_worker_takes_its_share(demo_model: Path, tmp_path: Path) ->
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux affinity and two usable CPUs")
+def test_kvmesh_up_splits_the_cores_between_its_engine_workers(demo_model: Path, tmp_path: Path) -> None:
+    """`kvmesh up --prefill 1` on CPU: the prefill and the decode worker each on their own cores."""
+    import signal
+    import time
+
+    from shared.bus.natsd import free_port
+    from shared.launcher.up import READY
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("NATS_", "OTEL_", "KVMESH_", "OMP_", "GOMP_"))}
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "up", "--model", str(demo_model), "--port",
+                                 str(free_port()), "--prefill", "1", "--kvstore", "0", "--devices", "none",
+                                 "--startup-timeout", "240"], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while READY not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        text = log.read_text()
+        assert READY in text, text[-3000:]
+        pids = {m[1]: int(m[2]) for m in re.finditer(r"started (prefill-0|decode-0) \(pid (\d+)\)", text)}
+        assert set(pids) == {"prefill-0", "decode-0"}, text[-3000:]
+        masks = {name: _allowed(Path(f"/proc/{pid}/status")) for name, pid in pids.items()}
+        assert masks["prefill-0"].isdisjoint(masks["decode-0"]), masks
+        assert len(re.findall(r"CPU threads: \d+ of \d+ cores, pinned to CPUs", text)) == 2, text[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

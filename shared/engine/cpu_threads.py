@@ -27,7 +27,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -174,12 +174,26 @@ def _describe(cpus: Iterable[int]) -> str:
     return ",".join(runs)
 
 
+def capped(plan: ThreadPlan, omp_num_threads: str | None) -> ThreadPlan:
+    """An OMP_NUM_THREADS in the environment (the test suite's one thread a service, a user's own limit) caps the
+    share's threads; the pinning stays."""
+    try:
+        cap = int(omp_num_threads or 0)
+    except ValueError:
+        return plan
+    if cap < 1 or cap >= plan.threads or plan.reason.startswith("--threads"):
+        return plan
+    return replace(plan, threads=cap, reason=f"{plan.reason}; OMP_NUM_THREADS={cap} caps it")
+
+
 def plan_for_this_process(requested: int | None, environ: Mapping[str, str] = os.environ) -> ThreadPlan:
-    """The plan from this process's affinity, the cgroup quota, the topology and the launcher's share."""
+    """The plan from this process's affinity, the cgroup quota, the topology, the launcher's share and
+    OMP_NUM_THREADS."""
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     share = CoreShare.parse(environ[SHARE_ENV]) if environ.get(SHARE_ENV) else None
-    return plan_threads(affinity, quota_cores(read_text(CGROUP_CPU_MAX)), share, requested,
+    plan = plan_threads(affinity, quota_cores(read_text(CGROUP_CPU_MAX)), share, requested,
                         lambda cpu: read_text(CPU_SYSFS / f"cpu{cpu}" / "topology" / "thread_siblings_list"))
+    return capped(plan, environ.get("OMP_NUM_THREADS"))
 
 
 def pin_process(cpus: Iterable[int]) -> bool:
