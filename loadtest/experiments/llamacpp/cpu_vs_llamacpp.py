@@ -104,8 +104,9 @@ def neighbour(on: bool) -> Iterator[None]:
             proc.wait()
 
 
-def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, prompts: int) -> dict:
+def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, prompts: int, warmups: int = 2) -> dict:
     cmd = [sys.executable, "-m", "loadtest.cli", "bench", "serve", "--base-url", base_url, "--model", model,
+           "--num-warmups", str(warmups),
            "--endpoint", "chat", "--temperature", "0", "--eos-mode", "ignore_eos", "--dataset", "jsonl",
            "--jsonl", str(jsonl), "--num-prompts", str(prompts), "--sweep-concurrency", levels, "--no-progress",
            "--json", str(out)]
@@ -151,7 +152,9 @@ class Run:
                                       self.prompts))
             out = _figures(*reports)
             if self.long_jsonl is not None:
-                long = _bench(base_url, model, self.long_jsonl, self.tmp / f"{tag}-long.json", "1", self.ttft_reps)
+                # No warm-up: it would send these very prompts first, and both servers' prefix caches would answer.
+                long = _bench(base_url, model, self.long_jsonl, self.tmp / f"{tag}-long.json", "1", self.ttft_reps,
+                              warmups=0)
                 s = long["runs"][0]["summary"]
                 out["long_prompt"] = {"ttft_p50_ms": round(s["ttft_ms"]["median"], 1),
                                       "prompt_tokens_mean": round(s.get("total_input_tokens", 0) / max(1, s["completed"])),
