@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from shared.config import EngineConfig
+from shared.engine.cpu_threads import apply_plan, plan_for_this_process
 from shared.engine.lora_config import add_lora_arguments, lora_config_from_args
 from shared.spec_config import SpeculativeConfig
 
@@ -13,6 +15,7 @@ from shared.spec_config import SpeculativeConfig
 # for one chunk's transfer instead of the whole prompt's (shared/kv_transport/outgoing.py): on the CPU bench
 # model ~10 ms of waiting after a 2,048-token prompt's last chunk against ~33 ms for the whole prompt's KV.
 PREFILL_CHUNK_TOKENS = 1024
+log = logging.getLogger(__name__)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +77,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     # Not a flag (it would show in `ps`): the mesh's secret, folded into every block hash so nobody can
     # compute the hash of a predicted prompt and plant blocks for it in a kvstore.
     parser.set_defaults(cache_salt=os.environ.get("KVMESH_CACHE_SALT", ""))
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads, affinity left as it is (default: this process's share of the "
+                             "usable cores: cores / engine processes that `kvmesh up` starts on this host, pinned to "
+                             "its own cores when there are several)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int,
                         default=int(os.environ.get("KVMESH_TENSOR_PARALLEL_SIZE", 1)),
                         help="split the model across this many ranks: this process is rank 0 and starts the others "
@@ -105,10 +111,8 @@ def add_pooling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    # The engine's CPU threads and cores: this process's share of the host (shared/engine/cpu_threads.py).
+    log.info(apply_plan(plan_for_this_process(args.threads)))
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes, host_kv_bytes=args.host_kv_bytes,
                         offload_policy=args.offload_policy,

@@ -170,8 +170,9 @@ def build_pooling(args: argparse.Namespace) -> PoolingService:
         spec = pooling_spec(args.model, args.convert, PoolerConfig.parse(args.pooler_config))
     except PoolingConfigError as e:
         raise ConfigError(str(e)) from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from shared.engine.cpu_threads import apply_plan, plan_for_this_process
+
+    log.info(apply_plan(plan_for_this_process(args.threads)))  # this process's share of the cores
     return PoolingService(PoolingSettings(
         model=args.model, worker_id=args.worker_id or os.environ.get("KVMESH_WORKER_ID", "prefill"), spec=spec,
         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,

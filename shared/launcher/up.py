@@ -23,6 +23,7 @@ from shared.models.errors import CheckpointError
 from shared.engine.lora_config import add_lora_arguments, lora_service_args
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
                                      plan_mesh, plan_models, worker_needs)
+from shared.engine.cpu_threads import worker_env
 from shared.launcher.cpu_layout import cpu_default_layout
 from shared.launcher.gpus import parse_devices
 from shared.launcher import mesh_secret
@@ -594,6 +595,11 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         return {**env, **extra}
 
     services = [p for spec in specs for p in spec.processes(sys.executable, service_env(spec.service, spec.model_index))]
+    # CPU engine workers: each its own share of the cores (and every worker a planner may start counted).
+    cpu_env = {} if opts.devices or opts.engine != "real" else worker_env(
+        (s.instance_name(i), opts.tp(s.service)) for s in (full.values() if planner else specs)
+        if s.service in ENGINE_SERVICES for i in range(s.replicas))
+    services = [replace(p, env={**p.env, **cpu_env.get(p.name, {})}) for p in services]
     if cluster:
         services = [replace(p, env={**p.env, **_bus_env(cluster[0], p)}) for p in services]
     if len(cluster) > 1:  # spread the services: each starts at the next server and fails over along the list
@@ -609,7 +615,8 @@ async def _up(opts: MeshOptions, grace: float | None, startup_timeout: float, em
         spec = full[role, model_index]
         proc = ProcessSpec(spec.instance_name(index), (sys.executable, "-m", spec.module, *spec.args,
                                                        *spec.instance_args(index)),
-                           {**spec.env, **service_env(role, model_index), **spec.instance_env(index)})
+                           {**spec.env, **service_env(role, model_index), **spec.instance_env(index),
+                            **cpu_env.get(spec.instance_name(index), {})})
         if cluster:
             proc = replace(proc, env={**proc.env, **cluster[0].role_env(proc.name)})
         if len(cluster) > 1:

