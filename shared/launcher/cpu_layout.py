@@ -1,12 +1,12 @@
 """`kvmesh up`'s default layout when the engine workers run on the CPU: one engine process, no prefill worker.
 
-Every CPU engine worker computes with all the machine's cores (torch's OpenMP team, one thread a core), so a
-prefill worker and a decode worker on one CPU are two teams on the same cores. An OpenMP team whose cores are
-taken by another busy process spin-waits at each of its barriers for the thread that lost its core: measured on
-this project's 2-core CPU (SmolLM2 Q4_1, batch-1 decode in process, while other jobs used the cores): 186 and
-258 ms a token with 2 threads against 50 and 25 with 1 in the same runs. A remote
-prefill on the same CPU therefore slows every decode step it overlaps instead of taking work off the decode
-worker, and an idle prefill worker still holds a second copy of the model. The decode worker prefills locally
+Several CPU engine workers on one machine split its cores (shared/engine/cpu_threads.py: each gets its share,
+pinned to its own cores), so a prefill worker beside a decode worker halves the cores decode steps run on. Before
+that split they were two OpenMP teams on the same cores, and a team whose cores are taken spin-waits at each
+barrier: measured on this project's 2-core CPU (SmolLM2 Q4_1, batch-1 decode in process, while other jobs used
+the cores): 186 and 258 ms a token with 2 threads against 50 and 25 with 1 in the same runs. Either way a remote
+prefill on the same CPU takes cores from decode instead of work off it, and an idle prefill worker still holds a
+second copy of the model. The decode worker prefills locally
 (chunked inside its batch), which is what a prefill worker would compute, on the same cores, without the KV
 transfer. Asking for prefill workers (`--prefill N`) keeps the mesh as given.
 """
