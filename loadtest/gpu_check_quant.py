@@ -1,7 +1,7 @@
 """The GPU check's quantized rows: the FP8 and 4-bit GEMM kernels against their torch twins at the linear layers of
-Llama-3.1-8B and Qwen3-0.6B (cases of the kernels step), and the `quant` step: `kvmesh bench offline` (tok/s) and `kvmesh
-bench decode` (ms/step at batch 1 and 64) in bf16, FP8 and AWQ side by side at those shapes (random weights; AWQ's
-rounded to 4 bits at load)."""
+Llama-3.1-8B and Qwen3-0.6B (cases of the kernels step), and the `quant` step: `kvmesh bench offline` (tok/s)
+and `kvmesh bench decode` (ms/step at batch 1 and 64) in bf16, FP8 and AWQ side by side at those shapes (random
+weights; AWQ's rounded to 4 bits at load)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator

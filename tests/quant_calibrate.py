@@ -164,7 +164,7 @@ def awq_float_weights(tensors: dict[str, torch.Tensor], cal: Calibration, group:
 
 @torch.no_grad()
 def gptq_quantize(w: torch.Tensor, x: torch.Tensor, group: int, sym: bool = True, act_order: bool = False,
-                  damp: float = 0.01, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  damp: float = 0.01, block: int = 128) -> tuple[torch.Tensor, ...]:
     """GPTQ of w [N, K] on inputs x [T, K] -> (q [K, N], scales [G, N] float16, zeros [G, N], g_idx [K]) in the
     layout tests/quant_checkpoints.py packs (column c of w is row c of q; group of column c: g_idx[c])."""
     n, k = w.shape
