@@ -6,9 +6,9 @@ Measured (256 tokens of loadtest/data/alice_ch1.txt): unquantized 25.25, FP8 26.
 +3.2%, activations alone -0.05%: the loss is e4m3's rounding of the weights, 0 to +4.5% depending on where it falls,
 see docs/gpu.md), 4 bits rounded to nearest 28.61 (groups of 32, +13%) and 29.16 (groups of 64, +15.5%). This
 checkpoint is itself a dequantized Q4_1 GGUF, so any second grid rounds it twice. The FP8 bound is the measured
-value with a margin (float32: deterministic); the 4-bit bound is round to nearest's at groups of 64: the
-calibrated checkpoint must do at least as well (its own figure is not yet measured: the search takes minutes on
-two cores). GPTQ is left out: on this little calibration text (759 tokens, fewer than down_proj's 1536 inputs)
+value with a margin (float32: deterministic); AWQ's scale search at groups of 64 measured 29.05 (+15.1%, in
+transformers' model with the checkpoint's weights), barely better than rounding to nearest, and its clipping
+search worse (30.02, +18.9%: fitted on 128 rows), so it is off here. GPTQ is left out: on this little calibration text (759 tokens, fewer than down_proj's 1536 inputs)
 it measured 30.07 (act order, zero points: +19%), worse than rounding to nearest.
 
 Slow: the searches, and the 4-bit twin dequantizes every weight at every step (the CPU path is the reference)."""
@@ -32,7 +32,7 @@ CHAT = Path(__file__).resolve().parents[1] / "loadtest" / "data" / "chat_questio
 GROUP = 64  # the widest group that divides the model's hidden size (576): AWQ/GPTQ's usual 128 does not
 # Measured values with a margin (float32: deterministic), so a regression in the layers shows; the targets were
 # 1.01 (FP8) and 1.03 (4 bits): see the module docstring and docs/gpu.md for why they are not met on this model.
-BOUNDS = {"fp8": 1.05, "awq": 1.16}
+BOUNDS = {"fp8": 1.05, "awq": 1.17}
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
              "Write a haiku about the sea."]
 
@@ -63,7 +63,7 @@ def test_smollm2_quantized_keeps_its_perplexity_and_answers(smollm2_dir, tmp_pat
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     cal = _calibration(tok)
     t0 = time.perf_counter()
-    awq = cq.write_awq(Path(smollm2_dir), tmp_path / "awq", cal, GROUP)
+    awq = cq.write_awq(Path(smollm2_dir), tmp_path / "awq", cal, GROUP, clip=False)  # the clip search loses here
     print(f"AWQ checkpoint written in {time.perf_counter() - t0:.1f} s")
     engines = {"unquantized": _engine(smollm2_dir), "fp8": _engine(smollm2_dir, "fp8"), "awq": _engine(awq)}
     ppl, answers = {}, {}
