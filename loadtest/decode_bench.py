@@ -36,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=int, default=5, help="steps under the torch profiler (CUDA only)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--quantization", default="auto", choices=["auto", "fp8", "awq", "gptq"],
+                   help="the weights: fp8 (W8A8, quantized at load), awq / gptq (4-bit, group 128; a built --shape "
+                        "checkpoint gets the quantization_config and random weights rounded to 4 bits); auto: the "
+                        "checkpoint's own")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attn-batch", type=int, default=64, help="decode attention kernel test: sequences")
     p.add_argument("--attn-context", type=int, default=2048, help="decode attention kernel test: context length")
@@ -49,8 +53,13 @@ def _model(args: argparse.Namespace) -> Iterator[str]:
         return
     with tempfile.TemporaryDirectory(prefix="kvmesh-decode-bench-") as tmp:
         print(f"building a {args.shape}-shaped checkpoint with random weights in {tmp}", file=sys.stderr)
-        yield build_bench_model(tmp, ModelShape()) if args.shape == "bench" else build_shape_checkpoint(
+        out = build_bench_model(tmp, ModelShape()) if args.shape == "bench" else build_shape_checkpoint(
             tmp, SHAPES[args.shape])
+        if args.quantization in ("awq", "gptq"):
+            from loadtest.offline import mark_4bit
+
+            mark_4bit(out, args.quantization)
+        yield out
 
 
 def _sync(device: str) -> None:
@@ -167,6 +176,7 @@ def _time(fn, device: str, reps: int = 10) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from shared.config import EngineConfig
+    from loadtest.offline import quantized_dummy
     from shared.engine.llm_engine import LLMEngine
 
     if args.threads:
@@ -180,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_dtype(model) if args.device.startswith("cuda") else "float32")
         batched_tokens = max(2048, args.context_len)
         engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, device=args.device, load_format="auto" if has_weights(model) else "dummy",
+            model=model, dtype=dtype, device=args.device,
+            load_format="auto" if has_weights(model) and not quantized_dummy(model) else "dummy",
+            quantization=args.quantization,
             max_num_seqs=max(batches), max_num_batched_tokens=batched_tokens,
             max_model_len=args.context_len + args.steps + args.profile_steps + 8
             + fill_steps(max(batches), args.context_len, batched_tokens),
@@ -192,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"decode attention: {attn['attention_bytes_per_s'] / 1e9:.1f} GB/s of K/V, "
               f"{attn['fraction_of_copy']:.0%} of a device copy ({attn['copy_bytes_per_s'] / 1e9:.1f} GB/s)")
         report = {"model": shape | {"shape": args.shape if not args.model else None, "dtype": str(engine.dtype),
+                                    "quantization": engine.config.quantization,
                                     "kv_cache_dtype": str(engine.kv_dtype)},
                   "cuda_graphs": engine.runner.graphs is not None, "steps": steps, "decode_attention": attn,
                   "machine": machine}

@@ -25,8 +25,9 @@ holds the memory plan, the graphs captured, the tiles tuned).
   kv-transfer  `kvmesh bench kv-transfer` at the Qwen3-0.6B shape
   tiers        `kvmesh bench tiers` at the Qwen3-0.6B shape
   tp           `kvmesh bench offline --tensor-parallel-size N` over every visible GPU (skipped with one)
-  quant        `kvmesh bench offline` in bf16, FP8 (sm_89+) and AWQ at the Qwen3-0.6B and Llama-3.1-8B shapes (last:
-               run it with --only quant; the FP8 / 4-bit GEMMs' agreement with their twins is in the kernels step)
+  quant        `kvmesh bench offline` in bf16, FP8 (sm_89+) and AWQ at the Qwen3-0.6B and Llama-3.1-8B shapes, and
+               `kvmesh bench decode` ms/step at batch 1 and 64 of each at the Qwen3-0.6B shape (last: run it with
+               --only quant; the FP8 / 4-bit GEMMs' agreement with their twins is in the kernels step)
 
 DIR/summary.json holds each step's status and the five things (loadtest/gpu_check_summary.py). On a machine with
 only torch, triton and transformers, install the mesh's wheels first (README, "GPU"). `--device cpu --smoke` runs
@@ -58,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the checkout: each step runs fr
 STEPS: list[tuple[str, int, int]] = [
     ("env", 30, 30), ("kernels", 150, 90), ("greedy", 120, 60), ("graphs", 90, 60), ("spec", 150, 90),
     ("two-workers", 120, 60), ("decode", 90, 60), ("offline", 150, 60), ("kv-transfer", 120, 60), ("tiers", 90, 60),
-    ("tp", 60, 60), ("quant", 240, 180),
+    ("tp", 60, 60), ("quant", 330, 240),
 ]
 TOTAL_BUDGET = 520
 SMOKE_BUDGET = 240

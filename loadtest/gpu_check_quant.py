@@ -1,6 +1,7 @@
 """The GPU check's quantized rows: the FP8 and 4-bit GEMM kernels against their torch twins at the linear layers of
-Llama-3.1-8B and Qwen3-0.6B (cases of the kernels step), and the `quant` step: `kvmesh bench offline` in bf16, FP8
-and AWQ side by side at those shapes (random weights; AWQ's rounded to 4 bits at load)."""
+Llama-3.1-8B and Qwen3-0.6B (cases of the kernels step), and the `quant` step: `kvmesh bench offline` (tok/s)
+and `kvmesh bench decode` (ms/step at batch 1 and 64) in bf16, FP8 and AWQ side by side at those shapes (random
+weights; AWQ's rounded to 4 bits at load)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -62,26 +63,61 @@ def quant_kernel_cases(case: Callable, dev: str, smoke: bool, fp8_ok: bool) -> I
                         yield case("fp8_gemm", bf16, "fp8", f"{shape} {name} {k}x{n} M={m} {act} {path}", f8)
 
 
-def step_quant(args, bench: Callable[[object, list[str], Path], dict], fp8_ok: bool) -> dict:
-    """Offline tok/s in bf16, FP8 (sm_89+) and AWQ at each shape; the Qwen3-0.6B shape at the nano-vllm workload,
-    Llama-3.1-8B at 64 of its prompts (the step's cap). Smoke: the tiny bench model on CPU, FP8 and AWQ through the
-    twins."""
-    if args.smoke:
-        plan = [("bench", ["--num-prompts", "2", "--input-len-min", "4", "--input-len-max", "8", "--output-len-min",
-                           "2", "--output-len-max", "3"])]
+def quant_plan(smoke: bool, fp8_ok: bool) -> list[tuple[str, list[str], str]]:
+    """(row name, `kvmesh bench` argv, JSON file) of each run: offline tok/s per shape and method (the Qwen3-0.6B
+    shape at the nano-vllm workload, Llama-3.1-8B at 64 of its prompts, the step's cap), then decode ms/step at
+    batch 1 and 64 per method at the Qwen3-0.6B shape. Smoke: the tiny bench model on CPU, FP8 and AWQ through
+    the twins, batches 1 and 2."""
+    if smoke:
+        offline = [("bench", ["--num-prompts", "2", "--input-len-min", "4", "--input-len-max", "8", "--output-len-min",
+                              "2", "--output-len-max", "3"])]
+        decode = ("bench", ["--batch-sizes", ",".join(map(str, DECODE_BATCHES_SMOKE)), "--context-len", "32",
+                            "--steps", "2", "--attn-batch", "2", "--attn-context", "64"])
     else:
-        plan = [("qwen3-0.6b", ["--preset", "nano-vllm"]), ("llama-3.1-8b", ["--preset", "nano-vllm",
-                                                                            "--num-prompts", "64"])]
+        offline = [("qwen3-0.6b", ["--preset", "nano-vllm"]), ("llama-3.1-8b", ["--preset", "nano-vllm",
+                                                                               "--num-prompts", "64"])]
+        decode = ("qwen3-0.6b", ["--batch-sizes", ",".join(map(str, DECODE_BATCHES)), "--context-len", "512"])
     methods = ["auto"] + (["fp8"] if fp8_ok else []) + ["awq"]
-    runs: dict[str, dict] = {}
-    for shape, extra in plan:
+    plan = []
+    for shape, extra in offline:
         for method in methods:
-            argv = ["offline", "--shape", shape, "--device", args.device, "--skip-hf", *extra]
-            if method != "auto":
-                argv += ["--quantization", method]
-            runs[f"{shape} {'bf16' if method == 'auto' else method}"] = bench(
-                args, argv, Path(args.out) / f"quant-offline-{shape}-{method}.json")
-    table = {k: r["result"].get("kvmesh_tok_s") for k, r in runs.items()}
-    summary = ", ".join(f"{k} {v or 0:.0f} tok/s" for k, v in table.items())
-    return {"ok": all(r["ok"] for r in runs.values()), "tok_s": table, "runs": runs, "fp8_tested": fp8_ok,
-            "summary": summary}
+            plan.append((f"{shape} {_label(method)}", ["offline", "--shape", shape, *extra, "--skip-hf",
+                                                        *_quant_flag(method)], f"quant-offline-{shape}-{method}.json"))
+    shape, extra = decode
+    for method in methods:
+        plan.append((f"decode {shape} {_label(method)}", ["decode", "--shape", shape, *extra, *_quant_flag(method)],
+                     f"quant-decode-{shape}-{method}.json"))
+    return plan
+
+
+DECODE_BATCHES = (1, 64)
+DECODE_BATCHES_SMOKE = (1, 2)
+
+
+def _label(method: str) -> str:
+    return "bf16" if method == "auto" else method
+
+
+def _quant_flag(method: str) -> list[str]:
+    return [] if method == "auto" else ["--quantization", method]
+
+
+def decode_table(runs: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """Decode rows: {"decode SHAPE METHOD": {"1": ms/step, "64": ms/step}} from `kvmesh bench decode`'s JSON."""
+    return {name: {str(r["batch"]): r.get("ms_per_step") for r in run["result"].get("steps", []) if "batch" in r}
+            for name, run in runs.items() if name.startswith("decode ")}
+
+
+def step_quant(args, bench: Callable[[object, list[str], Path], dict], fp8_ok: bool) -> dict:
+    """Offline tok/s and decode ms/step in bf16, FP8 (sm_89+) and AWQ (quant_plan)."""
+    runs: dict[str, dict] = {}
+    for name, argv, file in quant_plan(args.smoke, fp8_ok):
+        argv = [argv[0], "--device", args.device, *argv[1:]]
+        runs[name] = bench(args, argv, Path(args.out) / file)
+    tok_s = {k: r["result"].get("kvmesh_tok_s") for k, r in runs.items() if not k.startswith("decode ")}
+    decode = decode_table(runs)
+    summary = ", ".join([f"{k} {v or 0:.0f} tok/s" for k, v in tok_s.items()]
+                        + [f"{k} " + " / ".join(f"{ms or 0:.2f}" for ms in row.values()) + " ms/step at batch "
+                           + "/".join(row) for k, row in decode.items()])
+    return {"ok": all(r["ok"] for r in runs.values()), "tok_s": tok_s, "decode_ms_per_step": decode, "runs": runs,
+            "fp8_tested": fp8_ok, "summary": summary}

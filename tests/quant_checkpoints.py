@@ -157,12 +157,9 @@ def input_absmax(hf_model: torch.nn.Module, prompts: list[list[int]]) -> dict[st
     return {f"{k}.weight": v for k, v in seen.items()}
 
 
-def write_quantized(src: Path, out: Path, method: str, quantization_config: dict, **opts) -> Path:
-    """A copy of the float checkpoint at src with every decoder projection in `method`'s format (opts: group, sym,
-    desc_act, v1, per_channel, absmax), sharded in two files with an index as save_pretrained writes."""
+def read_tensors(src: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     index = src / "model.safetensors.index.json"
     files = sorted({src / n for n in json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
@@ -171,11 +168,24 @@ def write_quantized(src: Path, out: Path, method: str, quantization_config: dict
         with safe_open(str(f), framework="pt") as h:
             for name in h.keys():
                 tensors[name] = h.get_tensor(name)
+    return tensors
+
+
+def write_quantized(src: Path, out: Path, method: str, quantization_config: dict, **opts) -> Path:
+    """A copy of the float checkpoint at src with every decoder projection in `method`'s format (opts: group, sym,
+    desc_act, v1, per_channel, absmax; tensors: the float tensors to write instead of src's, e.g. with AWQ's scales
+    folded in; parts: projection -> its tensors already quantized, e.g. by GPTQ), sharded in two files with an
+    index as save_pretrained writes."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = opts.get("tensors") or read_tensors(src)
+    given = opts.get("parts") or {}
     result: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         proj = name.removesuffix(".weight")
         if name.endswith(".weight") and proj.endswith(PROJS) and proj not in opts.get("skip", ()):
-            if method == "awq":
+            if proj in given:
+                parts = given[proj]
+            elif method == "awq":
                 parts = awq_tensors(t, opts["group"])
             elif method == "gptq":
                 # The act order comes from the inputs' statistics: projections reading the same input share it.

@@ -58,6 +58,10 @@ READY = "kvmesh is up at"  # tests wait for this line
 DRAIN_MARGIN_S = 10.0
 
 
+# Weight-only formats of the CPU path: refused for workers placed on GPUs (fp8, awq, gptq serve on both).
+CPU_ONLY_QUANTIZATION = ("gguf", "gguf-hybrid", "int8", "int4")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = MeshOptions()
     parser.add_argument("--model", action="append", default=None,
@@ -110,11 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the gateway applies structured outputs and forced tool calls to <think> text too "
                              "(default: they start after it)")
     parser.add_argument("--quantization", default=None,
-                        choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4"],
-                        help="engine workers on CPU keep their linear layers' weights in int8 (per row) or int4 "
-                             "(groups of 32): 2-4x fewer bytes a decode step than bf16; gguf: a GGUF's Q4_0/Q4_1/"
-                             "Q8_0 weights as stored (gguf-hybrid: plus a bf16 copy for steps of more than 4 rows); "
-                             "none: dequantized (default, auto: gguf-hybrid for a GGUF model served in bf16 on CPU)")
+                        choices=["auto", "none", "gguf", "gguf-hybrid", "int8", "int4", "fp8", "awq", "gptq"],
+                        help="every engine worker's linear layers. GPU (CPU through the reference path): fp8 (W8A8, "
+                             "sm_89+; an FP8 checkpoint as published, or a bf16 one quantized at load), awq / gptq "
+                             "(4-bit checkpoints). CPU only: int8 (per row) or int4 (groups of 32): 2-4x fewer bytes "
+                             "a decode step than bf16; gguf: a GGUF's Q4_0/Q4_1/Q8_0 weights as stored (gguf-hybrid: "
+                             "plus a bf16 copy for steps of more than 4 rows); none: dequantized (default, auto: the "
+                             "checkpoint's quantization_config, gguf-hybrid for a GGUF model served in bf16 on CPU)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="every engine worker split across this many ranks (processes; gloo on CPU)")
     parser.add_argument("--decode-tp", type=int, default=None, help="decode workers' tensor-parallel size "
@@ -274,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
               f"{profile.name!r} (x{opts.sim_speed:g}), synthetic tokens, placeholder KV. For scale tests and "
               f"planner studies only: the outputs are not a model's.", flush=True)
         opts = replace(opts, devices=(), quantization=None)  # nothing to place on a GPU
-    if opts.quantization not in (None, "auto", "none") and opts.devices:
+    if opts.quantization in CPU_ONLY_QUANTIZATION and opts.devices:
         print(f"kvmesh up: --quantization {opts.quantization} is weight-only quantization for CPU workers; the "
               f"workers here go on GPUs {','.join(opts.devices)} (add --devices none to serve on the CPU)",
               file=sys.stderr)
@@ -452,7 +458,7 @@ def plan_gpus(opts: MeshOptions, gpu_memory: list[str], layout_given: bool) -> M
     cfg = load_model_config(opts.model)
     d = WORKER_DEFAULTS
     needs = worker_needs(cfg, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens,
-                         opts.max_num_seqs or d.max_num_seqs)
+                         opts.max_num_seqs or d.max_num_seqs, quantization=opts.quantization)
     plan = plan_mesh(opts, sizes, needs, cfg.max_position_embeddings, d.block_size, layout_given)
     print(plan.table(), flush=True)
     keep_len = plan.max_model_len == (opts.max_model_len or cfg.max_position_embeddings)
@@ -466,7 +472,7 @@ def _plan_models(opts: MeshOptions, sizes: dict[str, int]) -> MeshOptions:
     d = WORKER_DEFAULTS
     cfgs = [load_model_config(m.model) for m in opts.models]
     needs = [worker_needs(c, "auto", opts.kv_cache_dtype or "auto", d.max_num_batched_tokens,
-                          opts.max_num_seqs or d.max_num_seqs) for c in cfgs]
+                          opts.max_num_seqs or d.max_num_seqs, quantization=opts.quantization) for c in cfgs]
     plans = plan_models(opts, sizes, needs, [c.max_position_embeddings for c in cfgs], d.block_size)
     for m, plan in zip(opts.models, plans):
         print(f"[{m.name}] " + plan.table(), flush=True)
