@@ -324,31 +324,23 @@ class GatewayMetrics:
     async def scrape(self) -> bytes:
         """/metrics without holding the event loop: the workers' beats are snapshotted on the loop and rendered
         in a thread (thousands of series from many workers' beats take a while); scrapes that arrive while one
-        renders share its text, and a text is reused for SCRAPE_REUSE_S."""
+        renders share its text, so a burst of scrapes costs one render. A finished render is never reused: a
+        scrape after a request ended must count it."""
         s = self._scrape
-        if s.text is not None and time.monotonic() - s.at < SCRAPE_REUSE_S:
-            return s.text
         if s.rendering is None:
             s.rendering = asyncio.ensure_future(asyncio.to_thread(self._render, self._workers.snapshot()))
             s.rendering.add_done_callback(s.done)
         return await asyncio.shield(s.rendering)
 
 
-SCRAPE_REUSE_S = 1.0  # Prometheus scrapes every 10-15 s; a burst of scrapes costs one render
-
-
 class _Scrape:
-    """The render in progress and the last one rendered."""
+    """The render in progress, shared by every model's view."""
 
     def __init__(self) -> None:
         self.rendering: asyncio.Future[bytes] | None = None
-        self.text: bytes | None = None
-        self.at = 0.0
 
-    def done(self, fut: asyncio.Future[bytes]) -> None:
+    def done(self, _: asyncio.Future[bytes]) -> None:
         self.rendering = None
-        if not fut.cancelled() and fut.exception() is None:
-            self.text, self.at = fut.result(), time.monotonic()
 
 
 class _Families:
