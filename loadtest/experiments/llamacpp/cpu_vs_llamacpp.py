@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.chat_prompts import TOPICS
-from loadtest.report_json import emit_report
+from loadtest.report_json import emit_report, provenance
 from loadtest.up_process import kvmesh_up
 from loadtest.serve.llamacpp import (CACHE_ROOT, ISA_LEVELS, LlamaCppConfig, binary_isa, cpu_flags, host_isa,
                                      server_binary, source_version, start_llamacpp)
@@ -277,7 +277,7 @@ def main() -> None:
                 r["ttft_long_prompt"] = round(results[ours]["long_prompt"]["ttft_p50_ms"] /
                                               results[theirs]["long_prompt"]["ttft_p50_ms"], 3)
             ratios[f"{ours}/{theirs}"] = r
-    report = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "workload": f"{max(args.prompts, args.c1_prompts)} chat prompts (~50 tokens), {args.output_len} output "
+    report = {**provenance(), "workload": f"{max(args.prompts, args.c1_prompts)} chat prompts (~50 tokens), {args.output_len} output "
                           f"tokens, ignore_eos, greedy, streamed; c1: {args.c1_prompts} requests, levels {args.levels}"
                           + (f"; long prompt: {args.ttft_reps} distinct prompts of ~{args.ttft_prompt_tokens} tokens, "
                              "1 output token, TTFT" if args.ttft_prompt_tokens else ""),
