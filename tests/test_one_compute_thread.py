@@ -65,10 +65,12 @@ def test_engine_workers_compute_on_one_thread(probe: Path, smollm2_dir: Path, tm
     port = free_port()
     env = _env(LD_PRELOAD=str(probe), OMP_MASTERS_DIR=str(masters), OMP_NUM_THREADS="2",
                KVMESH_CPU_DTYPE="bfloat16")
+    # --threads 2: two workers' shares on a 2-core machine are one thread each, and a team of one runs no
+    # parallel region the probe could see.
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "up", "--model", str(smollm2_dir), "--port", str(port), "--grace", "3",
          "--startup-timeout", "150", "--prefill", "1", "--decode", "1", "--kvstore", "1",
-         "--remote-prefill-threshold", "64", "--kvstore-disk-dir", "none"],
+         "--remote-prefill-threshold", "64", "--kvstore-disk-dir", "none", "--threads", "2"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = Lines(proc.stdout)
     try:

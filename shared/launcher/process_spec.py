@@ -90,6 +90,9 @@ class MeshOptions:
     routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
     max_inflight_requests: int | None = None  # the gateway's bound on requests at once (None: its default)
     max_queue_wait: float | None = None  # the gateway's bound on a request's wait for its first token (None: its default)
+    max_request_tokens: int | None = None  # the gateway's bound on one request's tokens of work (None: its default)
+    stream_write_timeout: float | None = None  # the gateway's wait for one write to a streaming client (None: its default)
+    threads: int | None = None  # each CPU engine worker's compute threads (None: its share of this host's cores)
     # The gateway's request-limit switches (docs/security.md): None/False: its defaults.
     trust_request_chat_template: bool = False
     scheduling_policy: str | None = None
@@ -138,6 +141,7 @@ class MeshOptions:
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
         assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
         assert self.max_num_seqs is None or self.max_num_seqs > 0, "--max-num-seqs must be positive"
+        assert self.threads is None or self.threads > 0, "--threads must be positive"
         assert self.engine in ("real", "sim"), "--engine must be real or sim"
         assert self.sim_speed > 0, "--sim-speed must be > 0"
         assert self.sim_workers_per_process >= 1, "--sim-workers-per-process must be >= 1"
@@ -373,6 +377,10 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--max-inflight-requests", str(opts.max_inflight_requests)]
         if opts.max_queue_wait is not None:
             args += ["--max-queue-wait", f"{opts.max_queue_wait:g}"]
+        if opts.max_request_tokens is not None:
+            args += ["--max-request-tokens", str(opts.max_request_tokens)]
+        if opts.stream_write_timeout is not None:
+            args += ["--stream-write-timeout", f"{opts.stream_write_timeout:g}"]
         if opts.trust_request_chat_template:
             args.append("--trust-request-chat-template")
         if opts.scheduling_policy:
@@ -409,6 +417,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--max-model-len", str(opts.max_model_len)]
         if opts.max_num_seqs:
             args += ["--max-num-seqs", str(opts.max_num_seqs)]
+        if opts.threads:
+            args += ["--threads", str(opts.threads)]
         args += opts.lora_engine_args
         if opts.quantization:
             args += ["--quantization", opts.quantization]

@@ -179,6 +179,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
                         help="the longest a request may wait for its first token: past it (expected or actual) 429/503 "
                              "with Retry-After (default: the gateway's, 30; 0: no bound)")
+    parser.add_argument("--max-request-tokens", type=int, default=None, metavar="TOKENS",
+                        help="tokens of work one request may ask (its prompts plus n, best_of or beams x max_tokens); "
+                             "past it a 400 (default: the gateway's, 16 context lengths)")
+    parser.add_argument("--stream-write-timeout", type=float, default=None, metavar="SECONDS",
+                        help="longest wait for one write to a streaming client; past it the stream ends and its "
+                             "worker drops the request (default: the gateway's)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="compute threads of each CPU engine worker, affinity left as it is (default: each its "
+                             "share of this host's usable cores, pinned to its own cores when there are several)")
     parser.add_argument("--planner", choices=["load", "sla"], default=None,
                         help="scale prefill and decode workers while serving: load (queue and KV-usage thresholds) "
                              "or sla (predicted TTFT/ITL against --ttft-slo-ms/--itl-slo-ms); --prefill/--decode "
@@ -253,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
             sim_profile=str(Path(args.sim_profile).resolve()) if args.sim_profile else None, sim_speed=args.sim_speed,
             sim_workers_per_process=args.sim_workers_per_process, routing=args.routing,
             max_inflight_requests=args.max_inflight_requests, max_queue_wait=args.max_queue_wait,
+            max_request_tokens=args.max_request_tokens, stream_write_timeout=args.stream_write_timeout,
+            threads=args.threads,
             trust_request_chat_template=args.trust_request_chat_template, scheduling_policy=args.scheduling_policy,
             trusted_hosts=args.trusted_hosts,
             max_num_seqs=args.max_num_seqs,
