@@ -66,7 +66,6 @@ def test_a_dead_decode_worker_does_not_lose_the_stream(model_dir, tmp_path, stre
                   extra_body={"ignore_eos": True})
         undisturbed = client.completions.create(**kw).choices[0].text
         killer, killed = _kill_serving_worker(mesh)
-        t0 = time.monotonic()
         if stream:
             text, reason = "", None
             for c in client.completions.create(stream=True, **kw):
@@ -79,8 +78,9 @@ def test_a_dead_decode_worker_does_not_lose_the_stream(model_dir, tmp_path, stre
             assert r.usage.completion_tokens == MAX_TOKENS
         killer.join(10)
         assert killed, "the serving worker was never killed"
+        # No wall-clock bound (a busy machine moves it): the client's 60 s timeout is half the gateway's 120 s
+        # stream idle timeout, so an answer at all means the loss was seen, not waited out.
         assert text == undisturbed and reason == "length"
-        assert time.monotonic() - t0 < 30
         assert _migrations(mesh) == 1.0
         (survivor,) = mesh.decoders.values()
         assert survivor.num_received >= 1
@@ -93,14 +93,13 @@ def test_no_migration_allowed_gives_a_clean_error(model_dir, tmp_path) -> None: 
     try:
         client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=60)
         killer, killed = _kill_serving_worker(mesh)
-        t0 = time.monotonic()
         with pytest.raises(openai.APIError) as info:
             for _ in client.completions.create(model="tiny", prompt="Hello", max_tokens=MAX_TOKENS, temperature=0,
                                                stream=True, extra_body={"ignore_eos": True}):
                 pass
         killer.join(10)
         assert killed
-        assert "migration-limit" in str(info.value) and time.monotonic() - t0 < 15
+        assert "migration-limit" in str(info.value)  # within the client's 60 s: the loss was seen, not waited out
     finally:
         mesh.close()
 
