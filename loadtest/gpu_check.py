@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest import gpu_check_steps as steps
+from loadtest.report_json import git_commit
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: each step runs from it
 
@@ -152,15 +153,6 @@ def _find_smollm2() -> tuple[str, str]:
         return str(gpu_stage.assemble()), ""
     except ValueError as e:
         return "", first + str(e)
-
-
-def _git_commit(root: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -271,7 +263,7 @@ def drive(args) -> int:
             signal.signal(s, h)
     seconds = round(time.perf_counter() - started, 1)
     ok = sum(r.status == "ok" for r in results)
-    summary = {"device": args.device, "smoke": args.smoke, "commit": _git_commit(ROOT),
+    summary = {"device": args.device, "smoke": args.smoke, "commit": git_commit(short=True),
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv),
                "seconds": seconds, "total_budget": total, "passed": ok, "cut": cut, "interrupted_by": interrupted,
                "steps": [r.__dict__ for r in results], **five_things(out)}

@@ -10,11 +10,12 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from loadtest.report_json import git_commit
 
 
 @dataclass(frozen=True)
@@ -120,15 +121,6 @@ class RunResult:
                 "generated_tokens": self.generated_tokens, "tok_s": self.tok_s} | self.details
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def warn_if_busy(threshold: float = 0.5) -> None:
     load = os.getloadavg()[0]
     if load > threshold:
@@ -148,7 +140,7 @@ def machine_info(device: str = "cpu") -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
-        "kvmesh_commit": _git_commit(),
+        "kvmesh_commit": git_commit(short=True),
         # Other processes on the cores distort the timings badly: with 2 torch threads on 2 shared
         # cores, OpenMP barriers wait on descheduled peers and small ops slow down 5-50x.
         "loadavg_1m_5m_15m": list(os.getloadavg()),

@@ -15,14 +15,13 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from loadtest.report_json import emit_report
+from loadtest.report_json import emit_report, git_commit
 
 SHAPES = {  # name: (in, out)
     "smollm2 gate_up 576x3072": (576, 3072),
@@ -110,7 +109,7 @@ def main() -> None:
 
     ok, why = native_status()
     assert ok, why
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     report = {"command": "python -m loadtest.experiments.cpu_quant.cpu_gemv " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "json"),
               "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -14,14 +14,13 @@ import argparse
 import datetime
 import math
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
 from loadtest.experiments.cpu_engine.engine_ab import decode_tok_s, interleaved, median_ratio, medians
-from loadtest.report_json import emit_report
+from loadtest.report_json import emit_report, git_commit
 
 ARMS = {"f32 dequant": ("none", None), "blocks act q8": ("gguf", "q8"), "blocks act f32": ("gguf", "f32")}
 
@@ -62,7 +61,7 @@ def main() -> None:
         build_s[name] = round(time.perf_counter() - t, 1)
         print(f"{name}: engine built in {build_s[name]} s", file=sys.stderr, flush=True)
         os.environ.pop(ACT_ENV, None)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     report: dict = {"command": "python -m loadtest.experiments.cpu_quant.cpu_gguf_f32 " + " ".join(
                         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                         if v not in (None, False) and k != "json"),
