@@ -5,8 +5,9 @@ import pytest
 
 from services.gateway.router import NoWorkerError, OverloadedError, Router, RouterConfig
 from services.gateway.stop import StopMatcher
-from shared.block_hash import hash_blocks, root_hash
+from shared.block_hash import hash_blocks
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
+from tests.router_fakes import ROOT, Clock, beat
 
 
 def feed(stops: list[str], pieces: list[str]) -> tuple[list[str], StopMatcher]:
@@ -34,20 +35,6 @@ def test_stop_earliest_of_several() -> None:
 
 # ---------------------------------------------------------------------------------------- router
 
-ROOT = root_hash("tiny", 4, "float32")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def beat(worker: str, running: int = 0, waiting: int = 0, free: int = 100) -> LoadBeat:
-    return LoadBeat(worker_id=worker, running=running, waiting=waiting, free_blocks=free, total_blocks=100,
-                    block_size=4, hash_root=ROOT, max_model_len=512)
 
 
 def test_router_prefers_longest_cached_prefix_and_avoids_overloaded() -> None:
