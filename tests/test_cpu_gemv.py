@@ -111,16 +111,6 @@ def _quantize_q4(w: torch.Tensor):
     return q, d, lo
 
 
-def _compact_layers(model) -> None:
-    """q/k/v and down as Q4 blocks (int8 activations), o_proj Q8_0 (float32 activations), gate/up bf16."""
-    for layer in model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        a.qkv_proj = GgufLinear.from_q4(*_quantize_q4(a.qkv_proj.weight), a.qkv_proj.bias, G.ACT_Q8, "Q4_1")
-        a.o_proj = GgufLinear.from_q8_0(a.o_proj.weight, None, G.ACT_F32)[0]
-        mlp.gate_up_proj = WeightLinear(mlp.gate_up_proj.weight, None, torch.bfloat16)
-        mlp.down_proj = GgufLinear.from_q4(*_quantize_q4(mlp.down_proj.weight), None, G.ACT_Q8, "Q4_0")
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return build_checkpoint("llama", tmp_path_factory.mktemp("gemv-llama"), seed=3)
@@ -130,7 +120,12 @@ def test_decoder_stack_with_new_kinds_matches_eager(llama) -> None:
     """q/k/v and down as Q4 blocks (int8 activations), o_proj Q8_0 (float32 activations), gate/up bf16: the C++
     stack's greedy tokens equal the eager model's (the same layers called from Python)."""
     engine = make_engine(llama, dtype="float32")
-    _compact_layers(engine.model)
+    for layer in engine.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        a.qkv_proj = GgufLinear.from_q4(*_quantize_q4(a.qkv_proj.weight), a.qkv_proj.bias, G.ACT_Q8, "Q4_1")
+        a.o_proj = GgufLinear.from_q8_0(a.o_proj.weight, None, G.ACT_F32)[0]
+        mlp.gate_up_proj = WeightLinear(mlp.gate_up_proj.weight, None, torch.bfloat16)
+        mlp.down_proj = GgufLinear.from_q4(*_quantize_q4(mlp.down_proj.weight), None, G.ACT_Q8, "Q4_0")
     native = NativeDecode(engine.model)
     engine.runner.native = native
     prompts = random_prompts([5, 16, 40], seed=2)  # 40: a prompt chunk through the eager path (float32 tiles)
@@ -208,47 +203,3 @@ def test_avx2_build_matches_twins() -> None:
     env = dict(os.environ, KVMESH_CPU_ISA="avx2", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     r = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0 and "avx2 ok" in r.stdout, r.stderr[-3000:]
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_decode_steps_run_as_one_thread_team(tmp_path, two_threads) -> None:
-    """With two engine threads, steps of at most 16 rows of a compact-weight stack run as one thread team
-    (kernels/cpu/team.h: every kernel's loop split between the two threads inside one parallel region). Layers wide
-    enough that each matmul, the rotary and the attention are split into several chunks; greedy tokens equal the
-    eager model's. A kernel's error raised inside a team reaches the caller, and the stack runs on after it."""
-    ckpt = build_checkpoint("llama", tmp_path, seed=4, hidden_size=512, intermediate_size=1536,
-                            num_attention_heads=8, num_key_value_heads=2)
-    engine = make_engine(ckpt, dtype="float32")
-    _compact_layers(engine.model)
-    native = NativeDecode(engine.model)
-    engine.runner.native = native
-    steps = []
-    real_run = native.stack.run
-
-    def run(x, positions, cos_sin, meta, kv_caches):  # noqa: ANN001
-        if 8 <= x.shape[0] <= 16 and not steps:  # more rows than the rotary's grain: split across the team
-            steps.append((x.clone(), positions.clone(), cos_sin, meta, kv_caches))
-        return real_run(x, positions, cos_sin, meta, kv_caches)
-
-    native.stack.run = run
-    prompts = random_prompts([5, 12, 16, 40, 9, 3, 7, 2], seed=4)
-    on = engine.generate(prompts, greedy(8))
-    assert native.stack.team_steps >= 7, f"{native.stack.team_steps} of {native.calls} steps ran as a team"
-    engine.runner.native = None
-    off = engine.generate(prompts, greedy(8))
-    assert [o.output_token_ids for o in on] == [o.output_token_ids for o in off]
-
-    x, positions, cos_sin, meta, kv_caches = steps[0]
-    teamed = native.stack.team_steps
-    with pytest.raises(RuntimeError, match="outside the rotary table"):
-        real_run(x.clone(), positions + 10**6, cos_sin, meta, kv_caches)
-    first = real_run(x.clone(), positions, cos_sin, meta, kv_caches)
-    assert torch.equal(real_run(x.clone(), positions, cos_sin, meta, kv_caches), first)
-    assert native.stack.team_steps == teamed + 2  # the two good runs, as teams

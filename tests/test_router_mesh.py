@@ -85,7 +85,9 @@ def test_a_slow_decode_worker_gets_clearly_fewer_requests_and_nothing_times_out(
         assert admitted["slow"] * 2 <= admitted["fast"], admitted
         slow = mesh.gateway.ctx.router.observed("slow")
         fast = mesh.gateway.ctx.router.observed("fast")
-        assert slow.gap.value > fast.gap.value and slow.flights == {} and fast.flights == {}
+        assert slow.flights == {} and fast.flights == {}
+        if admitted["slow"]:  # it served streams: the gateway measured it slower (none: nothing to measure)
+            assert slow.gap.value > fast.gap.value, (slow.gap, fast.gap)
         # A client that goes away mid-stream: the stream's count on its worker ends with it.
         client = openai_client(mesh)
         stream = client.completions.create(model=client.models.list().data[0].id, prompt="Once upon a time",

@@ -12,16 +12,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <atomic>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 #include "common.h"
 #include "ops.h"
-#include "gemv.h"
-#include "team.h"
 
 namespace kvmesh {
 namespace {
@@ -50,7 +46,6 @@ struct Stack {
   std::vector<Linear> linears;
   std::vector<Layer> layers;
   std::vector<at::Tensor> caches;  // k0, v0, k1, v1, ...
-  std::atomic<int64_t> team_steps{0};  // steps run as one thread team (team.h)
 };
 
 std::mutex registry_mu;
@@ -176,47 +171,33 @@ at::Tensor stack_run(int64_t handle, const at::Tensor& x, const at::Tensor& posi
   TORCH_CHECK(!s.caches.empty(), "decoder stack: no KV caches set (stack_caches)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder stack: x [tokens, hidden] contiguous");
   const int64_t tokens = x.size(0), q_size = s.heads * s.head_dim;
-  auto layers = [&]() -> at::Tensor {
-    at::Tensor residual = x;
-    at::Tensor h = at::empty_like(x);
-    at::Tensor hidden;
-    for (size_t i = 0; i < s.layers.size(); ++i) {
-      const Layer& L = s.layers[i];
-      if (i == 0) {
-        rms_norm_into(h, x, std::nullopt, L.in_w, s.eps);
-      } else {
-        rms_norm_into(hidden, hidden, residual, L.in_w, s.eps);  // residual <- mlp out + residual; norm in place
-        h = hidden;
-      }
-      const at::Tensor& kc = s.caches[2 * i];
-      const at::Tensor& vc = s.caches[2 * i + 1];
-      at::Tensor qkv = apply(s, L.qkv, h);
-      at::Tensor q = qk_rope_store(qkv, s.heads, s.kv_heads, s.head_dim, L.q_norm, L.k_norm, s.eps, positions,
-                                   cos_sin, kc, vc, slot_mapping);
-      at::Tensor attn = paged_attention(q, kc, vc, num_prefill_tokens, query_start, prefill_context_lens,
-                                        prefill_block_tables, decode_context_lens, decode_block_tables, s.scale,
-                                        s.window);
-      at::Tensor o = apply(s, L.o, attn.view({tokens, q_size}));
-      rms_norm_into(o, o, residual, L.post_w, s.eps);
-      hidden = apply(s, L.down, silu_mul(apply(s, L.gate_up, o)));
-      if (!hidden.is_contiguous()) hidden = hidden.contiguous();
+  at::Tensor residual = x;
+  at::Tensor h = at::empty_like(x);
+  at::Tensor hidden;
+  for (size_t i = 0; i < s.layers.size(); ++i) {
+    const Layer& L = s.layers[i];
+    if (i == 0) {
+      rms_norm_into(h, x, std::nullopt, L.in_w, s.eps);
+    } else {
+      rms_norm_into(hidden, hidden, residual, L.in_w, s.eps);  // residual <- mlp out + residual; norm in place
+      h = hidden;
     }
-    rms_norm_into(hidden, hidden, residual, s.final_w, s.eps);
-    return hidden;
-  };
-  // A decode-sized step whose matmuls are all this folder's compact-weight kernels runs as one team (team.h):
-  // one parallel region for the step instead of one per kernel. Other steps (prefill chunks, ATen's matmuls,
-  // which would run single-threaded inside a team) keep a parallel region per kernel.
-  const bool compact = std::all_of(s.linears.begin(), s.linears.end(),
-                                   [](const Linear& l) { return l.kind == kW16 || l.kind == kGguf; });
-  if (!compact || tokens > gemv::kMaxRows) return layers();
-  bool teamed = false;
-  at::Tensor out = team::run(at::get_num_threads(), layers, &teamed);
-  if (teamed) sp->team_steps.fetch_add(1);
-  return out;
+    const at::Tensor& kc = s.caches[2 * i];
+    const at::Tensor& vc = s.caches[2 * i + 1];
+    at::Tensor qkv = apply(s, L.qkv, h);
+    at::Tensor q = qk_rope_store(qkv, s.heads, s.kv_heads, s.head_dim, L.q_norm, L.k_norm, s.eps, positions, cos_sin,
+                                 kc, vc, slot_mapping);
+    at::Tensor attn = paged_attention(q, kc, vc, num_prefill_tokens, query_start, prefill_context_lens,
+                                      prefill_block_tables, decode_context_lens, decode_block_tables, s.scale,
+                                      s.window);
+    at::Tensor o = apply(s, L.o, attn.view({tokens, q_size}));
+    rms_norm_into(o, o, residual, L.post_w, s.eps);
+    hidden = apply(s, L.down, silu_mul(apply(s, L.gate_up, o)));
+    if (!hidden.is_contiguous()) hidden = hidden.contiguous();
+  }
+  rms_norm_into(hidden, hidden, residual, s.final_w, s.eps);
+  return hidden;
 }
-
-int64_t stack_team_steps(int64_t handle) { return get(handle)->team_steps.load(); }
 
 }  // namespace
 
@@ -231,7 +212,6 @@ TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
   m.def("stack_run(int handle, Tensor(a!) x, Tensor positions, Tensor cos_sin, Tensor slot_mapping, "
         "int num_prefill_tokens, Tensor query_start, Tensor prefill_context_lens, Tensor prefill_block_tables, "
         "Tensor decode_context_lens, Tensor decode_block_tables) -> Tensor");
-  m.def("stack_team_steps(int handle) -> int");
   // Ops without tensor arguments have no dispatch key to pick a kernel by: registered as catch-all.
   m.impl("stack_new", &stack_new);
   m.impl("stack_linear", &stack_linear);
@@ -240,7 +220,6 @@ TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
   m.impl("stack_caches", &stack_caches);
   m.impl("stack_free", &stack_free);
   m.impl("stack_run", &stack_run);
-  m.impl("stack_team_steps", &stack_team_steps);
 }
 
 }  // namespace kvmesh

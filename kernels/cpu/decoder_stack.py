@@ -24,11 +24,6 @@ class DecoderStack:
         self._caches: list | None = None  # the KV cache list last handed over (the runner swaps in a temporary one)
         self.calls = 0  # steps run (tests check the C++ path was taken)
 
-    @property
-    def team_steps(self) -> int:
-        """Steps run as one thread team (kernels/cpu/team.h: decode-sized steps of compact-weight stacks)."""
-        return torch.ops.kvmesh_cpu.stack_team_steps(self.handle)
-
     def linear(self, kind: int, a: torch.Tensor, b: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                group: int = 0) -> int:
         return torch.ops.kvmesh_cpu.stack_linear(self.handle, kind, a, b, bias, group)

@@ -2,9 +2,8 @@
 // in a compact format (16-bit floats, GGUF blocks), converted to float32 (or multiplied as integers) in registers.
 //
 // Small steps (at most kMaxRows rows, every decode step and the C++ stack's short chunks) go through over_rows:
-// parallel over output rows (team::parallel_for: the step's team, else at::parallel_for with the engine's threads),
-// each weight row read from memory once for all the step's rows, in passes of up to kRowBlock activation rows
-// whose accumulators stay in registers.
+// parallel over output rows (at::parallel_for: the engine's thread count), each weight row read from memory once
+// for all the step's rows, in passes of up to kRowBlock activation rows whose accumulators stay in registers.
 // Larger steps (prefill) go through tiled: a tile of the weight (about 2 MiB) dequantized to float32 at a time and
 // multiplied by at::mm, so no float32 copy of the whole weight ever exists.
 #pragma once
@@ -16,7 +15,6 @@
 #endif
 
 #include "common.h"
-#include "team.h"
 
 namespace kvmesh {
 namespace gemv {
@@ -39,7 +37,7 @@ template <typename F>
 void over_rows(int64_t M, int64_t N, int64_t weight_row_bytes, F&& fn) {
   // Tasks of at least ~32 KiB of weights: below that the fork/join costs more than the rows.
   const int64_t grain = std::max<int64_t>(1, (int64_t(32) << 10) / std::max<int64_t>(1, weight_row_bytes));
-  team::parallel_for(0, N, grain, [&](int64_t a, int64_t b) {
+  at::parallel_for(0, N, grain, [&](int64_t a, int64_t b) {
     for (int64_t n = a; n < b; ++n) {
       int64_t m = 0;
       for (; m + kRowBlock <= M; m += kRowBlock) fn(std::integral_constant<int, kRowBlock>(), n, m);

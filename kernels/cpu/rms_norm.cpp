@@ -6,14 +6,13 @@
 
 #include "common.h"
 #include "ops.h"
-#include "team.h"
 
 namespace kvmesh {
 
 template <typename T>
 static void norm_rows(T* out, T* x, T* res, const T* w, int64_t rows, int64_t n, float eps) {
   // One row is ~1 us of work: split rows across threads only when there are many.
-  team::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(n);
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * n;

@@ -19,8 +19,7 @@ Arms (threads = torch intra-op threads; the environment goes to the child):
   t<N>-passive     OMP_WAIT_POLICY=PASSIVE (waiters sleep at once)
   t<N>-spin<K>     GOMP_SPINCOUNT=K (a bounded spin, then sleep)
   t<N>-pin         pinned to the first N usable cores (os.sched_setaffinity before torch loads)
-  ...-team<K>      KVMESH_CPU_TEAM_SPIN_US=K: decode steps as one thread team whose waiters spin K us (0: no team)
-Policies combine: t2-spin1000-team0.
+Policies combine: t2-spin1000-pin.
 Also records which OpenMP runtime(s) the process maps once the engine ran (torch's bundled libgomp, and whether a
 C++ extension built with -fopenmp brought a second one).
 """
@@ -84,8 +83,6 @@ def arm_setup(arm: str) -> tuple[int, bool, dict[str, str]]:
             env["OMP_WAIT_POLICY"] = "PASSIVE"
         elif policy.startswith("spin"):
             env["GOMP_SPINCOUNT"] = policy.removeprefix("spin")
-        elif policy.startswith("team"):
-            env["KVMESH_CPU_TEAM_SPIN_US"] = policy.removeprefix("team")
         elif policy == "pin":
             pin = True
         elif policy == "pinpassive":
@@ -98,7 +95,7 @@ def arm_setup(arm: str) -> tuple[int, bool, dict[str, str]]:
 def run_arm(arm: str, neighbour: bool, batches: str, out: int, root: Path) -> dict:
     threads, pin, extra = arm_setup(arm)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "KVMESH_CPU_TEAM_SPIN_US")}
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     env.update(extra, PYTHONPATH=str(root))
     busy = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if neighbour else None
     try:

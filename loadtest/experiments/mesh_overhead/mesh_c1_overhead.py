@@ -22,7 +22,6 @@ machine slows every arm alike; only same-run ratios mean anything):
   mesh-<name>   `kvmesh up` with extra flags (MESH_ARMS)
   *-passive, *-spin, *-spin1k, *-1t   the same with OpenMP's wait policy passive, a short spin (GOMP_SPINCOUNT 20000
                 or 1000) or one thread (engine workers default to GOMP_SPINCOUNT=1000 unless a policy is set)
-  *-team0       decode steps without the thread team (KVMESH_CPU_TEAM_SPIN_US=0, kernels/cpu/team.h)
   ARM@before    the arm run from --before-tree (`git archive REV | tar -x -C DIR`): a before/after A/B
 --spans exports the mesh's OTel spans to an in-process OTLP receiver and breaks each mesh request's TTFT down by hop.
 """
@@ -54,7 +53,6 @@ MESH_ARMS: dict[str, list[str]] = {
     "mesh-spin": [],
     "mesh-1t": [],
     "mesh-spin1k": [],
-    "mesh-team0": [],
 }
 # Environment of an arm (every process of the mesh, or the engine arm's process): OpenMP's wait policy.
 ARM_ENV: dict[str, dict[str, str]] = {
@@ -62,7 +60,6 @@ ARM_ENV: dict[str, dict[str, str]] = {
     "mesh-spin": {"GOMP_SPINCOUNT": "20000"}, "engine-spin": {"GOMP_SPINCOUNT": "20000"},
     "mesh-1t": {"OMP_NUM_THREADS": "1"}, "engine-1t": {"OMP_NUM_THREADS": "1"},
     "mesh-spin1k": {"GOMP_SPINCOUNT": "1000"}, "engine-spin1k": {"GOMP_SPINCOUNT": "1000"},
-    "mesh-team0": {"KVMESH_CPU_TEAM_SPIN_US": "0"}, "engine-team0": {"KVMESH_CPU_TEAM_SPIN_US": "0"},
 }
 
 ENGINE_CHILD = r"""
