@@ -1,13 +1,14 @@
 """The per-row sampler kvmesh used before sampling moved to the device: the oracle the batched sampler is tested against.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), with each seeded request's
-noise drawn from its own generator, so its tokens do not depend on what else is in the batch.
+Sampling inverts each row's cumulative distribution at one uniform number (shared/engine/categorical.py), a
+seeded request's number drawn from its own generator, so its tokens do not depend on what else is in the batch.
 Logprobs are of the raw model distribution, before any processing (what vLLM and OpenAI report).
 """
 from __future__ import annotations
 
 import torch
 
+from shared.engine.categorical import sample_rows, uniforms
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sequence import Sequence
 
@@ -84,7 +85,7 @@ class ReferenceSampler:
     def skip_draw(self, seq: Sequence, vocab_size: int) -> None:
         """Advance a seeded request's generator past one sample taken elsewhere (a prefill worker)."""
         if seq.generator is not None and not seq.params.greedy:
-            torch.empty(vocab_size).exponential_(generator=seq.generator)
+            uniforms(1, seq.generator, torch.device("cpu"))
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
         p = seq.params
@@ -97,5 +98,5 @@ class ReferenceSampler:
             return int(logits.argmax())
         logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = logits.softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=seq.generator or self.generator)
-        return int((probs / noise).argmax())
+        u = uniforms(1, seq.generator or self.generator, probs.device)
+        return int(sample_rows(probs[None], u)[0])

@@ -8,12 +8,14 @@ normal sampler's own processing: shared/engine/sampler.py); q the drafter's. A p
 is p_j with d removed. Greedy targets are one-hot, which makes this exact greedy verification.
 
 Draws come from the request's own generator when it is seeded (so a seeded request's tokens do not depend on
-its batch), else from the sampler's. Sampling is the exponential race, as in the sampler: argmax(w / E),
-E ~ Exp(1), draws index i with probability w_i / sum(w) without normalising w.
+its batch), else from the sampler's. A corrected or bonus token is drawn as in the sampler
+(shared/engine/categorical.py): index i with probability w_i / sum(w), without normalising w.
 """
 from __future__ import annotations
 
 import torch
+
+from shared.engine.categorical import DRAW_DTYPE, sample_rows, uniforms
 
 
 def _draw(shape_rows: list[int], generators: list[torch.Generator], fill, like: torch.Tensor) -> torch.Tensor:
@@ -54,8 +56,8 @@ def rejection_sample(probs: torch.Tensor, drafts: list[list[int]], generators: l
     else:
         accept = u * draft_probs[torch.arange(len(draft_rows), device=dev), ids] < pd  # u < p/q, q never divides
         dist[rows] = (probs[rows] - draft_probs).clamp_(min=0.0)
-    noise = _draw([k + 1 for k in ks], generators, lambda t, g: t.exponential_(generator=g), dist)
-    alt = (dist / noise).argmax(-1)
+    alt = sample_rows(dist, _draw([k + 1 for k in ks], generators, lambda t, g: uniforms(len(t), g, t.device),
+                                  u.new_empty(len(dist), dtype=DRAW_DTYPE)))
     # One copy to the host for the whole batch.
     flat = torch.cat([accept.long(), alt]).tolist()
     acc, alt_ids = flat[: len(draft_rows)], flat[len(draft_rows) :]

@@ -2,9 +2,10 @@
 
 Order (per row, as OpenAI and vLLM): logit_bias and allowed_token_ids, bad words, repetition/presence/frequency
 penalties, min_tokens (stop ids masked), then greedy rows take the argmax; the others are divided by
-their temperature, filtered by top-k, the top-p nucleus and min-p, and sampled with the exponential
-race (argmax of p / E, E ~ Exp(1)). A seeded request draws its noise from its own generator, so its
-tokens do not depend on what else is in the batch; the other rows share one batched draw.
+their temperature, filtered by top-k, the top-p nucleus and min-p, and sampled by the inverse of their
+cumulative distribution at one uniform number each (shared/engine/categorical.py). A seeded request draws its
+number from its own generator, so its tokens do not depend on what else is in the batch; the other rows share
+one batched draw.
 Logprobs are of the raw model distribution, before any processing (what vLLM and OpenAI report).
 
 Every per-row parameter becomes a small tensor, and only the sampled ids (and requested logprobs)
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.token_bitmask import apply_token_bitmask
+from shared.engine.categorical import sample_rows, uniforms
 from shared.engine.outputs import TokenLogprobs
 from shared.engine.sampled_ids import SampledIds
 from shared.engine.sampler_state import SamplerStates
@@ -165,7 +167,7 @@ class Sampler:
     def skip_draw(self, seq: Sequence, vocab_size: int) -> None:
         """Advance a seeded request's generator past one sample taken elsewhere (a prefill worker)."""
         if seq.params.seed is not None and not seq.params.greedy:
-            torch.empty(vocab_size, device=self.device).exponential_(generator=self._own_generator(seq))
+            uniforms(1, self._own_generator(seq), self.device)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], token_bitmask: torch.Tensor | None = None
                ) -> list[tuple[int, TokenLogprobs | None]]:
@@ -218,11 +220,11 @@ class Sampler:
         if all(greedy):
             return logits.argmax(-1)
         probs = sampling_probs(logits, params)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        u = uniforms(len(seqs), self.generator, dev)
         for i, s in enumerate(seqs):
             if s.params.seed is not None and not s.params.greedy:
-                noise[i].exponential_(generator=self._own_generator(s))
-        sampled = (probs / noise).argmax(-1)
+                u[i] = uniforms(1, self._own_generator(s), dev)[0]
+        sampled = sample_rows(probs, u)
         if any(greedy):
             is_greedy = torch.tensor(greedy).to(dev, non_blocking=True)
             sampled = torch.where(is_greedy, logits.argmax(-1), sampled)
