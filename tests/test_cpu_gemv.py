@@ -43,7 +43,9 @@ def _blocks(n: int, k: int, g: torch.Generator):
     d = torch.rand(n, k // 32, generator=g) * 0.02
     q4 = G.pack_q4(codes, d, -8 * d + torch.randn(n, k // 32, generator=g) * 0.01)
     q8 = G.pack_q8(torch.randint(-127, 128, (n, k), generator=g).to(torch.int8), d)
-    return {G.Q4: q4, G.Q8_0: q8}, codes, d
+    d16 = torch.rand(n, k // 16, generator=g) * 0.02  # Q6_K's form: codes in [-32, 31], a scale per 16
+    q8_16 = G.pack_q8_16(torch.randint(-32, 32, (n, k), generator=g).to(torch.int8), d16)
+    return {G.Q4: q4, G.Q8_0: q8, G.Q8_16: q8_16}, codes, d
 
 
 @pytest.mark.parametrize("rows", ROWS)

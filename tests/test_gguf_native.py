@@ -1,7 +1,7 @@
-"""A GGUF's Q4_0 / Q4_1 / Q8_0 weights served on CPU without a bf16 copy (shared/models/gguf_quant.py): the blocks
-kept by the conversion are exactly what gguf dequantizes, the int4 layers built from them multiply by the file's
-codes with bf16-rounded scales (bounded error), layers are chosen by type, and `--quantization auto` picks it
-only where it applies. Tiny files are written by gguf's GGUFWriter and read back by its GGUFReader."""
+"""A GGUF's Q4_0 / Q4_1 / Q4_K / Q8_0 weights served on CPU without a bf16 copy (shared/models/gguf_quant.py): the
+blocks kept by the conversion are exactly what gguf dequantizes, the int4 layers built from them multiply by the
+file's codes with bf16-rounded scales (bounded error), layers are chosen by type, and `--quantization auto` picks
+it only where it applies. Tiny files are written by gguf's GGUFWriter and read back by its GGUFReader."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +25,9 @@ from shared.models.quant_linear import Int4Linear, Int8Linear
 from shared.sampling_params import SamplingParams
 from tests.gguf_files import TinySpec, write_tiny_gguf
 
-# q/k/v mix Q4_0 and Q4_1 (one int4 layer), o is Q8_0 (int8), gate/up mix Q4_1 and Q5_0 (kept), down is Q4_0.
-TYPES = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_1", "attn_output.weight": "Q8_0",
+# q/k/v mix Q4_0, Q4_1 and Q4_K (one int4 layer: a Q4_K super-block is eight Q4_1-like blocks), o is Q8_0 (int8),
+# gate/up mix Q4_1 and Q5_0 (kept), down is Q4_0.
+TYPES = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_K", "attn_output.weight": "Q8_0",
          "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q5_0", "ffn_down.weight": "Q4_0"}
 BF16_ULP = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding moves a value by at most 2^-9 of it; 2^-8 is slack
 
@@ -44,7 +45,8 @@ def test_kept_blocks_dequantize_exactly_as_gguf(tiny) -> None:
     with safe_open(str(Path(tiny) / BLOCKS_FILE), framework="np") as f, \
             safe_open(str(Path(tiny) / "model.safetensors"), framework="np") as ref:
         names = {k.rsplit(".", 1)[0] for k in f.keys()}
-        assert {f"model.layers.{i}.self_attn.{p}.weight" for i in (0, 1) for p in ("q_proj", "k_proj")} <= names
+        kept = {f"model.layers.{i}.self_attn.{p}.weight" for i in (0, 1) for p in ("q_proj", "k_proj", "v_proj")}
+        assert kept <= names
         assert "model.layers.0.mlp.up_proj.weight" not in names  # Q5_0: not kept
         for n in sorted(names):
             got = dequantize_q4(f.get_tensor(f"{n}.codes"), f.get_tensor(f"{n}.d"), f.get_tensor(f"{n}.m"))
@@ -193,7 +195,8 @@ def test_float32_serving_keeps_blocks_without_native_bf16(tiny, monkeypatch) -> 
     layer = model.layers[0]
     kinds = [(type(m).__name__, getattr(m, "gguf_type", None)) for m in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    assert kinds == [("GgufLinear", "Q4_0+Q4_1"), ("GgufLinear", "Q8_0"), ("Linear", None), ("GgufLinear", "Q4_0")]
+    assert kinds == [("GgufLinear", "Q4_0+Q4_1+Q4_K"), ("GgufLinear", "Q8_0"), ("Linear", None),
+                     ("GgufLinear", "Q4_0")]
     for name in ("qkv_proj", "o_proj"):
         got = getattr(layer.self_attn, name).dequantized()
         assert torch.equal(got, getattr(exact.layers[0].self_attn, name).weight)
@@ -202,6 +205,50 @@ def test_float32_serving_keeps_blocks_without_native_bf16(tiny, monkeypatch) -> 
     monkeypatch.setenv("KVMESH_CPU_DTYPE", "float32")
     dequant = LLMEngine(EngineConfig(model=tiny, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256,
                                      max_num_seqs=4, quantization="auto"))
+    assert not any(isinstance(m, GgufLinear) for m in dequant.model.modules())
+    prompt = [1, 504, 3101, 27, 915, 4412, 28, 8, 77]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    a, b = (e.generate([prompt], params, use_tqdm=False)[0] for e in (blocks, dequant))
+    assert a.output_token_ids[0] == b.output_token_ids[0]
+    assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
+
+
+def test_q4_k_m_style_file_serves_q4_k_and_q6_k_blocks(smollm2_gguf_file, tmp_path, monkeypatch) -> None:
+    """A Q4_K_M-style file (Q4_K layers, Q6_K down projections and value rows): the kept blocks dequantize exactly
+    as gguf does (Q6_K as int8 codes with a float32 scale per 16); in float32 serving without native bf16 the
+    Q4_K and Q6_K layers are C++ block layers whose weights are the file's bit for bit, q/k/v (Q4_K beside Q6_K)
+    stay dequantized, and greedy tokens follow the dequantized float32 model's."""
+    from shared.models.quant_linear import GgufLinear
+
+    spec = TinySpec(arch="llama", types={"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K"}, default_type="Q4_K")
+    tiny = resolve_model(write_tiny_gguf(tmp_path / "tiny.Q4_K_M.gguf", smollm2_gguf_file, spec), tmp_path / "cache")
+    with safe_open(str(Path(tiny) / BLOCKS_FILE), framework="np") as f, \
+            safe_open(str(Path(tiny) / "model.safetensors"), framework="np") as ref:
+        for i in (0, 1):
+            down = f"model.layers.{i}.mlp.down_proj.weight"
+            codes, d = f.get_tensor(f"{down}.codes"), f.get_tensor(f"{down}.d")
+            assert codes.dtype == np.int8 and codes.min() >= -32 and codes.max() <= 31
+            got = (codes.reshape(codes.shape[0], -1, 16).astype(np.float32) * d[..., None]).reshape(codes.shape)
+            np.testing.assert_array_equal(got, ref.get_tensor(down))
+            gate = f"model.layers.{i}.mlp.gate_proj.weight"
+            got = dequantize_q4(f.get_tensor(f"{gate}.codes"), f.get_tensor(f"{gate}.d"), f.get_tensor(f"{gate}.m"))
+            np.testing.assert_array_equal(got, ref.get_tensor(gate))
+
+    monkeypatch.delenv("KVMESH_CPU_DTYPE", raising=False)
+    monkeypatch.setenv("KVMESH_CPU_ISA", "avx2")
+    config = dict(model=tiny, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256, max_num_seqs=4,
+                  quantization="auto")
+    blocks = LLMEngine(EngineConfig(**config))
+    layer, exact = blocks.model.layers[0], load_model(tiny, dtype="float32")[0].layers[0]
+    kinds = [(type(m).__name__, getattr(m, "gguf_type", None)) for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert kinds == [("Linear", None), ("GgufLinear", "Q4_K"), ("GgufLinear", "Q4_K"), ("GgufLinear", "Q6_K")]
+    assert torch.equal(layer.mlp.down_proj.dequantized(), exact.mlp.down_proj.weight)
+    assert torch.equal(layer.mlp.gate_up_proj.dequantized(), exact.mlp.gate_up_proj.weight)
+    assert blocks.runner.native is not None
+
+    monkeypatch.setenv("KVMESH_CPU_DTYPE", "float32")
+    dequant = LLMEngine(EngineConfig(**config))
     assert not any(isinstance(m, GgufLinear) for m in dequant.model.modules())
     prompt = [1, 504, 3101, 27, 915, 4412, 28, 8, 77]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)

@@ -29,7 +29,7 @@ struct Linear {
   at::Tensor a;                   // weight, packed weight, int4 packed, int8 weight, 16-bit weight or GGUF codes
   std::optional<at::Tensor> b;    // int4 scales_zeros / int8 scales / GGUF block scales
   std::optional<at::Tensor> bias;
-  int64_t group = 0;              // int4 group; kGguf: format + 2 * activation mode (linear_gguf's fmt, act)
+  int64_t group = 0;              // int4 group; kGguf: format + 4 * activation mode (linear_gguf's fmt, act)
   int64_t quant = -1, dense = -1, max_rows = 0;  // kSplit: the quantized layer up to max_rows rows, else dense
 };
 
@@ -88,7 +88,7 @@ at::Tensor apply(const Stack& s, int64_t id, const at::Tensor& x) {
     case kW16:
       return linear_w16(x, l.a, l.bias);
     case kGguf:
-      return linear_gguf(x, l.a, *l.b, l.bias, l.group % 2, l.group / 2);
+      return linear_gguf(x, l.a, *l.b, l.bias, l.group % 4, l.group / 4);
   }
   TORCH_CHECK(false, "decoder stack: unknown linear kind ", l.kind);
 }
@@ -113,7 +113,8 @@ int64_t stack_linear(int64_t handle, int64_t kind, const at::Tensor& a, const st
   TORCH_CHECK((kind >= kDense && kind <= kInt8) || kind == kW16 || kind == kGguf, "stack_linear: kind ", kind);
   TORCH_CHECK((kind == kInt4 || kind == kInt8 || kind == kGguf) == b.has_value(),
               "stack_linear: scales for quantized kinds only");
-  TORCH_CHECK(kind != kGguf || (group >= 0 && group < 4), "stack_linear: GGUF format/activation code ", group);
+  TORCH_CHECK(kind != kGguf || (group >= 0 && group < 8 && group % 4 < 3),
+              "stack_linear: GGUF format/activation code ", group);
   auto s = get(handle);
   Linear l;
   l.kind = kind;

@@ -3,6 +3,8 @@
 //     weight 32 b + j in its low nibble and 32 b + j + 16 in its high one (GGUF's own order); scales float32
 //     [N, K / 32, 2] = (d, m): w = q d + m (Q4_0: m = -8 d).
 //   fmt 1, Q8_0: qs int8 [N, K], scales float32 [N, K / 32] = d: w = q d.
+//   fmt 2, Q8_16 (GGUF Q6_K: 6-bit codes minus 32, one scale per 16): qs int8 [N, K], scales float32 [N, K / 16]:
+//     w = q d, d of the column's 16.
 // Two ways to multiply, chosen per format by the caller (kernels/cpu/gemv_gguf.py, measured):
 //   act 0: the weights widened to float32 and multiplied by the float32 activations (the sum of q x per block,
 //     times d, plus m times the block's sum of x): the exact dequantized product up to float32 summation order.
@@ -23,7 +25,7 @@ namespace kvmesh {
 namespace {
 
 constexpr int64_t QK = 32;
-enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1 };
+enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1, kQ8_16 = 2 };
 
 // ---- act 0: float32 activations --------------------------------------------------------------------------------
 
@@ -70,7 +72,8 @@ inline void q4_f32(const uint8_t* q, const float* sc, int64_t nb, const float* x
   for (int r = 0; r < RB; ++r) out[r * ldo] = s[r] + ms[r];
 }
 
-template <int RB>
+// SUB16: a scale per 16 codes (Q8_16: sc[2 b] for the block's first half, sc[2 b + 1] for the second).
+template <int RB, bool SUB16>
 inline void q8_f32(const int8_t* q, const float* sc, int64_t nb, const float* x, int64_t ldx, float* out,
                    int64_t ldo) {
   float s[RB];
@@ -85,14 +88,19 @@ inline void q8_f32(const int8_t* q, const float* sc, int64_t nb, const float* x,
     const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
     const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
     const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
-    const __m256 d = _mm256_set1_ps(sc[b]);
+    const __m256 d0 = _mm256_set1_ps(SUB16 ? sc[2 * b] : sc[b]), d1 = _mm256_set1_ps(SUB16 ? sc[2 * b + 1] : sc[b]);
     for (int r = 0; r < RB; ++r) {
       const float* xr = x + r * ldx + QK * b;
       __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
       t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
-      t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
+      if (SUB16) {
+        acc[r] = _mm256_fmadd_ps(t, d0, acc[r]);
+        t = _mm256_mul_ps(w2, _mm256_loadu_ps(xr + 16));
+      } else {
+        t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
+      }
       t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
-      acc[r] = _mm256_fmadd_ps(t, d, acc[r]);
+      acc[r] = _mm256_fmadd_ps(t, d1, acc[r]);
     }
   }
   for (int r = 0; r < RB; ++r) s[r] = gemv::hsum(acc[r]);
@@ -100,6 +108,13 @@ inline void q8_f32(const int8_t* q, const float* sc, int64_t nb, const float* x,
   for (int64_t b = 0; b < nb; ++b) {
     for (int r = 0; r < RB; ++r) {
       const float* xr = x + r * ldx + QK * b;
+      if (SUB16) {
+        float t0 = 0.f, t1 = 0.f;
+        for (int j = 0; j < 16; ++j) t0 += float(q[QK * b + j]) * xr[j];
+        for (int j = 16; j < QK; ++j) t1 += float(q[QK * b + j]) * xr[j];
+        s[r] += t0 * sc[2 * b] + t1 * sc[2 * b + 1];
+        continue;
+      }
       float t = 0.f;
       for (int j = 0; j < QK; ++j) t += float(q[QK * b + j]) * xr[j];
       s[r] += t * sc[b];
@@ -157,7 +172,7 @@ inline void q4_q8(const uint8_t* q, const float* sc, int64_t nb, const int8_t* x
   for (int r = 0; r < RB; ++r) out[r * ldo] = s[r] + ms[r];
 }
 
-template <int RB>
+template <int RB, bool SUB16>
 inline void q8_q8(const int8_t* q, const float* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
                   int64_t ldb, float* out, int64_t ldo) {
   float s[RB];
@@ -168,11 +183,12 @@ inline void q8_q8(const int8_t* q, const float* sc, int64_t nb, const int8_t* xq
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + QK * b));
     const __m256i aw = _mm256_sign_epi8(qw, qw);  // |q|: the unsigned operand; the sign moves to the activations
-    const float d = sc[b];
+    // Lane i of the dot product sums codes 4 i .. 4 i + 3: lanes 0-3 are the block's first 16, 4-7 the rest.
+    const __m256 d = SUB16 ? _mm256_set_m128(_mm_set1_ps(sc[2 * b + 1]), _mm_set1_ps(sc[2 * b])) : _mm256_set1_ps(sc[b]);
     for (int r = 0; r < RB; ++r) {
       const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * ldq + QK * b));
       const __m256 p = _mm256_cvtepi32_ps(dot_us8(aw, _mm256_sign_epi8(qx, qw)));
-      acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[r * ldb + b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(xd[r * ldb + b])), acc[r]);
     }
   }
   for (int r = 0; r < RB; ++r) s[r] = gemv::hsum(acc[r]);
@@ -180,6 +196,13 @@ inline void q8_q8(const int8_t* q, const float* sc, int64_t nb, const int8_t* xq
   for (int64_t b = 0; b < nb; ++b) {
     for (int r = 0; r < RB; ++r) {
       const int8_t* xr = xq + r * ldq + QK * b;
+      if (SUB16) {
+        int32_t t0 = 0, t1 = 0;
+        for (int j = 0; j < 16; ++j) t0 += int32_t(q[QK * b + j]) * xr[j];
+        for (int j = 16; j < QK; ++j) t1 += int32_t(q[QK * b + j]) * xr[j];
+        s[r] += (float(t0) * sc[2 * b] + float(t1) * sc[2 * b + 1]) * xd[r * ldb + b];
+        continue;
+      }
       int32_t t = 0;
       for (int j = 0; j < QK; ++j) t += int32_t(q[QK * b + j]) * xr[j];
       s[r] += float(t) * (sc[b] * xd[r * ldb + b]);
@@ -220,10 +243,14 @@ void dequant_rows(int64_t fmt, const uint8_t* qs, const float* sc, int64_t K, in
           o[QK * b + j] = float(q[j] & 15) * d + m;
           o[QK * b + j + 16] = float(q[j] >> 4) * d + m;
         }
-      } else {
+      } else if (fmt == kQ8_0) {
         const int8_t* q = reinterpret_cast<const int8_t*>(qs) + n * K + QK * b;
         const float d = sc[n * nb + b];
         for (int j = 0; j < QK; ++j) o[QK * b + j] = float(q[j]) * d;
+      } else {
+        const int8_t* q = reinterpret_cast<const int8_t*>(qs) + n * K + QK * b;
+        const float* d = sc + 2 * (n * nb + b);
+        for (int j = 0; j < QK; ++j) o[QK * b + j] = float(q[j]) * d[j / 16];
       }
     }
   }
@@ -233,7 +260,8 @@ void dequant_rows(int64_t fmt, const uint8_t* qs, const float* sc, int64_t K, in
 
 at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t fmt, int64_t act) {
-  TORCH_CHECK(fmt == kQ4 || fmt == kQ8_0, "linear_gguf: fmt 0 (Q4_0/Q4_1) or 1 (Q8_0), got ", fmt);
+  TORCH_CHECK(fmt == kQ4 || fmt == kQ8_0 || fmt == kQ8_16,
+              "linear_gguf: fmt 0 (Q4_0/Q4_1/Q4_K), 1 (Q8_0) or 2 (Q8_16: Q6_K), got ", fmt);
   TORCH_CHECK(act == 0 || act == 1, "linear_gguf: act 0 (float32) or 1 (int8), got ", act);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "linear_gguf: x [rows, in] float32 contiguous");
@@ -241,10 +269,10 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(K % QK == 0, "linear_gguf: in features ", K, " not a multiple of 32");
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (fmt == kQ4 ? K / 2 : K) &&
                   qs.scalar_type() == (fmt == kQ4 ? at::kByte : at::kChar),
-              "linear_gguf: qs [out, in / 2] uint8 (Q4) or [out, in] int8 (Q8_0), contiguous");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == N * nb * (fmt == kQ4 ? 2 : 1),
-              "linear_gguf: scales float32 [out, in / 32", fmt == kQ4 ? ", 2]" : "]", " contiguous");
+              "linear_gguf: qs [out, in / 2] uint8 (Q4) or [out, in] int8 (Q8_0, Q8_16), contiguous");
+  const int64_t sc_per_row = fmt == kQ8_0 ? nb : 2 * nb;  // Q4: (d, m) per 32; Q8_16: d per 16
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * sc_per_row,
+              "linear_gguf: scales float32 [out, ", sc_per_row, " per row] contiguous");
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
@@ -255,7 +283,6 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
     out = at::empty({M, N}, x.options());
     float* op = out.data_ptr<float>();
     const int64_t row_bytes = fmt == kQ4 ? K / 2 : K;
-    const int64_t sc_per_row = fmt == kQ4 ? 2 * nb : nb;
     if (act == 0) {
       std::vector<float> xsum(fmt == kQ4 ? M * nb : 0);
       for (int64_t i = 0; i < int64_t(xsum.size()); ++i) {
@@ -268,9 +295,12 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
         if (fmt == kQ4) {
           q4_f32<RB>(qp + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K, K, xsum.data() + m0 * nb, nb,
                      op + m0 * N + n, N);
+        } else if (fmt == kQ8_0) {
+          q8_f32<RB, false>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K,
+                            K, op + m0 * N + n, N);
         } else {
-          q8_f32<RB>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K, K,
-                     op + m0 * N + n, N);
+          q8_f32<RB, true>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K,
+                           K, op + m0 * N + n, N);
         }
       });
     } else {
@@ -282,9 +312,12 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
         if (fmt == kQ4) {
           q4_q8<RB>(qp + n * row_bytes, sp + n * sc_per_row, nb, xq.data() + m0 * K, K, xd.data() + m0 * nb,
                     xs.data() + m0 * nb, nb, op + m0 * N + n, N);
+        } else if (fmt == kQ8_0) {
+          q8_q8<RB, false>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb,
+                           xq.data() + m0 * K, K, xd.data() + m0 * nb, nb, op + m0 * N + n, N);
         } else {
-          q8_q8<RB>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb, xq.data() + m0 * K,
-                    K, xd.data() + m0 * nb, nb, op + m0 * N + n, N);
+          q8_q8<RB, true>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb,
+                          xq.data() + m0 * K, K, xd.data() + m0 * nb, nb, op + m0 * N + n, N);
         }
       });
     }

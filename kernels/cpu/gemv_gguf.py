@@ -1,5 +1,6 @@
-"""Wrapper of gemv_gguf.cpp: float32 activations times a weight kept in GGUF blocks of 32 (Q4_0 / Q4_1 as one
-format, w = q d + m; Q8_0, w = q d), in the kernel's layout (pack_q4 / pack_q8 build it from the file's blocks).
+"""Wrapper of gemv_gguf.cpp: float32 activations times a weight kept in GGUF blocks of 32 (Q4_0 / Q4_1, and Q4_K's
+sub-blocks, as one format, w = q d + m; Q8_0, w = q d; Q8_16, Q6_K's codes minus 32 with a scale per 16), in the
+kernel's layout (pack_q4 / pack_q8 / pack_q8_16 build it from the file's blocks).
 
 act: ACT_F32 multiplies the float32 activations by the weights widened in registers; ACT_Q8 first rounds each
 activation row to int8 blocks of 32 (d_x = max |x| / 127, round half to even) and multiplies codes by integer dot
@@ -12,10 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-Q4, Q8_0 = 0, 1  # fmt
+Q4, Q8_0, Q8_16 = 0, 1, 2  # fmt (Q8_16: int8 codes with a scale per 16, GGUF Q6_K's form)
 ACT_F32, ACT_Q8 = 0, 1
-FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8_0}
+FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q4_K": Q4, "Q8_0": Q8_0, "Q6_K": Q8_16}
 BLOCK = 32
+SUB = 16  # Q8_16's scale group
 MAX_ROWS = 16  # gemv.h's kMaxRows
 
 
@@ -36,14 +38,22 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q.contiguous(), d.float().contiguous()
 
 
+def pack_q8_16(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [out, in] int8 codes, d [out, in / 16] -> (qs int8 [out, in], scales float32 [out, in / 16])."""
+    n, k = q.shape
+    assert k % BLOCK == 0 and d.shape == (n, k // SUB) and q.dtype == torch.int8
+    return q.contiguous(), d.float().contiguous()
+
+
 def check(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
           act: int) -> None:
-    assert fmt in (Q4, Q8_0) and act in (ACT_F32, ACT_Q8), f"fmt {fmt}, act {act}"
+    assert fmt in (Q4, Q8_0, Q8_16) and act in (ACT_F32, ACT_Q8), f"fmt {fmt}, act {act}"
     assert x.dim() == 2 and x.dtype == torch.float32, f"x [rows, in] float32, got {x.dtype} {tuple(x.shape)}"
     k = x.shape[1]
     assert k % BLOCK == 0, f"in features {k} not a multiple of {BLOCK}"
     n = qs.shape[0]
-    want = (torch.uint8, (n, k // 2), (n, k // BLOCK, 2)) if fmt == Q4 else (torch.int8, (n, k), (n, k // BLOCK))
+    want = {Q4: (torch.uint8, (n, k // 2), (n, k // BLOCK, 2)), Q8_0: (torch.int8, (n, k), (n, k // BLOCK)),
+            Q8_16: (torch.int8, (n, k), (n, k // SUB))}[fmt]
     assert qs.dtype == want[0] and tuple(qs.shape) == want[1], f"qs {qs.dtype} {tuple(qs.shape)}, want {want[:2]}"
     assert scales.dtype == torch.float32 and tuple(scales.shape) == want[2], f"scales {tuple(scales.shape)}"
     assert bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)), "bias [out] float32"
@@ -62,7 +72,8 @@ def dequantize_ref(qs: torch.Tensor, scales: torch.Tensor, fmt: int) -> torch.Te
         b = qs.view(n, -1, 16)
         codes = torch.cat([b & 0x0F, b >> 4], dim=-1).float()  # [out, blocks, 32]
         return (codes * scales[..., :1] + scales[..., 1:]).reshape(n, -1)
-    return (qs.float().view(n, -1, BLOCK) * scales[..., None]).reshape(n, -1)
+    group = BLOCK if fmt == Q8_0 else SUB
+    return (qs.float().view(n, -1, group) * scales[..., None]).reshape(n, -1)
 
 
 def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def _linear(stack: DecoderStack, m: nn.Module) -> int:
     if isinstance(m, WeightLinear):
         return stack.linear(W16, m.weight16, bias=m.bias)
     if isinstance(m, GgufLinear):
-        return stack.linear(GGUF, m.qs, m.scales, m.bias, m.fmt + 2 * m.act)
+        return stack.linear(GGUF, m.qs, m.scales, m.bias, m.fmt + 4 * m.act)
     if type(m) is nn.Linear:
         return stack.linear(DENSE, m.weight, bias=m.bias)
     raise TypeError(f"no C++ path for a {type(m).__name__} layer")

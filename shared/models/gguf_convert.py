@@ -6,8 +6,8 @@ need no GGUF code of their own. The file is read with the `gguf` package; weight
 with its numpy dequantizer (it covers every type and keeps conversion torch-free; about 1 s for
 SmolLM2's Q4_1 tensors, paid once per file, where a torch dequantizer would save 0.8 s)
 and written as float32 safetensors: dequantized values are exact in float32, and the engine rounds them to the
-serving dtype at load. Q4_0/Q4_1 blocks are also kept as stored (shared/models/gguf_blocks.py), for CPU workers
-that serve them without dequantizing. This module imports numpy and gguf, never torch; the tokenizer comes through
+serving dtype at load. Q4_0/Q4_1/Q4_K and Q6_K blocks are also kept as stored (shared/models/gguf_blocks.py),
+for CPU workers that serve them without dequantizing. This module imports numpy and gguf, never torch; the tokenizer comes through
 transformers' GGUF tokenizer conversion (tokenizers only).
 """
 from __future__ import annotations
@@ -161,9 +161,10 @@ def dequantized_tensors(reader, path: Path, header: GgufHeader) -> dict[str, np.
 
 
 def q4_block_tensors(reader, header: GgufHeader) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """The Q4_0/Q4_1 tensors' blocks under their HF names (shared/models/gguf_blocks.py: `<name>.codes`, `.d`,
-    `.m`), q/k rows un-permuted as the dequantized weights are, and every tensor's GGUF type by HF name."""
-    from shared.models.gguf_blocks import NATIVE_Q4, q4_blocks
+    """The Q4_0/Q4_1/Q4_K tensors' blocks under their HF names (shared/models/gguf_blocks.py: `<name>.codes`, `.d`,
+    `.m`) and the Q6_K tensors' (`.codes` int8, `.d` per 16), q/k rows un-permuted as the dequantized weights are,
+    and every tensor's GGUF type by HF name."""
+    from shared.models.gguf_blocks import NATIVE_Q4, NATIVE_Q8, q4_blocks, q6_k_blocks
 
     heads, kv_heads = header.config["num_attention_heads"], header.config["num_key_value_heads"]
     out: dict[str, np.ndarray] = {}
@@ -171,14 +172,17 @@ def q4_block_tensors(reader, header: GgufHeader) -> tuple[dict[str, np.ndarray],
     for t in reader.tensors:
         name = hf_name(t.name)
         types[name] = t.tensor_type.name
-        if t.tensor_type.name not in NATIVE_Q4:
+        if t.tensor_type.name in NATIVE_Q4:
+            parts, suffixes = q4_blocks(np.asarray(t.data), t.tensor_type.name), ("codes", "d", "m")
+        elif t.tensor_type.name in NATIVE_Q8:
+            parts, suffixes = q6_k_blocks(np.asarray(t.data)), ("codes", "d")
+        else:
             continue
-        parts = q4_blocks(np.asarray(t.data), t.tensor_type.name)
         if header.arch in PERMUTED_ARCHS and name.endswith("q_proj.weight"):
             parts = tuple(_reverse_permute(a, heads) for a in parts)
         elif header.arch in PERMUTED_ARCHS and name.endswith("k_proj.weight"):
             parts = tuple(_reverse_permute(a, kv_heads) for a in parts)
-        for suffix, a in zip(("codes", "d", "m"), parts):
+        for suffix, a in zip(suffixes, parts):
             out[f"{name}.{suffix}"] = np.ascontiguousarray(a)
     return out, types
 

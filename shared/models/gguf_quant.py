@@ -2,7 +2,7 @@
 the default for a converted GGUF served in bf16 on a CPU, also keeps a bf16 twin for steps of more than 4 rows;
 `--quantization none` serves the dequantized weights).
 
-- Q4_0 / Q4_1 linear layers become Int4Linear (shared/models/quant_linear.py, torch's
+- Q4_0 / Q4_1 / Q4_K linear layers become Int4Linear (shared/models/quant_linear.py, torch's
   `aten._weight_int4pack_mm_for_cpu`, group 32) from the file's own blocks (shared/models/gguf_blocks.py): the
   same 4-bit codes, and per block scale = d and zero = m + 8 d (Q4_1) or 0 (Q4_0), which the kernel takes in
   bf16 when the activations are bf16. fp16 d rounded to bf16 moves each weight by at most 8 |d| 2^-9 (plus
@@ -11,14 +11,14 @@ the default for a converted GGUF served in bf16 on a CPU, also keeps a bf16 twin
 - Q8_0 linear layers (and SmolLM2's Q8_0 output head, tied to the embeddings) become Int8Linear: torch's int8
   kernel has one scale per row, not per 32 values, so the exact dequantized rows are requantized per row
   (max |w| / 127). That is not the file's rounding; its error is measured beside the Q4 one.
-- Everything else (F32/F16/BF16, Q5 and K-quants) keeps the dequantized weights in the model dtype; embeddings
-  and norms always do. A fused layer (q/k/v, gate/up) goes native only when all its parts are Q4_0/Q4_1, or all Q8_0.
+- Everything else (F32/F16/BF16, Q5, Q5_K and Q6_K) keeps the dequantized weights in the model dtype; embeddings
+  and norms always do. A fused layer (q/k/v, gate/up) goes native only when all its parts are Q4_0/Q4_1/Q4_K, or all Q8_0.
 
 On a CPU without native bf16 (no AVX512-BF16 / AMX: most laptops, AVX2 servers) the model computes in float32 and
-the blocks go to this project's own kernels instead (GgufLinear, kernels/cpu/gemv_gguf.cpp): Q4_0/Q4_1 codes with
-float32 d and m, Q8_0 codes with float32 d (recovered exactly from the dequantized weights), multiplied with the
-activations rounded to int8 blocks of 32 in decode-sized steps (GGUF_ACT, measured faster than float32
-activations for both formats) and as float32 tiles in prefill. `--quantization auto` picks this where
+the blocks go to this project's own kernels instead (GgufLinear, kernels/cpu/gemv_gguf.cpp): Q4_0/Q4_1/Q4_K codes
+with float32 d and m, Q8_0 codes with float32 d (recovered exactly from the dequantized weights), Q6_K codes minus
+32 with a float32 d per 16, multiplied with the activations rounded to int8 blocks of 32 in decode-sized steps
+(GGUF_ACT, measured faster than float32 activations for Q4 and Q8_0) and as float32 tiles in prefill. `--quantization auto` picks this where
 `--dtype auto` chose float32 for lack of native bf16; `--quantization gguf` picks it for any float32 serving.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from shared.models.gguf_blocks import BLOCKS_FILE, NATIVE_Q4
+from shared.models.gguf_blocks import BLOCKS_FILE, NATIVE_Q4, NATIVE_Q8
 from shared.models.quant_linear import GgufLinear, Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ HYBRID_MAX_ROWS = 4
 AUTO_MODE = "gguf-hybrid"
 # Float32 serving: the activation mode per GGUF format (kernels/cpu/gemv_gguf.py's ACT_F32 / ACT_Q8), measured by
 # loadtest/experiments/cpu_quant/cpu_gemv.py; KVMESH_CPU_GGUF_ACT=f32|q8 sets both (for measuring the other).
-GGUF_ACT = {"Q4": "q8", "Q8_0": "q8"}
+GGUF_ACT = {"Q4": "q8", "Q8_0": "q8", "Q6_K": "q8"}
 ACT_ENV = "KVMESH_CPU_GGUF_ACT"
 
 
@@ -102,7 +102,7 @@ def resolve_gguf_quantization(requested: str, model: str, device: str, dtype: st
     blocks = load_format != "dummy" and has_gguf_blocks(model)
     served, dtype_why = default_cpu_dtype() if dtype == "auto" and device == "cpu" else (dtype, "--dtype")
     if not blocks:
-        why = "not a converted GGUF with Q4_0/Q4_1/Q8_0 weights"
+        why = "not a converted GGUF with Q4_0/Q4_1/Q4_K/Q8_0 weights"
     elif device != "cpu":
         why = f"not a CPU device ({device})"
     elif tensor_parallel_size > 1:
@@ -154,7 +154,7 @@ def _act(fmt: str) -> int:
 
 def _native(layer: nn.Module, names: list[str], types: dict[str, str], f, float32: bool) -> nn.Module | None:  # noqa: ANN001
     kinds = {types.get(n) for n in names}
-    if kinds <= set(NATIVE_Q4):  # Q4_0 and Q4_1 parts mix: both are codes, scale and minimum per 32
+    if kinds <= set(NATIVE_Q4):  # Q4 parts mix: all are codes, scale and minimum per 32
         q = torch.cat([_unpack(f.get_tensor(f"{n}.codes")) for n in names])
         d = torch.cat([f.get_tensor(f"{n}.d") for n in names])
         m = torch.cat([f.get_tensor(f"{n}.m") for n in names])
@@ -168,7 +168,11 @@ def _native(layer: nn.Module, names: list[str], types: dict[str, str], f, float3
                 log.warning("%s: the dequantized weights are not exactly Q8_0 blocks; requantized to Q8_0", names[0])
             return new
         return Int8Linear(layer.weight, layer.bias)
-    return None
+    if kinds <= set(NATIVE_Q8) and float32:  # Q6_K: int8 codes (q - 32), a scale per 16
+        q = torch.cat([f.get_tensor(f"{n}.codes") for n in names])
+        d = torch.cat([f.get_tensor(f"{n}.d") for n in names])
+        return GgufLinear.from_q8_16(q, d, layer.bias, _act("Q6_K"), "+".join(sorted(kinds)))
+    return None  # bf16 serving keeps Q6_K dequantized: per-row int8 would round its per-16 scales away
 
 
 @torch.no_grad()
@@ -207,10 +211,11 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
     kept_text = ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(kept.items())) or "nothing"
     served_text = ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(served.items())) or "none"
     if float32:
-        acts = {fmt: "int8" if _act(fmt) else "float32" for fmt in ("Q4", "Q8_0")}
+        acts = {fmt: "int8" if _act(fmt) else "float32" for fmt in ("Q4", "Q8_0", "Q6_K")}
         log.info("GGUF weights served as stored on CPU, float32 compute (no float32 copy): %s; C++ block kernels "
-                 "(kernels/cpu/gemv_gguf.cpp) with %s activations for Q4 and %s for Q8_0 in steps of up to 16 rows, "
-                 "float32 tiles above; kept dequantized: %s", served_text, acts["Q4"], acts["Q8_0"], kept_text)
+                 "(kernels/cpu/gemv_gguf.cpp) with %s activations for Q4, %s for Q8_0 and %s for Q6_K in steps of up "
+                 "to 16 rows, float32 tiles above; kept dequantized: %s", served_text, acts["Q4"], acts["Q8_0"],
+                 acts["Q6_K"], kept_text)
         return served
     log.info("GGUF weights served natively on CPU (no bf16 copy): %s; Q4 blocks through int4 (group 32, bf16 "
              "scales), Q8_0 requantized per row to int8%s; kept dequantized: %s", served_text,

@@ -20,7 +20,7 @@ from pathlib import Path
 from shared.models.errors import CheckpointError
 
 # Bump when the conversion's output changes: old cache entries are then ignored.
-LOADER_VERSION = 2  # 2: Q4 blocks kept beside the dequantized weights (gguf_blocks.safetensors)
+LOADER_VERSION = 3  # 2: Q4 blocks kept beside the dequantized weights (gguf_blocks.safetensors); 3: Q4_K too
 # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct": the directory name is the default
 # served model name, and the quantization is not part of the model's name.
 _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|BF16|F32)$", re.IGNORECASE)

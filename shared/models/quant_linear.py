@@ -187,21 +187,21 @@ class WeightLinear(nn.Module):
 
 
 class GgufLinear(nn.Module):
-    """float32 activations times a weight in GGUF blocks (Q4_0/Q4_1 or Q8_0; kernels/cpu/gemv_gguf.py), with the
-    activations rounded to int8 blocks (act ACT_Q8) or not (ACT_F32) in steps of at most 16 rows."""
+    """float32 activations times a weight in GGUF blocks (Q4_0/Q4_1/Q4_K, Q8_0 or Q6_K; kernels/cpu/gemv_gguf.py),
+    with the activations rounded to int8 blocks (act ACT_Q8) or not (ACT_F32) in steps of at most 16 rows."""
 
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, fmt: int, act: int, bias: torch.Tensor | None,
                  gguf_type: str) -> None:
         super().__init__()
-        from kernels.cpu.gemv_gguf import BLOCK, Q4
+        from kernels.cpu.gemv_gguf import Q4, check
 
         self.register_buffer("qs", qs)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.fmt, self.act, self.gguf_type = fmt, act, gguf_type
         self.out_features = qs.shape[0]
-        self.in_features = scales.shape[1] * BLOCK
-        assert qs.shape[1] == (self.in_features // 2 if fmt == Q4 else self.in_features)
+        self.in_features = qs.shape[1] * 2 if fmt == Q4 else qs.shape[1]
+        check(torch.empty(0, self.in_features), qs, scales, self.bias, fmt, act)
         self.native = _cpu_kernels()
 
     @classmethod
@@ -226,6 +226,14 @@ class GgufLinear(nn.Module):
         q = torch.round(w / safe[..., None]).clamp(-127, 127)
         exact = bool(torch.equal(q * d[..., None], w))
         return cls(*pack_q8(q.to(torch.int8).view(n, k), d), Q8_0, act, bias, "Q8_0"), exact
+
+    @classmethod
+    def from_q8_16(cls, codes: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, act: int,
+                   gguf_type: str) -> GgufLinear:
+        """codes [out, in] int8, d [out, in / 16]: w = codes * d (GGUF Q6_K's codes minus 32 and scales)."""
+        from kernels.cpu.gemv_gguf import Q8_16, pack_q8_16
+
+        return cls(*pack_q8_16(codes, d), Q8_16, act, bias, gguf_type)
 
     def dequantized(self) -> torch.Tensor:
         from kernels.cpu.gemv_gguf import dequantize_ref
