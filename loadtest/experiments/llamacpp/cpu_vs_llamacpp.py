@@ -17,8 +17,8 @@ its median TTFT. Each server runs alone: started, measured, stopped, then the ne
                GGUF from that), SmolLM2's tokenizer; every kvmesh config and llamacpp-q4 serve the 4-bit file,
                llamacpp-bf16 the bf16 one.
 --isa          emulate a CPU with at most this instruction set: llama.cpp's build for it (`kvmesh bench llamacpp
-               --build --isa avx2`), and kvmesh's torch and oneDNN capped there (ATEN_CPU_CAPABILITY,
-               ONEDNN_MAX_CPU_ISA).
+               --build --isa avx2`), and kvmesh's torch, oneDNN and MKL capped there (ATEN_CPU_CAPABILITY,
+               ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS).
 --ttft-prompt-tokens  time to first token of a prompt this long (a distinct prompt each of --ttft-reps requests,
                so no prefix cache helps; 1 output token): kvmesh's prefill against llama.cpp's. 0: skipped.
 The JSON records the CPU's flags (/proc/cpuinfo), the ISA each server effectively used and the load average.
@@ -65,6 +65,9 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx51
 # torch's and oneDNN's names for the --isa levels (what kvmesh computes with when a smaller CPU is emulated).
 ATEN_CAPABILITY = {"generic": "default", "avx": "default", "avx2": "avx2", "avx512": "avx512"}
 ONEDNN_ISA = {"generic": "SSE41", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512_CORE_BF16"}
+# torch's at::mm goes to MKL (BLAS_INFO=mkl), which neither cap above reaches: the prefill tiles of the GGUF kernels
+# (and every step of more than 16 rows) would still run AVX-512 code on an emulated AVX2 CPU.
+MKL_ISA = {"generic": "SSE4_2", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512"}
 
 
 def _workload(tmp: Path, count: int, output_len: int) -> Path:
@@ -207,7 +210,8 @@ def cpu_report(isa: str | None, binary: Path | None) -> dict:
             "host_isa": host_isa().name, "emulated_isa": host_isa(isa).name,
             "llama_cpp_build_isa": binary_isa(binary) if binary else None,
             "kvmesh_torch_isa": ATEN_CAPABILITY[isa] if isa else torch.backends.cpu.get_cpu_capability(),
-            "kvmesh_onednn_max_isa": ONEDNN_ISA[isa] if isa else "all"}
+            "kvmesh_onednn_max_isa": ONEDNN_ISA[isa] if isa else "all",
+            "kvmesh_mkl_max_isa": MKL_ISA[isa] if isa else "all"}
 
 
 def main() -> None:
@@ -242,7 +246,8 @@ def main() -> None:
         bf16 = lambda: bf16_path  # noqa: E731
     env = dict(os.environ)
     if args.isa:
-        env.update(ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[args.isa], ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[args.isa])
+        env.update(ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[args.isa], ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[args.isa],
+                   MKL_ENABLE_INSTRUCTIONS=MKL_ISA[args.isa])
     levels = tuple(int(c) for c in args.levels.split(","))
     results: dict[str, dict] = {}
     load = [os.getloadavg()[0]]
