@@ -64,6 +64,9 @@ def test_an_upload_header_cannot_steer_an_answer_into_another_requesters_inbox(l
         server_nc, victim, attacker = [await _as(locked, u) for u in ("prefill-0", "decode-1", "decode-0")]
         served = await bus.serve(server_nc, subjects.PREFILL_PREFILL, subjects.QUEUE_PREFILL, prefill,
                                  RemotePrefillRequest)
+        # The server has the subscription before the victim asks: otherwise, on a busy machine, nats-server
+        # may answer the victim's inbox with an empty no-responders status first.
+        await server_nc.flush()
         try:
             inbox = victim.new_inbox()
             got = await victim.subscribe(inbox)

@@ -71,9 +71,13 @@ def test_named_tool_choice_always_gives_valid_arguments(client, seed) -> None:  
 @pytest.mark.parametrize("seed", range(4))
 def test_required_calls_tools_from_the_list_with_valid_arguments(client, seed) -> None:  # noqa: ANN001
     r = chat(client, tool_choice="required", temperature=1.0, seed=seed, max_tokens=800)
-    calls = r.choices[0].message.tool_calls
-    assert calls and r.choices[0].finish_reason == "tool_calls", (r.choices[0].message.content, r.choices[0].finish_reason)
-    for c in calls:
+    calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    assert calls and reason in ("tool_calls", "length"), (r.choices[0].message.content, reason)
+    # Parallel calls may go on until max_tokens (a random model need not close the list): then only the last
+    # call is cut short, and every call before it is complete and valid.
+    complete = calls if reason == "tool_calls" else calls[:-1]
+    assert complete
+    for c in complete:
         jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
     one = chat(client, tool_choice="required", temperature=1.0, seed=seed, max_tokens=300, parallel_tool_calls=False)
     assert len(one.choices[0].message.tool_calls) == 1

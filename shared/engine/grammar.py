@@ -21,15 +21,19 @@ from shared.sampling_params import StructuredOutput
 
 # xgrammar 0.2.8 writes strings with maxLength/minLength/pattern-free bounds as [^"\\\r\n]{m,n}, which
 # lets raw control characters (U+0000-U+001F) into a JSON string: JSON forbids them (json.loads rejects
-# them). Its unbounded strings already exclude them; the bounded rule is narrowed the same way.
+# them). Both its string rules also take the UTF-8 encoding of a surrogate (U+D800-U+DFFF, bytes ED A0-BF ..),
+# which is not UTF-8: a byte-level model could write one, the text then decodes to three replacement
+# characters, and a string the grammar counted as maxLength came back longer. Both rules are narrowed.
 COMPILER_CACHE_BYTES = 256 << 20  # xgrammar's compiled-grammar cache (on top of the 256 kept here)
 
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\]'
+_LOOSE_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 
 
 def _strict_json_strings(ebnf: str) -> str:
-    return ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR)
+    for loose in _LOOSE_STRING_CHARS:
+        ebnf = ebnf.replace(loose, _STRICT_STRING_CHAR)
+    return ebnf
 
 
 class GrammarBackend:
