@@ -188,12 +188,17 @@ for rows in (1, 5, 17):
     w = torch.randn(40, 576, generator=g)
     scale = x.abs() @ w.abs().t()
     assert ((linear_w16(x, w.bfloat16()) - linear_w16_ref(x, w.bfloat16())).abs() <= 1e-5 * scale + 1e-6).all()
-    qs, sc = G.pack_q4(torch.randint(0, 16, (40, 576), generator=g), torch.rand(40, 18, generator=g),
-                       torch.randn(40, 18, generator=g))
-    for act in (0, 1):
-        out, ref = G.linear_gguf(x, qs, sc, None, 0, act), G.linear_gguf_ref(x, qs, sc, None, 0, act)
-        wd = G.dequantize_ref(qs, sc, 0)
-        assert ((out - ref).abs() <= 1e-5 * (x.abs() @ wd.abs().t()) + 1e-5).all(), act
+    blocks = {G.Q4: G.pack_q4(torch.randint(0, 16, (40, 576), generator=g), torch.rand(40, 18, generator=g),
+                              torch.randn(40, 18, generator=g)),
+              G.Q8_0: G.pack_q8(torch.randint(-127, 128, (40, 576), generator=g).to(torch.int8),
+                                torch.rand(40, 18, generator=g)),
+              G.Q8_16: G.pack_q8_16(torch.randint(-32, 32, (40, 576), generator=g).to(torch.int8),
+                                    torch.rand(40, 36, generator=g))}
+    for fmt, (qs, sc) in blocks.items():
+        for act in (0, 1):
+            out, ref = G.linear_gguf(x, qs, sc, None, fmt, act), G.linear_gguf_ref(x, qs, sc, None, fmt, act)
+            wd = G.dequantize_ref(qs, sc, fmt)
+            assert ((out - ref).abs() <= 1e-5 * (x.abs() @ wd.abs().t()) + 1e-5).all(), (fmt, act)
 print("avx2 ok", why)
 """
 
