@@ -176,36 +176,31 @@ def test_smollm2_native_q4_1_quality_against_dequantized(smollm2_dir) -> None:
     assert together >= 8, f"{together} tokens before the first difference, mean of 8 rows"
 
 
-def test_float32_serving_keeps_blocks_without_native_bf16(tiny, monkeypatch) -> None:
-    """The real loader on a CPU without native bf16 (KVMESH_CPU_ISA=avx2, --dtype and --quantization auto): float32
-    compute, Q4 and Q8_0 layers as GgufLinear holding the file's codes (their dequantization is the converted
-    float32 weights bit for bit), the Q5_0 layer dequantized; the engine's greedy tokens and logprobs follow the
-    dequantized float32 model's (int8 activations move each logprob a little)."""
+def _float32_engines(model_dir: str, monkeypatch) -> tuple[LLMEngine, LLMEngine]:  # noqa: ANN001
+    """The engine on a CPU without native bf16 (KVMESH_CPU_ISA=avx2, --dtype and --quantization auto: the blocks
+    as stored), then the same with the weights pinned to float32 (dequantized, no GgufLinear)."""
     from shared.models.quant_linear import GgufLinear
 
     monkeypatch.delenv("KVMESH_CPU_DTYPE", raising=False)
     monkeypatch.setenv("KVMESH_CPU_ISA", "avx2")
-    config = EngineConfig(model=tiny, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256, max_num_seqs=4,
-                          quantization="auto")
-    assert config.quantization == "gguf"
-    blocks = LLMEngine(config)
-    model = blocks.model
-    assert model.norm.weight.dtype == torch.float32 and blocks.runner.native is not None
-    exact, _ = load_model(tiny, dtype="float32")
-    layer = model.layers[0]
-    kinds = [(type(m).__name__, getattr(m, "gguf_type", None)) for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    assert kinds == [("GgufLinear", "Q4_0+Q4_1+Q4_K"), ("GgufLinear", "Q8_0"), ("Linear", None),
-                     ("GgufLinear", "Q4_0")]
-    for name in ("qkv_proj", "o_proj"):
-        got = getattr(layer.self_attn, name).dequantized()
-        assert torch.equal(got, getattr(exact.layers[0].self_attn, name).weight)
-    assert torch.equal(layer.mlp.down_proj.dequantized(), exact.layers[0].mlp.down_proj.weight)
-
+    config = dict(model=model_dir, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256, max_num_seqs=4,
+                  quantization="auto")
+    assert EngineConfig(**config).quantization == "gguf"
+    blocks = LLMEngine(EngineConfig(**config))
+    assert blocks.model.norm.weight.dtype == torch.float32 and blocks.runner.native is not None
     monkeypatch.setenv("KVMESH_CPU_DTYPE", "float32")
-    dequant = LLMEngine(EngineConfig(model=tiny, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256,
-                                     max_num_seqs=4, quantization="auto"))
+    dequant = LLMEngine(EngineConfig(**config))
     assert not any(isinstance(m, GgufLinear) for m in dequant.model.modules())
+    return blocks, dequant
+
+
+def _kinds(layer: nn.Module) -> list[tuple[str, str | None]]:
+    return [(type(m).__name__, getattr(m, "gguf_type", None)) for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+def _assert_greedy_follows(blocks: LLMEngine, dequant: LLMEngine) -> None:
+    """Same first token, first logprob within 0.05 (int8 activations move each logprob a little)."""
     prompt = [1, 504, 3101, 27, 915, 4412, 28, 8, 77]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
     a, b = (e.generate([prompt], params, use_tqdm=False)[0] for e in (blocks, dequant))
@@ -213,13 +208,28 @@ def test_float32_serving_keeps_blocks_without_native_bf16(tiny, monkeypatch) -> 
     assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
 
 
+def test_float32_serving_keeps_blocks_without_native_bf16(tiny, monkeypatch) -> None:
+    """The real loader on a CPU without native bf16 (KVMESH_CPU_ISA=avx2, --dtype and --quantization auto): float32
+    compute, Q4 and Q8_0 layers as GgufLinear holding the file's codes (their dequantization is the converted
+    float32 weights bit for bit), the Q5_0 layer dequantized; the engine's greedy tokens and logprobs follow the
+    dequantized float32 model's (int8 activations move each logprob a little)."""
+    blocks, dequant = _float32_engines(tiny, monkeypatch)
+    exact, _ = load_model(tiny, dtype="float32")
+    layer = blocks.model.layers[0]
+    assert _kinds(layer) == [("GgufLinear", "Q4_0+Q4_1+Q4_K"), ("GgufLinear", "Q8_0"), ("Linear", None),
+                             ("GgufLinear", "Q4_0")]
+    for name in ("qkv_proj", "o_proj"):
+        got = getattr(layer.self_attn, name).dequantized()
+        assert torch.equal(got, getattr(exact.layers[0].self_attn, name).weight)
+    assert torch.equal(layer.mlp.down_proj.dequantized(), exact.layers[0].mlp.down_proj.weight)
+    _assert_greedy_follows(blocks, dequant)
+
+
 def test_q4_k_m_style_file_serves_q4_k_and_q6_k_blocks(smollm2_gguf_file, tmp_path, monkeypatch) -> None:
     """A Q4_K_M-style file (Q4_K layers, Q6_K down projections and value rows): the kept blocks dequantize exactly
     as gguf does (Q6_K as int8 codes with a float32 scale per 16); in float32 serving without native bf16 the
     Q4_K and Q6_K layers are C++ block layers whose weights are the file's bit for bit, q/k/v (Q4_K beside Q6_K)
     stay dequantized, and greedy tokens follow the dequantized float32 model's."""
-    from shared.models.quant_linear import GgufLinear
-
     spec = TinySpec(arch="llama", types={"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K"}, default_type="Q4_K")
     tiny = resolve_model(write_tiny_gguf(tmp_path / "tiny.Q4_K_M.gguf", smollm2_gguf_file, spec), tmp_path / "cache")
     with safe_open(str(Path(tiny) / BLOCKS_FILE), framework="np") as f, \
@@ -234,24 +244,9 @@ def test_q4_k_m_style_file_serves_q4_k_and_q6_k_blocks(smollm2_gguf_file, tmp_pa
             got = dequantize_q4(f.get_tensor(f"{gate}.codes"), f.get_tensor(f"{gate}.d"), f.get_tensor(f"{gate}.m"))
             np.testing.assert_array_equal(got, ref.get_tensor(gate))
 
-    monkeypatch.delenv("KVMESH_CPU_DTYPE", raising=False)
-    monkeypatch.setenv("KVMESH_CPU_ISA", "avx2")
-    config = dict(model=tiny, device="cpu", num_kv_blocks=64, max_num_batched_tokens=256, max_num_seqs=4,
-                  quantization="auto")
-    blocks = LLMEngine(EngineConfig(**config))
+    blocks, dequant = _float32_engines(tiny, monkeypatch)
     layer, exact = blocks.model.layers[0], load_model(tiny, dtype="float32")[0].layers[0]
-    kinds = [(type(m).__name__, getattr(m, "gguf_type", None)) for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    assert kinds == [("Linear", None), ("GgufLinear", "Q4_K"), ("GgufLinear", "Q4_K"), ("GgufLinear", "Q6_K")]
+    assert _kinds(layer) == [("Linear", None), ("GgufLinear", "Q4_K"), ("GgufLinear", "Q4_K"), ("GgufLinear", "Q6_K")]
     assert torch.equal(layer.mlp.down_proj.dequantized(), exact.mlp.down_proj.weight)
     assert torch.equal(layer.mlp.gate_up_proj.dequantized(), exact.mlp.gate_up_proj.weight)
-    assert blocks.runner.native is not None
-
-    monkeypatch.setenv("KVMESH_CPU_DTYPE", "float32")
-    dequant = LLMEngine(EngineConfig(**config))
-    assert not any(isinstance(m, GgufLinear) for m in dequant.model.modules())
-    prompt = [1, 504, 3101, 27, 915, 4412, 28, 8, 77]
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
-    a, b = (e.generate([prompt], params, use_tqdm=False)[0] for e in (blocks, dequant))
-    assert a.output_token_ids[0] == b.output_token_ids[0]
-    assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
+    _assert_greedy_follows(blocks, dequant)

@@ -114,20 +114,19 @@ def _mesh(tmp_path, model_dir, max_queue_wait_s: float) -> Mesh:  # noqa: ANN001
     return m
 
 
-def test_cancels_and_a_killed_worker_leave_no_work_behind(tmp_path, model_dir) -> None:  # noqa: ANN001
-    mesh = _mesh(tmp_path, model_dir, max_queue_wait_s=20.0)
+def _scenario(tmp_path, model_dir, max_queue_wait_s: float, total: int, concurrency: int,  # noqa: ANN001
+              kill_after: int) -> None:
+    mesh = _mesh(tmp_path, model_dir, max_queue_wait_s=max_queue_wait_s)
     try:
-        outcomes = _run(mesh, total=30, concurrency=10, kill_after=8)
-        _check(mesh, outcomes, 30)
+        _check(mesh, _run(mesh, total=total, concurrency=concurrency, kill_after=kill_after), total)
     finally:
         mesh.close()
+
+
+def test_cancels_and_a_killed_worker_leave_no_work_behind(tmp_path, model_dir) -> None:  # noqa: ANN001
+    _scenario(tmp_path, model_dir, max_queue_wait_s=20.0, total=30, concurrency=10, kill_after=8)
 
 
 @pytest.mark.slow
 def test_the_cpu_load_test_scenario_in_process(tmp_path, model_dir) -> None:  # noqa: ANN001
-    mesh = _mesh(tmp_path, model_dir, max_queue_wait_s=10.0)
-    try:
-        outcomes = _run(mesh, total=300, concurrency=32, kill_after=100)
-        _check(mesh, outcomes, 300)
-    finally:
-        mesh.close()
+    _scenario(tmp_path, model_dir, max_queue_wait_s=10.0, total=300, concurrency=32, kill_after=100)
