@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -189,10 +190,11 @@ def write_quantized(src: Path, out: Path, method: str, quantization_config: dict
                 parts = awq_tensors(t, opts["group"])
             elif method == "gptq":
                 # The act order comes from the inputs' statistics: projections reading the same input share it.
+                # The seed is a fixed function of the names (str's hash() differs between processes).
                 layer, kind = proj.split(".")[2], proj.rsplit(".", 1)[1]
                 shared_input = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(kind, kind)
                 parts = gptq_tensors(t, opts["group"], opts.get("sym", True), opts.get("desc_act", False),
-                                     opts.get("v1", True), seed=hash((int(layer), shared_input)) % 2**31)
+                                     opts.get("v1", True), seed=zlib.crc32(f"{layer}.{shared_input}".encode()))
             else:
                 absmax = opts.get("absmax")
                 parts = fp8_tensors(t, opts.get("per_channel", False), None if absmax is None else absmax[name])
