@@ -5,9 +5,10 @@
 - x: quantized per token (dynamic: scale = max|x_row| / 448) or with one static scale from the checkpoint;
   q = clamp(x / scale, +-448) rounded to e4m3 (round to nearest even), as torch's cast rounds.
 
-On a GPU of sm_90+ with K and N multiples of 16 the product is torch._scaled_mm (cuBLASLt, row-wise scales) after
-a torch per-token quantization; otherwise (sm_89, odd shapes) the Triton kernel here, which reads each row block of
-x twice (its max, then the quantized tiles) so the activations are quantized in registers and never written.
+On a GPU of sm_90+ with K and N multiples of 16 the product is torch._scaled_mm (cuBLASLt, row-wise scales)
+after one quantization kernel (kernels/fp8_quant_rows.py); otherwise (sm_89, odd shapes) the Triton kernel here,
+which reads each row block of x twice (its max, then the quantized tiles) so the activations are quantized in
+registers and never written.
 
 Triton's interpreter rounds float32 -> e4m3 wrongly (1.95 -> 1.0: the mantissa carry is lost), so under it the
 kernel rounds by arithmetic instead (EMULATE_FP8): the same values the GPU's conversion gives.
@@ -16,31 +17,22 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8_quant_rows import FP8, FP8_MAX, quantize_fp8, quantize_fp8_rows_ref, quantize_fp8_static_ref
 from kernels.triton_support import interpreting, recording, tl, triton
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row: any scale gives zeros
+if triton is not None:
+    from kernels.fp8_quant_rows import round_e4m3
 
-
-def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row dynamic quantization: (float8 [M, K], float32 scales [M])."""
-    scale = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
+__all__ = ["FP8", "FP8_MAX", "fp8_gemm", "fp8_gemm_ref", "fp8_gemm_triton"]
 
 def fp8_gemm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin. x [M, K], weight float8 [N, K], weight_scale float32 [N], input_scale float32 [1] (static) or
     None (dynamic per token) -> [M, N] in x's dtype; the products summed in float32."""
     if input_scale is None:
-        xq, xs = quantize_fp8_rows(x)
+        xq, xs = quantize_fp8_rows_ref(x)
     else:
-        xq, xs = quantize_fp8_static(x, input_scale), input_scale.float().expand(x.shape[0])
+        xq, xs = quantize_fp8_static_ref(x, input_scale), input_scale.float().expand(x.shape[0])
     acc = xq.float() @ weight.float().t()
     return (acc * xs[:, None] * weight_scale.float()[None, :]).to(x.dtype)
 
@@ -57,16 +49,6 @@ def check_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round_e4m3(v):
-        """v (float32, within +-448) rounded to the nearest e4m3 value, ties to even, by arithmetic: the step of
-        v's binade (2^(e - 3), subnormals below 2^-6 at 2^-9), rounded with the float32 magic-number trick."""
-        a = tl.abs(v)
-        e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0)
-        step = tl.exp2(e - 3.0)
-        r = ((a / step + 12582912.0) - 12582912.0) * step
-        return tl.where(v < 0, -r, r)
 
     @triton.jit
     def _fp8_gemm_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
@@ -95,7 +77,7 @@ if triton is not None:
             w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
                         mask=n_mask[None, :] & k_mask[:, None], other=0.0)
             if EMULATE_FP8:
-                acc += tl.dot(_round_e4m3(aq), w.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(round_e4m3(aq), w.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(aq.to(tl.float8e4nv), w)
         ws = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
@@ -134,11 +116,8 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fp8_gemm_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    if input_scale is None:
-        xq, xs = quantize_fp8_rows(x)
-    else:
-        xq, xs = quantize_fp8_static(x, input_scale), input_scale.float().expand(x.shape[0])
-    return torch._scaled_mm(xq, weight.t(), scale_a=xs.reshape(-1, 1).contiguous(),
+    xq, xs = quantize_fp8(x, input_scale)  # one kernel (kernels/fp8_quant_rows.py)
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs.reshape(-1, 1),
                             scale_b=weight_scale.reshape(1, -1), out_dtype=x.dtype)
 
 

@@ -1,13 +1,5 @@
-"""4-bit weight, 16-bit activation GEMM (AWQ and GPTQ checkpoints, repacked at load into one layout).
-
-The layout (shared/models/w4a16.py builds it from either format):
-- qweight int32 [K / 8, N]: eight 4-bit values of one output column along K, value b of word r is row 8r + b
-  (GPTQ's own packing, so a warp reading a row of words reads N consecutive columns);
-- scales [groups, N] (the checkpoint's float16 values, unrounded) and zeros uint8 [groups, N]:
-  w[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n] with g = k // GROUP, or g = g_idx[k] when the rows' groups are
-  not contiguous runs (GPTQ's act-order checkpoints on a tensor-parallel rank);
-- the dequantization is done in float32 (exact: a 4-bit integer times a float16 fits float32's mantissa), then
-  rounded once to the activations' dtype for the tensor-core dot.
+"""4-bit weight, 16-bit activation GEMM (AWQ and GPTQ checkpoints, repacked at load into kernels/w4a16_layout.py's
+layout): x [M, K] @ w [K, N] with w dequantized in float32 and rounded once to x's dtype for the tensor-core dot.
 
 The Triton kernel dequantizes a [BLOCK_K, BLOCK_N] tile in registers and multiplies; small batches split K across
 programs (SPLIT_K) so that a decode step at batch 1 still spreads over every SM (as vLLM's Triton AWQ kernel and
@@ -18,39 +10,12 @@ from __future__ import annotations
 import torch
 
 from kernels.triton_support import recording, tl, triton, upcast_dot
+from kernels.w4a16_dequant import w4a16_dequant
+from kernels.w4a16_layout import BLOCK_K, PACK, check_w4a16_weight, w4a16_dequantize
 
-PACK = 8  # 4-bit values per int32 word
-BLOCK_K = 32  # divides every supported group size
-SUPPORTED_GROUPS = (32, 64, 128)
-
-
-def unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
-    """int32 [K / 8, N] -> int32 [K, N] of values in [0, 15] (value b of word r is row 8r + b)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    vals = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF
-    return vals.reshape(-1, qweight.shape[1])
-
-
-def pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """int [K, N] of values in [0, 15] -> int32 [K / 8, N] (the inverse of unpack_rows)."""
-    k, n = q.shape
-    assert k % PACK == 0, f"{k} rows are not a multiple of {PACK}"
-    v = q.to(torch.int64).view(k // PACK, PACK, n)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
-    word = (v << shifts[None, :, None]).sum(dim=1)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-
-
-def row_groups(k: int, group: int, g_idx: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor:
-    return g_idx.long() if g_idx is not None else torch.arange(k, device=device) // group
-
-
-def w4a16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-                     g_idx: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 [K, N]: what the kernel multiplies by (before the one rounding to the activations' dtype)."""
-    q = unpack_rows(qweight)
-    g = row_groups(q.shape[0], group, g_idx, q.device)
-    return (q - zeros[g].to(torch.int32)).float() * scales[g].float()
+# Steps of at least this many tokens dequantize the weight once (kernels/w4a16_dequant.py) and multiply densely:
+# measured on an H200 at Llama-3.1-8B's layers, the register-dequantizing kernel took 2-5x bf16's time there.
+DENSE_ROWS = 256
 
 
 def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
@@ -63,17 +28,8 @@ def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def check_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                 g_idx: torch.Tensor | None) -> None:
     assert x.dim() == 2, f"x must be [tokens, K], got {tuple(x.shape)}"
-    assert qweight.dtype == torch.int32 and qweight.dim() == 2, f"qweight must be int32 [K / 8, N], got {qweight.dtype}"
-    k, n = x.shape[1], qweight.shape[1]
-    assert qweight.shape[0] * PACK == k, f"qweight {tuple(qweight.shape)} does not hold K = {k} rows"
-    assert zeros.dtype == torch.uint8 and zeros.shape == scales.shape and scales.shape[1] == n, \
-        f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} ({zeros.dtype}) do not fit N = {n}"
-    if g_idx is None:
-        assert group in SUPPORTED_GROUPS and k % group == 0 and scales.shape[0] == k // group, \
-            f"group {group}: K = {k} in {scales.shape[0]} groups"
-    else:
-        assert g_idx.shape == (k,) and g_idx.dtype == torch.int32, "g_idx must be int32 [K]"
-    assert k % BLOCK_K == 0, f"K = {k} is not a multiple of {BLOCK_K}"
+    assert qweight.shape[0] * PACK == x.shape[1], f"qweight {tuple(qweight.shape)} does not hold K = {x.shape[1]} rows"
+    check_w4a16_weight(qweight, scales, zeros, group, g_idx)
 
 
 if triton is not None:
@@ -146,11 +102,23 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     return (part[0] if split == 1 else part.sum(0)).to(x.dtype)
 
 
+def dense_step(m: int) -> bool:
+    """Whether an M-token step on CUDA multiplies by the dequantized weight. Never inside a CUDA graph capture:
+    the transient [K, N] weight would stay in the graphs' memory pool."""
+    return m >= DENSE_ROWS and not torch.cuda.is_current_stream_capturing()
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                g_idx: torch.Tensor | None = None) -> torch.Tensor:
     if x.is_cuda:
+        if dense_step(x.shape[0]):
+            check_w4a16(x, qweight, scales, zeros, group, g_idx)
+            return x @ w4a16_dequant(qweight, scales, zeros, group, g_idx, x.dtype)
         return w4a16_gemm_triton(x, qweight, scales, zeros, group, g_idx)
-    if recording():  # kernels/aot.py: the launch is recorded, the twin computes
-        w4a16_gemm_triton(x, qweight, scales, zeros, group, g_idx)
+    if recording():  # kernels/aot.py: the launch a GPU would make is recorded, the twin computes
+        if x.shape[0] >= DENSE_ROWS:
+            w4a16_dequant(qweight, scales, zeros, group, g_idx, x.dtype)
+        else:
+            w4a16_gemm_triton(x, qweight, scales, zeros, group, g_idx)
     check_w4a16(x, qweight, scales, zeros, group, g_idx)
     return w4a16_gemm_ref(x, qweight, scales, zeros, group, g_idx)

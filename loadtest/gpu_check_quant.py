@@ -23,8 +23,12 @@ def quant_kernel_cases(case: Callable, dev: str, smoke: bool, fp8_ok: bool) -> I
     """KernelCases (gpu_kernel_cases.case) of kernels/w4a16_gemm.py and kernels/fp8_gemm.py: batch 1 and 64 (the
     split-K and decode tiles) and a 512-row prefill, group 128 and 32 and a per-row group index (a tensor-parallel
     rank's act-order share); FP8 per token and static, through the dispatch (torch._scaled_mm on sm_90+) and the
-    Triton kernel."""
+    Triton kernel. And their helpers, bit for bit against their twins: the 4-bit weight's dequantization (long
+    steps' dense path) and the FP8 activation quantization (on the CPU's twin: the GPU's torch ops are what the
+    kernel replaced)."""
     from kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref, fp8_gemm_triton
+    from kernels.fp8_quant_rows import quantize_fp8, quantize_fp8_triton
+    from kernels.w4a16_dequant import w4a16_dequant_ref, w4a16_dequant_triton
     from kernels.w4a16_gemm import w4a16_gemm_ref, w4a16_gemm_triton
     from shared.models.fp8_linear import quantize_fp8_weight
 
@@ -48,8 +52,27 @@ def quant_kernel_cases(case: Callable, dev: str, smoke: bool, fp8_ok: bool) -> I
                                 w4a16_gemm_ref(x, qw, scales, zeros, group, g_idx), QUANT_TOL)
                     label = f"{shape} {name} {k}x{n} M={m} group {group}" + (" g_idx" if with_idx else "")
                     yield case("w4a16_gemm", bf16, bf16, label, w4)
+                if m == 1:  # the dense path of long steps: the weight dequantized once, bit for bit the twin's
+                    def deq(randn, k=k, n=n):
+                        qw = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=randn.g, dtype=torch.int32)
+                        scales = (randn(k // 128, n).abs() * 0.01 + 1e-3).to(torch.float16)
+                        zeros = torch.randint(0, 16, (k // 128, n), generator=randn.g).to(torch.uint8)
+                        qw, zeros = qw.to(scales.device), zeros.to(scales.device)
+                        return (w4a16_dequant_triton(qw, scales, zeros, 128, None, bf16),
+                                w4a16_dequant_ref(qw, scales, zeros, 128, None, bf16), 0.0)
+                    yield case("w4a16_dequant", bf16, bf16, f"{shape} {name} {k}x{n} group 128", deq)
                 if not fp8_ok:
                     continue
+                for static in (False, True):
+                    def quant(randn, k=k, m=m, static=static):
+                        x = randn(m, k, dtype=bf16) * 3
+                        inp = torch.tensor([0.02], device=x.device) if static else None
+                        q, s = quantize_fp8_triton(x, inp)
+                        wq, ws = quantize_fp8(x.cpu(), None if inp is None else inp.cpu())
+                        # codes times scales: equal only when both are the twin's bits
+                        return q.float() * s[:, None], (wq.float() * ws[:, None]).to(q.device), 0.0
+                    act = "static" if static else "per token"
+                    yield case("fp8_quant_rows", bf16, "fp8", f"{shape} {name} K={k} M={m} {act}", quant)
                 for static in (False, True):
                     for path in ("dispatch", "triton"):
                         def f8(randn, k=k, n=n, m=m, static=static, path=path):
@@ -64,9 +87,9 @@ def quant_kernel_cases(case: Callable, dev: str, smoke: bool, fp8_ok: bool) -> I
 
 
 def quant_plan(smoke: bool, fp8_ok: bool) -> list[tuple[str, list[str], str]]:
-    """(row name, `kvmesh bench` argv, JSON file) of each run: offline tok/s per shape and method (the Qwen3-0.6B
-    shape at the nano-vllm workload, Llama-3.1-8B at 64 of its prompts, the step's cap), then decode ms/step at
-    batch 1 and 64 per method at the Qwen3-0.6B shape. Smoke: the tiny bench model on CPU, FP8 and AWQ through
+    """(row name, `kvmesh bench` argv, JSON file) of each run: offline tok/s per method at the Qwen3-0.6B shape
+    (the nano-vllm workload), decode ms/step at batch 1 and 64 per method there, then offline tok/s at the
+    Llama-3.1-8B shape (64 of the workload's prompts, the step's cap). Smoke: the tiny bench model on CPU, FP8 and AWQ through
     the twins, batches 1 and 2."""
     if smoke:
         offline = [("bench", ["--num-prompts", "2", "--input-len-min", "4", "--input-len-max", "8", "--output-len-min",
@@ -79,14 +102,18 @@ def quant_plan(smoke: bool, fp8_ok: bool) -> list[tuple[str, list[str], str]]:
         decode = ("qwen3-0.6b", ["--batch-sizes", ",".join(map(str, DECODE_BATCHES)), "--context-len", "512"])
     methods = ["auto"] + (["fp8"] if fp8_ok else []) + ["awq"]
     plan = []
-    for shape, extra in offline:
+    # the small shape's offline and decode rows first, the 8B shape's last: if the step's cap ends it, the
+    # slowest rows are the ones lost
+    for i, (shape, extra) in enumerate(offline):
         for method in methods:
             plan.append((f"{shape} {_label(method)}", ["offline", "--shape", shape, *extra, "--skip-hf",
                                                         *_quant_flag(method)], f"quant-offline-{shape}-{method}.json"))
-    shape, extra = decode
-    for method in methods:
-        plan.append((f"decode {shape} {_label(method)}", ["decode", "--shape", shape, *extra, *_quant_flag(method)],
-                     f"quant-decode-{shape}-{method}.json"))
+        if i == 0:
+            dshape, dextra = decode
+            for method in methods:
+                plan.append((f"decode {dshape} {_label(method)}",
+                             ["decode", "--shape", dshape, *dextra, *_quant_flag(method)],
+                             f"quant-decode-{dshape}-{method}.json"))
     return plan
 
 

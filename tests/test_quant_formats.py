@@ -8,8 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_gemm import FP8, fp8_gemm_ref, fp8_gemm_triton, quantize_fp8_rows
-from kernels.w4a16_gemm import pack_rows, unpack_rows, w4a16_gemm_ref, w4a16_gemm_triton
+from kernels.fp8_gemm import FP8, fp8_gemm_ref, fp8_gemm_triton
+from kernels.fp8_quant_rows import quantize_fp8, quantize_fp8_rows_ref, quantize_fp8_static_ref, quantize_fp8_triton
+from kernels.w4a16_dequant import w4a16_dequant, w4a16_dequant_ref, w4a16_dequant_triton
+from kernels.w4a16_gemm import w4a16_gemm_ref, w4a16_gemm_triton
+from kernels.w4a16_layout import pack_rows, unpack_rows
 from shared.models import fp8_linear, w4a16
 from shared.models.errors import CheckpointError
 from shared.models.quant_config import linear_bytes, parse_quantization_config, resolve_checkpoint_quantization
@@ -94,7 +97,7 @@ def test_fp8_weights_quantize_per_row_and_checkpoint_scales_expand() -> None:
 def test_fp8_twin_is_the_per_token_quantized_product() -> None:
     g = torch.Generator().manual_seed(8)
     x, w = torch.randn(5, K, generator=g), fp8_linear.quantize_fp8_weight(_weight(8))
-    xq, xs = quantize_fp8_rows(x)
+    xq, xs = quantize_fp8_rows_ref(x)
     assert xq.float().abs().amax(dim=1).eq(448).all()  # each row's largest value lands on e4m3's maximum
     want = (xq.float() @ w.weight.float().t()) * xs[:, None] * w.weight_scale[None, :]
     assert torch.equal(fp8_gemm_ref(x, w.weight, w.weight_scale), want)
@@ -111,7 +114,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["g32", "g128", "g_idx", "split4"])
 def test_w4a16_triton_matches_its_twin(dtype, case) -> None:
-    g = torch.Generator().manual_seed(hash(case) % 1000)
+    g = torch.Generator().manual_seed(["g32", "g128", "g_idx", "split4"].index(case))
     group = 128 if case == "g128" else 32
     q = torch.randint(0, 16, (K, 40), generator=g)
     groups = K // group
@@ -124,6 +127,26 @@ def test_w4a16_triton_matches_its_twin(dtype, case) -> None:
     want = w4a16_gemm_ref(x, pack_rows(q), scales, zeros, group, g_idx)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["g32", "g128", "g_idx"])
+def test_w4a16_dequantization_kernel_gives_the_twins_bits(dtype, case) -> None:
+    g = torch.Generator().manual_seed(11)
+    group = 128 if case == "g128" else 32
+    n = 200  # not a multiple of the column tile: masked
+    q = torch.randint(0, 16, (K, n), generator=g)
+    scales = (torch.rand(K // group, n, generator=g) * 0.02 + 1e-3).half()
+    zeros = torch.randint(0, 16, (K // group, n), generator=g).to(torch.uint8)
+    # act-order: rows' groups in a shuffled order (every group still K / group rows)
+    g_idx = (torch.randperm(K, generator=g) // group).to(torch.int32) if case == "g_idx" else None
+    got = w4a16_dequant_triton(pack_rows(q), scales, zeros, group, g_idx, dtype)
+    want = w4a16_dequant_ref(pack_rows(q), scales, zeros, group, g_idx, dtype)
+    assert got.dtype == dtype and got.shape == (K, n)
+    assert torch.equal(got, want)
+    rows = torch.arange(K) // group if g_idx is None else g_idx.long()
+    assert torch.equal(want, ((q - zeros[rows].int()).float() * scales[rows].float()).to(dtype))  # the definition
+    assert torch.equal(w4a16_dequant(pack_rows(q), scales, zeros, group, g_idx, dtype), want)  # the dispatch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,6 +163,29 @@ def test_fp8_triton_matches_its_twin(dtype, static) -> None:
     want = fp8_gemm_ref(x, w.weight, w.weight_scale, inp)
     assert got.dtype == dtype and not got[1].any()
     torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_quantization_kernel_gives_the_twins_bits(dtype, static) -> None:
+    g = torch.Generator().manual_seed(10)
+    k = 1100  # over one 1,024-value chunk, not a multiple of it: the row is read in two masked chunks
+    x = (torch.randn(6, k, generator=g) * 3).to(dtype)
+    x[0, :8] = torch.tensor([1.95, -1.95, 0.0, 448.0, 1e-4, 3.9, 7.8, 15.5])  # the rounding's carries
+    x[1] = 0.0  # an all-zero row
+    x[2, 1090] = -700.0  # the row's max in the second chunk
+    inp = torch.tensor([0.02]) if static else None
+    q, scales = quantize_fp8_triton(x, inp)
+    if static:
+        want_q, want_s = quantize_fp8_static_ref(x, inp), inp.expand(6)
+    else:
+        want_q, want_s = quantize_fp8_rows_ref(x)
+    assert q.dtype == FP8 and scales.dtype == torch.float32
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scales, want_s)
+    # and the dispatch (the twin here) agrees with both
+    dq, ds = quantize_fp8(x, inp)
+    assert torch.equal(dq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(ds, want_s)
 
 
 # --------------------------------------------------------------------------------------- quantization_config

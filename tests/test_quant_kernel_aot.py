@@ -1,7 +1,9 @@
-"""The quantized GEMM kernels (kernels/w4a16_gemm.py, kernels/fp8_gemm.py) compile ahead of time for sm_80 and
-sm_90 (FP8: sm_90 only; e4m3 needs sm_89) with no spills and within shared memory, at the launches the wrappers
-make for the linear layers of Llama-3.1-8B and Qwen3-0.6B at batch 1, 64 and a 2,048-token prefill: the
-wrappers are called under kernels/aot.py's LaunchRecorder, which binds each launch as Triton's launcher would."""
+"""The quantized GEMM kernels (kernels/w4a16_gemm.py, kernels/fp8_gemm.py) and their helpers (the 4-bit weight's
+dequantization, kernels/w4a16_dequant.py; the FP8 activation quantization, kernels/fp8_quant_rows.py) compile
+ahead of time for sm_80 and sm_90 (FP8: sm_90 only; e4m3 needs sm_89) with no spills and within shared memory, at
+the launches the wrappers make for the linear layers of Llama-3.1-8B and Qwen3-0.6B at batch 1, 64 and a
+2,048-token prefill: the wrappers are called under kernels/aot.py's LaunchRecorder, which binds each launch as
+Triton's launcher would."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +11,9 @@ import torch
 
 from kernels.aot import FP8_MIN_ARCH, SHARED_LIMIT, LaunchRecorder, compile_variants
 from kernels.fp8_gemm import FP8, fp8_gemm_triton
+from kernels.fp8_quant_rows import quantize_fp8_triton
 from kernels.triton_support import triton
+from kernels.w4a16_dequant import w4a16_dequant_triton
 from kernels.w4a16_gemm import w4a16_gemm_triton
 
 pytestmark = [pytest.mark.skipif(triton is None, reason="triton is not installed"), pytest.mark.slow]
@@ -32,6 +36,10 @@ def record() -> LaunchRecorder:
                 qweight = torch.empty(k // 8, n, dtype=torch.int32)
                 w8 = torch.empty(n, k, dtype=FP8)
                 ws = torch.empty(n, dtype=torch.float32)
+                scales = torch.empty(k // 128, n, dtype=torch.float16)
+                zeros = torch.empty(k // 128, n, dtype=torch.uint8)
+                w4a16_dequant_triton(qweight, scales, zeros, 128, None, torch.bfloat16)
+                w4a16_dequant_triton(qweight, scales, zeros, 128, torch.zeros(k, dtype=torch.int32), torch.bfloat16)
                 for m in ROWS:
                     x = torch.empty(m, k, dtype=torch.bfloat16)
                     for group in (32, 128):
@@ -42,6 +50,8 @@ def record() -> LaunchRecorder:
                     w4a16_gemm_triton(x, qweight, scales, zeros, 128, torch.zeros(k, dtype=torch.int32))
                     fp8_gemm_triton(x, w8, ws)
                     fp8_gemm_triton(x, w8, ws, torch.ones(1))
+                    quantize_fp8_triton(x)
+                    quantize_fp8_triton(x, torch.ones(1))
     return rec
 
 
@@ -59,7 +69,8 @@ def reports():
 
 
 def test_quantized_gemms_compile_for_sm80_sm90_without_spills(reports) -> None:
-    assert {r.variant.kernel for r in reports} == {"_w4a16_kernel", "_fp8_gemm_kernel"}
+    assert {r.variant.kernel for r in reports} == {"_w4a16_kernel", "_fp8_gemm_kernel", "_w4a16_dequant_kernel",
+                                                   "_fp8_quant_rows_kernel"}
     assert any("SPLIT_K=1" not in r.variant.label() for r in reports if r.variant.kernel == "_w4a16_kernel")
     failed = [f"{r.variant.label()} sm_{r.arch}: {r.error}" for r in reports if not r.ok]
     assert not failed, "\n".join(failed)

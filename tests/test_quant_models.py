@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kernels.fp8_gemm import quantize_fp8_rows, quantize_fp8_static
+from kernels.fp8_quant_rows import quantize_fp8_rows_ref, quantize_fp8_static_ref
 from shared.config import EngineConfig
 from shared.engine.errors import ConfigError
 from shared.models.errors import CheckpointError
@@ -88,10 +88,11 @@ def _reference(ckpt, path: Path, method: str, group: int = 0, v1: bool = True, s
                                                        ("gate_proj", "up_proj") if kind == "gu" else
                                                        (name.rsplit(".", 1)[1],))]
                     s = torch.stack([t[f"{n}.input_scale"].float().reshape(()) for n in names]).amax()
-                    mod.register_forward_pre_hook(lambda m, a, s=s: (quantize_fp8_static(a[0][0], s).float()[None] * s,))
+                    mod.register_forward_pre_hook(
+                        lambda m, a, s=s: (quantize_fp8_static_ref(a[0][0], s).float()[None] * s,))
                 else:
                     mod.register_forward_pre_hook(
-                        lambda m, a: (lambda q: (q[0].float() * q[1][:, None])[None])(quantize_fp8_rows(a[0][0])))
+                        lambda m, a: (lambda q: (q[0].float() * q[1][:, None])[None])(quantize_fp8_rows_ref(a[0][0])))
             mod.weight.copy_(w)
     return hf
 

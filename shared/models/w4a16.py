@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from kernels.w4a16_gemm import BLOCK_K, pack_rows, unpack_rows, w4a16_dequantize, w4a16_gemm
+from kernels.w4a16_gemm import w4a16_gemm
+from kernels.w4a16_layout import BLOCK_K, pack_rows, unpack_rows, w4a16_dequantize
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its eight
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of the eight is nibble AWQ_REVERSE_ORDER[j]
