@@ -4,8 +4,8 @@ kernel's layout (pack_q4 / pack_q8 / pack_q8_16 build it from the file's blocks)
 
 act: ACT_F32 multiplies the float32 activations by the weights widened in registers; ACT_Q8 first rounds each
 activation row to int8 blocks of 32 (d_x = max |x| / 127, round half to even) and multiplies codes by integer dot
-products. Steps of more than MAX_ROWS rows multiply dequantized float32 tiles of the weight (at::mm) whatever act
-says. Oracle: linear_gguf_ref (dequantize by the format's definition, the same activation rounding, a float32
+products. Steps of more rows (MAX_ROWS with float32 activations, MAX_ROWS_Q8 with int8 ones) multiply dequantized
+float32 tiles of the weight (at::mm). Oracle: linear_gguf_ref (dequantize by the format's definition, the same activation rounding, a float32
 matmul): the kernel differs from it only by float32 summation order.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q4_K": Q4, "Q8_0": Q8_0, "Q6_K": Q8_16}
 BLOCK = 32
 SUB = 16  # Q8_16's scale group
 MAX_ROWS = 16  # gemv.h's kMaxRows
+MAX_ROWS_Q8 = 32  # gemv_gguf.cpp's kMaxRowsQ8: int8 activations stay on the block kernels up to here
 
 
 def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,5 +88,5 @@ def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
 def linear_gguf_ref(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
                     act: int) -> torch.Tensor:
     check(x, qs, scales, bias, fmt, act)
-    xa = quantize_act_ref(x) if act == ACT_Q8 and x.shape[0] <= MAX_ROWS else x
+    xa = quantize_act_ref(x) if act == ACT_Q8 and x.shape[0] <= MAX_ROWS_Q8 else x
     return F.linear(xa, dequantize_ref(qs, scales, fmt), bias)
