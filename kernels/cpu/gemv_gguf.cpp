@@ -128,7 +128,7 @@ inline void q8_f32(const int8_t* q, const float* sc, int64_t nb, const float* x,
 
 // With int8 activations, steps of up to this many rows stay on the block kernels (more than gemv.h's kMaxRows):
 // measured on 2 threads at 1024 x 6144 Q4 (AVX2, and AVX-512 with VNNI), they match or beat dequantized float32
-// tiles through at::mm up to here (at 32 rows: 7.9 against 8.2-9.9 ms on AVX2; past 48 the tiles win).
+// tiles through at::mm up to here (at 32 rows about even on AVX2; past 48 the tiles win).
 constexpr int64_t kMaxRowsQ8 = 32;
 
 #ifdef KVMESH_GEMV_AVX2
