@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -106,6 +107,7 @@ async def run_services(role: str, hosted: list[Hosted], nats_url: str, grace_s: 
             conns.append(nc)
             await h.service.start(nc)
         log.info("%s serving on %s", label, nats_url)
+        freeze_startup_heap()
         closed = [asyncio.ensure_future(h.service.wait_closed()) for h in hosted]
         stopping = asyncio.ensure_future(stop.wait())
         done, _ = await asyncio.wait({*closed, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -122,6 +124,17 @@ async def run_services(role: str, hosted: list[Hosted], nats_url: str, grace_s: 
         await asyncio.gather(*(_drain_connection(nc) for nc in conns))
     log.info("%s stopped", label)
     return 0
+
+
+def freeze_startup_heap() -> None:
+    """What a service has built by the time it serves (an engine's modules, a tokenizer's tables, imported
+    libraries: about 340,000 objects in an engine worker) lives as long as the process. Left to the collector,
+    every full collection walks all of it while holding the GIL: 240 ms for an engine worker's heap, and under
+    200 requests of load the decode worker and the gateway each stalled 60-150 ms in one. Frozen, full
+    collections walk only what came after (none reached that size in the same load); vLLM freezes its engine's
+    heap after startup for the same reason."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _drain_connection(nc: Client) -> None:
