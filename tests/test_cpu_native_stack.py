@@ -30,7 +30,7 @@ def _generate(engine, prompts):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_equal_with_cpp_path_on_and_off_float32(checkpoints, arch) -> None:
     ckpt = checkpoints[arch]
-    # 5 and 16 tokens: prefilled through the C++ stack; 60: through Python (and past mistral's window of 48).
+    # 5 and MAX_CHUNK tokens: prefilled through the C++ stack; 60: through Python (and past mistral's window of 48).
     prompts = random_prompts([5, MAX_CHUNK, 60], seed=7)
     engine = make_engine(ckpt, dtype="float32")
     native = engine.runner.native

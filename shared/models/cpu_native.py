@@ -26,7 +26,7 @@ from shared.models.quant_linear import GgufLinear, Int4Linear, Int8Linear, Weigh
 
 log = logging.getLogger(__name__)
 
-MAX_CHUNK = 16  # longest prompt chunk (or verify step) of a step the C++ stack runs
+MAX_CHUNK = 32  # longest prompt chunk (or verify step) of a step the C++ stack runs
 
 
 def _linear(stack: DecoderStack, m: nn.Module) -> int:
