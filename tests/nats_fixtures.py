@@ -1,4 +1,5 @@
-"""Real nats-server fixtures: `from tests.nats_fixtures import nats_server, nats_server_factory`.
+"""Real nats-server fixtures: `from tests.nats_fixtures import nats_server, nats_server_factory`, and
+`locked_nats(tmp_path, passwords)` for a server locked down as `kvmesh up` locks its own.
 
 Each fixture starts its own server(s) on free ports and kills them on teardown; nothing assumes
 a server is already running. The two fixtures do not depend on each other, so a test module can
@@ -6,12 +7,16 @@ import either alone.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from shared.bus.natsd import NatsServer
+from shared.launcher.local_nats import LocalNats
 
 
 @pytest.fixture
@@ -36,10 +41,22 @@ def nats_server_factory(tmp_path: Path) -> Iterator[Callable[..., str]]:
         server.stop()
 
 
+@contextlib.contextmanager
+def locked_nats(config_dir: Path, passwords: dict[str, str]) -> Iterator[LocalNats]:
+    """A nats-server on free ports with the mesh's accounts and per-role (or per-identity) permissions
+    (shared/launcher/local_nats.py), each user with its password; stopped on exit."""
+    srv = LocalNats.on_free_ports(passwords=passwords, config_dir=config_dir)
+    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert asyncio.run(srv.wait_ready(15))
+        yield srv
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
 async def wait_discoverable(nc, service_name: str, timeout: float = 5.0) -> None:
     """Until `$SRV.PING.<service_name>` is answered over `nc` (the connection clients will use)."""
-    import asyncio
-
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

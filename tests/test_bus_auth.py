@@ -11,20 +11,13 @@ from nats.errors import NoServersError
 
 from shared import bus, subjects
 from shared.launcher.local_nats import LocalNats, role_passwords
+from tests.nats_fixtures import locked_nats
 
 
 @pytest.fixture
 def server(tmp_path):  # noqa: ANN001, ANN201
-    import subprocess
-
-    srv = LocalNats.on_free_ports(passwords=role_passwords(), config_dir=tmp_path)
-    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        assert asyncio.run(srv.wait_ready(15))
+    with locked_nats(tmp_path, role_passwords()) as srv:
         yield srv
-    finally:
-        proc.terminate()
-        proc.wait(5)
 
 
 async def _as(srv: LocalNats, role: str | None, errors: list[str]):  # noqa: ANN202

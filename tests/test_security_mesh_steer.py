@@ -13,7 +13,6 @@ inbox. Two ways, both attacked here:
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 import nats
 import pytest
@@ -26,20 +25,13 @@ from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 from tests.engine_helpers import greedy, random_prompts
 from tests.mesh_helpers import decode_service, generate, prefill_service, running, wait_idle
-from tests.nats_fixtures import nats_server  # noqa: F401
+from tests.nats_fixtures import locked_nats, nats_server  # noqa: F401
 
 
 @pytest.fixture
 def locked(tmp_path):  # noqa: ANN001, ANN201
-    srv = LocalNats.on_free_ports(passwords=identity_passwords(["decode-0", "decode-1", "prefill-0"]),
-                                  config_dir=tmp_path)
-    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        assert asyncio.run(srv.wait_ready(15))
+    with locked_nats(tmp_path, identity_passwords(["decode-0", "decode-1", "prefill-0"])) as srv:
         yield srv
-    finally:
-        proc.terminate()
-        proc.wait(5)
 
 
 async def _as(srv: LocalNats, user: str) -> nats.NATS:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 
 import nats
 import pytest
@@ -18,6 +17,7 @@ from shared.bus import headers as H
 from shared.bus.chunks import Reassembler, UploadBudget, upload_sender
 from shared.bus.errors import ChunkError
 from shared.launcher.local_nats import LocalNats, role_passwords
+from tests.nats_fixtures import locked_nats
 
 MiB = 1 << 20
 LIMITS = bus.BusLimits(max_message_bytes=4 * MiB, max_pending_bytes=8 * MiB, max_sender_bytes=4 * MiB,
@@ -27,14 +27,8 @@ PIECE = 512 << 10  # a chunk that fits the server's 1 MiB max_payload with its h
 
 @pytest.fixture
 def server(tmp_path):  # noqa: ANN001, ANN201
-    srv = LocalNats.on_free_ports(passwords=role_passwords(), config_dir=tmp_path)
-    proc = subprocess.Popen(list(srv.process().argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        assert asyncio.run(srv.wait_ready(15))
+    with locked_nats(tmp_path, role_passwords()) as srv:
         yield srv
-    finally:
-        proc.terminate()
-        proc.wait(5)
 
 
 async def _as(srv: LocalNats, role: str) -> nats.NATS:
