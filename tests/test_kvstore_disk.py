@@ -238,6 +238,9 @@ def test_blocks_used_twice_go_down_to_disk_and_come_back_up(tmp_path) -> None:  
 
 
 def test_a_restarted_kvstore_serves_from_disk_over_the_bus(tmp_path) -> None:  # noqa: ANN001
+    from shared import subjects
+    from tests.nats_fixtures import wait_discoverable
+
     chain = _chain(4)
     k = torch.stack([torch.frombuffer(bytearray(b.k.data), dtype=torch.bfloat16).view(2, 16, 2, 8) for b in chain], 1)
     v = torch.stack([torch.frombuffer(bytearray(b.v.data), dtype=torch.bfloat16).view(2, 16, 2, 8) for b in chain], 1)
@@ -246,9 +249,10 @@ def test_a_restarted_kvstore_serves_from_disk_over_the_bus(tmp_path) -> None:  #
     async def run(service: KVStoreService, work):  # noqa: ANN001, ANN202
         nc = await bus.connect(nats.url)
         await service.start(await bus.connect(nats.url))
+        # The client's puts are best effort (no responders or a timeout is logged, not raised): until the
+        # service's subscriptions reach the server, a put is lost; a loaded machine widens that window.
+        await wait_discoverable(nc, subjects.SERVICE_KVSTORE, timeout=60)
         try:
-            # The client's puts are best effort (a timeout is logged, not raised): a generous timeout keeps a
-            # loaded machine from turning a slow put into a lost one.
             return await work(KVStoreClient(nc, timeout_s=60))
         finally:
             await service.drain(1.0)
