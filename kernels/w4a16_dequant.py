@@ -25,6 +25,24 @@ def w4a16_dequant_ref(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
 if triton is not None:
 
     @triton.jit
+    def dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, n_mask, k0, N, GROUP: tl.constexpr,
+                     HAS_G_IDX: tl.constexpr):
+        """The float32 weight of rows offs_k (from k0, within one group unless HAS_G_IDX) x columns offs_n:
+        what both 4-bit kernels multiply by."""
+        words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :],
+                        other=0)
+        q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+        if HAS_G_IDX:
+            g = tl.load(g_ptr + offs_k).to(tl.int64)
+            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0)
+            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        else:
+            g = k0 // GROUP
+            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)[None, :]
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)[None, :]
+        return (q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)
+
+    @triton.jit
     def _w4a16_dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, GROUP: tl.constexpr,
                               HAS_G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                               EMULATE_BF16: tl.constexpr):
@@ -34,18 +52,7 @@ if triton is not None:
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :],
-                        other=0)
-        q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-        if HAS_G_IDX:
-            g = tl.load(g_ptr + offs_k).to(tl.int64)
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0)
-            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        else:
-            g = (pid_k * BLOCK_K) // GROUP
-            s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)[None, :]
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)[None, :]
-        w = (q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)
+        w = dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, n_mask, pid_k * BLOCK_K, N, GROUP, HAS_G_IDX)
         if EMULATE_BF16:  # round to nearest even by the bits first; the interpreter's cast would truncate
             u = w.to(tl.uint32, bitcast=True)
             w = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)

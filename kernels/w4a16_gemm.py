@@ -33,6 +33,7 @@ def check_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 
 if triton is not None:
+    from kernels.w4a16_dequant import dequant_tile
 
     @triton.jit
     def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_os,
@@ -50,18 +51,7 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=m_mask[:, None],
                         other=0.0)
-            words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :],
-                            other=0)
-            q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-            if HAS_G_IDX:
-                g = tl.load(g_ptr + offs_k).to(tl.int64)
-                s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0)
-                z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-            else:
-                g = k0 // GROUP
-                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0)[None, :]
-                z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0)[None, :]
-            w = (q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)
+            w = dequant_tile(qw_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, n_mask, k0, N, GROUP, HAS_G_IDX)
             if UPCAST:  # the interpreter's bf16 dot is wrong: round as the GPU would, multiply in float32
                 acc += tl.dot(a.to(tl.float32), w.to(a.dtype).to(tl.float32), input_precision="ieee")
             else:
