@@ -144,6 +144,11 @@ def test_spec_processes() -> None:
     assert decode2.argv[:3] == ("py", "-m", "services.decode")
     assert decode2.argv[-2:] == ("--worker-id", "decode-2")
     assert "--remote-prefill-threshold" in decode2.argv and decode2.argv[decode2.argv.index("--remote-prefill-threshold") + 1] == "0"
+    assert "--remote-prefill-timeout-per-token" not in decode2.argv  # decode's own default, by its device
+    (decode,) = [s for s in mesh_services(MeshOptions(remote_prefill_timeout_per_token=0.05)) if s.service == "decode"]
+    assert decode.args[decode.args.index("--remote-prefill-timeout-per-token") + 1] == "0.05"
+    with pytest.raises(AssertionError):
+        MeshOptions(remote_prefill_timeout_per_token=0)
     assert all(p.env["NATS_URL"] == "nats://x:1" and p.env["PYTHONUNBUFFERED"] == "1" for p in procs)
     # Without prefill workers nothing may go remote.
     (decode,) = [s for s in mesh_services(MeshOptions(prefill=0)) if s.service == "decode"]

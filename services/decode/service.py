@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -40,6 +39,19 @@ _tracer = trace.get_tracer("kvmesh.decode")
 VERSION = "0.1.0"
 
 
+# Seconds per uncached prompt token a remote prefill may take before decode gives up on it and prefills
+# locally. A GPU prefills thousands of tokens a second; a 2-core CPU computes SmolLM2-135M's 4,096-token prompt
+# at about 5 ms a token, so there the GPU's bound sent every long prompt to a timeout and then a second, local
+# prefill. The bound is also what a dead prefill worker costs, so it is not made larger than that: bigger models
+# on CPUs want --remote-prefill-timeout-per-token.
+GPU_PREFILL_S_PER_TOKEN = 0.002
+CPU_PREFILL_S_PER_TOKEN = 0.02
+
+
+def default_prefill_timeout_per_token(device: str) -> float:
+    return CPU_PREFILL_S_PER_TOKEN if device == "cpu" else GPU_PREFILL_S_PER_TOKEN
+
+
 @dataclass
 class DecodeSettings:
     worker_id: str
@@ -48,7 +60,7 @@ class DecodeSettings:
     # A remote prefill must answer within base + per-token x uncached tokens, or decode computes locally:
     # a dead (or stuck) prefill worker costs about two seconds, a long prompt gets the time it needs.
     remote_prefill_timeout_s: float = 2.0
-    remote_prefill_timeout_per_token_s: float = 0.002
+    remote_prefill_timeout_per_token_s: float | None = None  # None: by the engine's device
     kv_transfer_timeout_s: float = 30.0
     beat_interval_s: float = 1.0
     kv_host: str | None = None  # the direct KV channel's address (None: the one this worker reaches NATS from)
@@ -98,9 +110,11 @@ class DecodeService(EngineWorker):
         bus.set_sender(nc, self.settings.worker_id)  # the gateway accepts a request's stream only from its worker
         await self.start_engine(nc)
         s = self.settings
+        per_token = s.remote_prefill_timeout_per_token_s
+        if per_token is None:
+            per_token = default_prefill_timeout_per_token(self.engine.config.device)
         self.admission_settings = AdmissionSettings(s.worker_id, self.block_size, s.remote_prefill_threshold,
-                                                    s.remote_prefill_timeout_s, s.kv_transfer_timeout_s,
-                                                    s.remote_prefill_timeout_per_token_s,
+                                                    s.remote_prefill_timeout_s, s.kv_transfer_timeout_s, per_token,
                                                     nothing_below_device=self.kvstore is None
                                                     and not self.engine.config.host_kv_bytes)
         self.outbox = Outbox(nc, subjects.decode_events(s.worker_id))
@@ -317,7 +331,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-prefill-timeout", type=float, default=2.0,
                         help="seconds a prefill worker has to answer, plus --remote-prefill-timeout-per-token for "
                              "each uncached prompt token; past it decode prefills locally")
-    parser.add_argument("--remote-prefill-timeout-per-token", type=float, default=0.002)
+    parser.add_argument("--remote-prefill-timeout-per-token", type=float, default=None, metavar="SECONDS",
+                        help=f"default {GPU_PREFILL_S_PER_TOKEN:g} on a GPU, {CPU_PREFILL_S_PER_TOKEN:g} on CPUs, where a "
+                             "prefill worker computes a long prompt at a few ms a token")
     parser.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     parser.add_argument("--kv-host", default=os.environ.get("KVMESH_KV_HOST"),
                         help="address prefill workers push KV to directly (shared memory on this host, TCP from "

@@ -65,6 +65,7 @@ class MeshOptions:
     # None: decode's own default, except with no prefill workers, where remote prefill could
     # never be served, so every prompt is prefilled locally.
     remote_prefill_threshold: int | None = None
+    remote_prefill_timeout_per_token: float | None = None  # None: decode's own default (by device)
     log_level: str | None = None
     # GPUs the engine workers are spread over (CUDA ordinals, as CUDA_VISIBLE_DEVICES names them);
     # empty: CPU, nothing is pinned. Workers sharing a GPU split gpu_memory_utilization (see placement()).
@@ -137,6 +138,8 @@ class MeshOptions:
             # Decode workers on other hosts (a join file) serve only the first model.
             assert all(m.decode >= 1 for m in self.more_models), "each model needs at least one decode worker"
         assert self.remote_prefill_threshold is None or self.remote_prefill_threshold >= 0
+        assert self.remote_prefill_timeout_per_token is None or self.remote_prefill_timeout_per_token > 0, \
+            "--remote-prefill-timeout-per-token must be > 0"
         assert 0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]"
         assert self.kv_cache_dtype in (None, "auto", "fp8"), "--kv-cache-dtype must be auto or fp8"
         assert self.max_model_len is None or self.max_model_len > 0, "--max-model-len must be positive"
@@ -400,6 +403,8 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             threshold = NEVER_REMOTE
         if threshold is not None:
             args += ["--remote-prefill-threshold", str(threshold)]
+        if opts.remote_prefill_timeout_per_token is not None:
+            args += ["--remote-prefill-timeout-per-token", f"{opts.remote_prefill_timeout_per_token:g}"]
         if opts.speculative_config:
             args += ["--speculative-config", opts.speculative_config]
         if opts.share_suffix_outputs:

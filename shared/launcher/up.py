@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kvstore", type=int, default=d.kvstore, help=f"kvstore replicas (default {d.kvstore}; 0: none)")
     parser.add_argument("--remote-prefill-threshold", type=int, default=None, metavar="TOKENS",
                         help="uncached prompt tokens from which decode prefills remotely (0: always; default: decode's own)")
+    parser.add_argument("--remote-prefill-timeout-per-token", type=float, default=None, metavar="SECONDS",
+                        help="seconds a remote prefill may take per uncached prompt token (plus 2 s) before decode "
+                             "prefills locally (default: decode's own, 0.002 on GPUs, 0.02 on CPUs)")
     parser.add_argument("--grace", type=float, default=None,
                         help=f"seconds each service may drain on Ctrl-C (default: the services' own, {DEFAULT_GRACE_S:g})")
     parser.add_argument("--devices", default=None, metavar="LIST",
@@ -251,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
         opts = MeshOptions(
             model=str(model), host=args.host, port=args.port, served_model_name=first.served_model_name,
             tokenizer=first.tokenizer, more_models=models[1:], max_model_len=args.max_model_len,
-            remote_prefill_threshold=args.remote_prefill_threshold, log_level=args.log_level,
+            remote_prefill_threshold=args.remote_prefill_threshold,
+            remote_prefill_timeout_per_token=args.remote_prefill_timeout_per_token, log_level=args.log_level,
             devices=parse_devices(args.devices), gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager, host_kv_bytes=args.host_kv_bytes,
             async_scheduling=args.async_scheduling,
