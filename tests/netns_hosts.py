@@ -4,8 +4,9 @@ Every host is a network namespace (`ip netns add`) with one veth pair: `eth0` in
 in the root namespace, which also gets an address so the test process can reach the hosts (the gateway's
 HTTP). A process runs on a host through `ip netns exec`. Faults are real network events: a partition takes the
 host's link down (its processes live on, cut off), a lost host has every process in its namespace SIGKILLed,
-and a slow link is a `tc` qdisc on the host's link (tbf: rate and queueing latency; this machine's kernel has
-no netem, so a fixed added delay comes from a userspace relay on the host's route instead: tests/netns_delay.py).
+and a slow link is a `tc` qdisc on the host's link (tbf: rate and queueing latency). This machine's kernel has no
+netem, so a link with a fixed delay between two hosts is a userspace link emulator on TUN devices
+(`NetnsHosts.wan`, tests/netns_wan.py).
 
 Names start with `kvmh-<pid>-` (links `kvmh<tag>...`), so a run's leftovers are recognisable: `NetnsHosts`
 removes everything it made on exit, failure included, and removes namespaces a dead test run left behind.
@@ -19,6 +20,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,6 +172,32 @@ class NetnsHosts:
 
     def __getitem__(self, letter: str) -> Host:
         return self.hosts[letter]
+
+    @contextlib.contextmanager
+    def wan(self, x: str, y: str, delay_ms: float, rate_mbit: float = 0, queue_kb: float = 4096):  # noqa: ANN201
+        """Hosts x and y talk over an emulated wide-area link (tests/netns_wan.py): `delay_ms` each way, `rate_mbit`
+        each way (0: unlimited), a tail-drop queue of `queue_kb`; every other pair keeps the bridge."""
+        from tests.netns_wan import WAN_READY
+
+        a, b = self.hosts[x], self.hosts[y]
+        tag = f"{self.tag}{x}{y}"
+        proc = subprocess.Popen([sys.executable, "-m", "tests.netns_wan", a.name, a.address, b.name, b.address,
+                                 str(delay_ms), str(rate_mbit), str(queue_kb), tag], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parents[1])
+        try:
+            line = proc.stdout.readline().strip()
+            if line != WAN_READY:
+                raise RuntimeError(f"link emulator failed: {line} {proc.stderr.read()[-2000:]}")
+            yield
+        finally:
+            if proc.poll() is None:
+                proc.stdin.close()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
 
     def close(self) -> None:
         for host in self.hosts.values():

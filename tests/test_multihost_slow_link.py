@@ -1,15 +1,12 @@
 """A slow link to one decode host (network namespaces, tests/netns_hosts.py): the gateway, tokenizer and kvstore
 on host a, a decode worker on b and one on c, each host with its own nats-server in one routed cluster; every
-byte between c and the rest of the mesh is held 20 ms each way (c's route to a goes through a delaying relay,
-tests/netns_delay.py: this kernel has no netem). The router sees c answer later and sends it less; nobody times
-out. KVMESH_SLOW_LINK_RESULT=FILE writes the measured split and latencies there as JSON."""
+packet between c and the other hosts takes 20 ms each way (c's links to a and to b go through the userspace
+link emulator, tests/netns_wan.py: this kernel has no netem). The router sees c answer later and sends it less;
+nobody times out. KVMESH_SLOW_LINK_RESULT=FILE writes the measured split and latencies there as JSON."""
 from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,15 +17,13 @@ import pytest
 
 from shared.launcher.join import JOINED
 from tests.checkpoints import build_checkpoint
-from tests.netns_delay import RELAY_READY
 from tests.netns_hosts import NetnsHosts, available
-from tests.netns_mesh import ROOT, Lines, MultiHostMesh, _env
+from tests.netns_mesh import MultiHostMesh
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(available() is not None, reason=f"no network namespaces: {available()}")]
 
 DELAY_MS = 20
-RELAY_PORT = 17222  # on host c's own loopback
 FAST, SLOW = "decode-b_0", "decode-c_0"
 # One at a time (the link's share of a request's time is largest), then several at once (the slow host takes
 # its part once the other is busier).
@@ -41,29 +36,13 @@ def llama(tmp_path_factory):
     return build_checkpoint("llama", tmp_path_factory.mktemp("multihost-slow") / "llama")
 
 
-def _slow_join_file(mesh: MultiHostMesh) -> Path:
-    """The first host's join file with its route sent through a relay on host c that delays it DELAY_MS each way."""
-    body = json.loads(mesh.join_file.read_text())
-    route = re.match(r"nats-route://([^:]+):(\d+)$", body["routes"][0])
-    assert route, body["routes"]
-    c = mesh.hosts["c"]
-    relay = c.popen([sys.executable, "-m", "tests.netns_delay", "127.0.0.1", str(RELAY_PORT), route[1], route[2],
-                     str(DELAY_MS)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    Lines(relay.stdout).wait_for(RELAY_READY, timeout=30)
-    slow = mesh.workdir / "slow.join"
-    fd = os.open(slow, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({**body, "routes": [f"nats-route://127.0.0.1:{RELAY_PORT}"]}, f)
-    return slow
-
-
 @pytest.fixture(scope="module")
 def mesh(llama, tmp_path_factory):
-    with NetnsHosts(3) as hosts:
+    with NetnsHosts(3) as hosts, hosts.wan("a", "c", DELAY_MS), hosts.wan("b", "c", DELAY_MS):
         m = MultiHostMesh(hosts, llama.path, tmp_path_factory.mktemp("multihost-slow-mesh"))
         try:
             m.start_first("a")
-            joining = [m.join("b", 1, 0, wait=False), m.join("c", 1, 0, wait=False, join_file=_slow_join_file(m))]
+            joining = [m.join("b", 1, 0, wait=False), m.join("c", 1, 0, wait=False)]
             for lines in joining:
                 lines.wait_for(JOINED, timeout=60)
             m.wait_ready({FAST, SLOW})
@@ -78,11 +57,12 @@ def _workers(mesh: MultiHostMesh) -> dict[str, dict]:
 
 
 def test_a_slow_link_to_one_decode_host_gets_it_less_and_nobody_times_out(mesh) -> None:
-    # Every connection host c holds to host a is the relay's (c's nats-server routes only through it).
-    a = mesh.hosts["a"].address
-    direct = [(local, peer, proc) for local, peer, proc in mesh.hosts["c"].tcp_peers()
-              if peer.startswith(a + ":") and "nats-server" in proc]
-    assert not direct, direct
+    # Host c reaches a and b only over the emulated links, and its nats-server is routed to theirs.
+    c = mesh.hosts["c"]
+    for peer in ("a", "b"):
+        address = mesh.hosts[peer].address
+        assert "dev kvmw" in c.run("ip", "route", "get", address), peer
+        assert any(p.startswith(address + ":") and "nats-server" in proc for _, p, proc in c.tcp_peers()), peer
     client = openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
 
