@@ -2,12 +2,19 @@
 gateway, tokenizer and kvstore on host a, a prefill worker on b, decode workers on c and d, each host with its
 own nats-server in one routed cluster. Streams run while a decode host is partitioned, cut off from the
 gateway's host only, or lost with every process on it; each stream's text must equal the undisturbed run's,
-and no request may be lost."""
+and no request may be lost. Each scenario's migrations, longest stall between two chunks of a stream and time
+to the last token (against the same prompts undisturbed) are printed, and written as JSON to
+KVMESH_MULTIHOST_FAULTS_RESULT=FILE when set."""
 from __future__ import annotations
 
+import json
+import os
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
@@ -50,6 +57,23 @@ def mesh(llama, tmp_path_factory):
             raise
 
 
+@pytest.fixture(scope="module")
+def record():
+    """Scenario name -> its figures; written out once every scenario of the module has run."""
+    figures: dict[str, dict] = {}
+    yield figures
+    print(json.dumps(figures, indent=1))
+    if path := os.environ.get("KVMESH_MULTIHOST_FAULTS_RESULT"):
+        Path(path).write_text(json.dumps({"max_tokens": MAX_TOKENS, "scenarios": figures}, indent=1) + "\n")
+
+
+@dataclass
+class Streamed:
+    text: str
+    seconds: float  # request to last chunk
+    max_gap_s: float  # the longest wait between two chunks (a migration's stall shows here)
+
+
 def _client(mesh: MultiHostMesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{mesh.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -61,19 +85,23 @@ def _complete(client: openai.OpenAI, prompt: str) -> str:
     return r.choices[0].text
 
 
-def _stream(client: openai.OpenAI, model: str, prompt: str, started: threading.Event) -> str:
+def _stream(client: openai.OpenAI, model: str, prompt: str, started: threading.Event) -> Streamed:
     text, reason = "", None
+    t0 = last = time.monotonic()
+    gap = 0.0
     for c in client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True}):
         if c.choices:
+            now = time.monotonic()
+            gap, last = max(gap, now - last), now
             text += c.choices[0].text
             reason = c.choices[0].finish_reason or reason
             started.set()
     assert reason == "length"
-    return text
+    return Streamed(text, last - t0, gap)
 
 
-def _under_load(mesh: MultiHostMesh, fault, prompts: list[str]) -> dict[str, list[str]]:  # noqa: ANN001
+def _under_load(mesh: MultiHostMesh, fault, prompts: list[str]) -> dict[str, list[Streamed]]:  # noqa: ANN001
     """Every prompt streamed at once; `fault()` runs once host c serves some of them."""
     client = _client(mesh)
     model = client.models.list().data[0].id
@@ -86,7 +114,7 @@ def _under_load(mesh: MultiHostMesh, fault, prompts: list[str]) -> dict[str, lis
             assert time.monotonic() < deadline, "host c never served a stream"
             time.sleep(0.01)
         fault()
-        out: dict[str, list[str]] = {}
+        out: dict[str, list[Streamed]] = {}
         try:
             for p, f in futures:
                 out.setdefault(p, []).append(f.result(timeout=180))
@@ -108,22 +136,39 @@ def _no_leaks(mesh: MultiHostMesh, workers=DECODERS, timeout: float = 90.0) -> N
         time.sleep(0.5)
 
 
-def _check(mesh: MultiHostMesh, results: dict[str, list[str]]) -> None:
-    """Each stream's text equals an undisturbed run of its prompt, asked afterwards (greedy: any run is the
-    same). The prompts are new to each scenario: the router sends a prompt whose prefix a worker holds to that
-    worker, and host c must get some of them."""
+def _check(mesh: MultiHostMesh, results: dict[str, list[Streamed]]) -> list[float]:
+    """Each stream's text equals an undisturbed run of its prompt, asked afterwards, all at once as before
+    (greedy: any run is the same). The prompts are new to each scenario: the router sends a prompt whose prefix a
+    worker holds to that worker, and host c must get some of them. Returns the undisturbed runs' seconds."""
     client = _client(mesh)
+
+    def timed(prompt: str) -> tuple[str, float]:
+        t0 = time.monotonic()
+        return _complete(client, prompt), time.monotonic() - t0
+
     with ThreadPoolExecutor(len(results)) as pool:
-        undisturbed = dict(zip(results, pool.map(lambda p: _complete(client, p), results)))
-    for prompt, texts in results.items():
-        assert all(t == undisturbed[prompt] for t in texts), prompt
+        undisturbed = dict(zip(results, pool.map(timed, results)))
+    for prompt, runs in results.items():
+        assert all(r.text == undisturbed[prompt][0] for r in runs), prompt
+    return [seconds for _, seconds in undisturbed.values()]
+
+
+def _figures(results: dict[str, list[Streamed]], undisturbed: list[float], migrations: float) -> dict:
+    runs = [r for rs in results.values() for r in rs]
+    seconds = [r.seconds for r in runs]
+    return {"streams": len(runs), "migrations": migrations,
+            "seconds_median": statistics.median(seconds), "seconds_max": max(seconds),
+            "undisturbed_seconds_median": statistics.median(undisturbed),
+            "added_seconds_median": statistics.median(seconds) - statistics.median(undisturbed),
+            "longest_stall_s": max(r.max_gap_s for r in runs),
+            "median_longest_stall_s": statistics.median(r.max_gap_s for r in runs)}
 
 
 def _prompts(scenario: str) -> list[str]:
     return [f"{scenario} {i}: once upon a time" for i in range(6)]
 
 
-def test_multihost_decode_host_partitioned_mid_stream(mesh) -> None:
+def test_multihost_decode_host_partitioned_mid_stream(mesh, record) -> None:
     c = mesh.hosts["c"]
     migrations = mesh.metric("kvmesh:request_migrations_total")
     errors = mesh.metric("kvmesh:request_errors_total")
@@ -133,7 +178,8 @@ def test_multihost_decode_host_partitioned_mid_stream(mesh) -> None:
         assert "decode-c_0" not in mesh.health()["decode_workers"]
     finally:
         c.heal()
-    _check(mesh, results)
+    record["decode_host_partitioned"] = _figures(results, _check(mesh, results),
+                                                 mesh.metric("kvmesh:request_migrations_total") - migrations)
     # The link is back: c's workers beat again, rejoin and get traffic again.
     mesh.wait_decode_workers(lambda alive: set(DECODERS) <= alive, timeout=60)
     _check(mesh, _under_load(mesh, lambda: None, _prompts("Rejoined")))  # it waits for c to serve streams
@@ -141,15 +187,18 @@ def test_multihost_decode_host_partitioned_mid_stream(mesh) -> None:
     _no_leaks(mesh)
 
 
-def test_multihost_gateway_cut_from_a_decode_hosts_nats_server(mesh) -> None:
+def test_multihost_gateway_cut_from_a_decode_hosts_nats_server(mesh, record) -> None:
     """Host a (the gateway's) loses its path to host c only (c's nats-server is not a's own): c still reaches b
     and d, but the gateway cannot hear it; its streams move to d and the mesh keeps serving."""
     a, c = mesh.hosts["a"], mesh.hosts["c"]
     errors = mesh.metric("kvmesh:request_errors_total")
+    migrations = mesh.metric("kvmesh:request_migrations_total")
     try:
         results = _under_load(mesh, lambda: a.cut_from(c), _prompts("Cut"))
         assert "decode-c_0" not in mesh.health()["decode_workers"]
-        _check(mesh, results)  # served by d meanwhile
+        undisturbed = _check(mesh, results)  # served by d meanwhile
+        record["gateway_cut_from_decode_host"] = _figures(
+            results, undisturbed, mesh.metric("kvmesh:request_migrations_total") - migrations)
     finally:
         a.heal_cut(c)
     mesh.wait_decode_workers(lambda alive: set(DECODERS) <= alive, timeout=60)
@@ -157,7 +206,7 @@ def test_multihost_gateway_cut_from_a_decode_hosts_nats_server(mesh) -> None:
     _no_leaks(mesh)
 
 
-def test_multihost_slow_link_to_a_decode_host(mesh) -> None:
+def test_multihost_slow_link_to_a_decode_host(mesh, record) -> None:
     """Host d's link is shaped (tbf: 2 Mbit/s, a queue of up to 200 ms; no netem in this kernel for a fixed
     delay): its token streams and beats crawl, yet every stream completes with the undisturbed text, nobody
     times out and nothing migrates. How the router splits the load is reported, not asserted: it weighs
@@ -174,18 +223,22 @@ def test_multihost_slow_link_to_a_decode_host(mesh) -> None:
               f"{ {w: mesh.metric('kvmesh:iteration_tokens_total_sum', worker=w) - before[w] for w in DECODERS} }")
     finally:
         d.unshape()
-    _check(mesh, results)
+    record["slow_link_tbf_2mbit"] = _figures(results, _check(mesh, results),
+                                             mesh.metric("kvmesh:request_migrations_total") - migrations)
     assert mesh.metric("kvmesh:request_errors_total") == errors
     assert mesh.metric("kvmesh:request_migrations_total") == migrations
     _no_leaks(mesh)
 
 
-def test_multihost_host_lost_under_load(mesh) -> None:
+def test_multihost_host_lost_under_load(mesh, record) -> None:
     """Every process on host c (its nats-server included) is SIGKILLed mid-stream: its streams finish on d."""
     c = mesh.hosts["c"]
     errors = mesh.metric("kvmesh:request_errors_total")
+    migrations = mesh.metric("kvmesh:request_migrations_total")
     killed: list[int] = []
-    _check(mesh, _under_load(mesh, lambda: killed.append(c.kill_all()), _prompts("Lost")))
+    results = _under_load(mesh, lambda: killed.append(c.kill_all()), _prompts("Lost"))
+    record["host_lost"] = _figures(results, _check(mesh, results),
+                                   mesh.metric("kvmesh:request_migrations_total") - migrations)
     assert killed and killed[0] >= 2  # the launcher, the nats-server and the decode worker at least
     assert not c.pids()
     mesh.wait_decode_workers(lambda alive: "decode-c_0" not in alive, timeout=30)
