@@ -3,10 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.gateway_flags import DEFAULTS, ROUTING, SCHEDULING_POLICIES
 from shared.models.pooling_config import PoolingSpec
-
-ROUTING = ("kv", "round-robin")
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -27,14 +25,14 @@ class GatewayConfig:
     port: int = 8000  # 0: any free port (tests)
     # Generation requests served at once; past it a new one gets a fast 429 (services/gateway/overload.py).
     # 0: no bound. 1,024 streams at ~1 token/10 ms each already ask ~0.5 of a core of the gateway.
-    max_inflight_requests: int = 1024
+    max_inflight_requests: int = DEFAULTS["max_inflight_requests"]
     # ... and while its own NATS input lags more than this (services/gateway/input_lag.py), whatever the count:
     # the bound that follows the machine. 0: off.
     max_input_lag_s: float = 0.5
     # Longest a request may wait for its first token (services/gateway/queue_wait.py): a new one the mesh is
     # expected not to start in time gets a 429 with Retry-After, one sent that has not started by then a 503 (its
     # workers drop it). 0: no bound (requests queue in the engines for as long as it takes).
-    max_queue_wait_s: float = 30.0
+    max_queue_wait_s: float = DEFAULTS["max_queue_wait"]
     max_waiting: int = 128  # per decode worker, from its load beats; at the bound it takes no new work
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     # Absent max_tokens: this many, capped by what is left of the context; 0 means "the rest of the
@@ -49,7 +47,7 @@ class GatewayConfig:
     # any otherwise (intake.default_trusted_hosts); ("*",): any.
     trusted_hosts: tuple[str, ...] | None = None
     # vLLM's --scheduling-policy: "fcfs" refuses a request's priority other than 0; "priority" honours it.
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = DEFAULTS["scheduling_policy"]
     # vLLM's --trust-request-chat-template: a request may bring its own chat template (rendered in a separate,
     # limited process: services/tokenizer/template_sandbox.py). Off: such a request is a 400.
     trust_request_chat_template: bool = False
@@ -59,7 +57,7 @@ class GatewayConfig:
     # 503 error event (the gateway fell behind, or its client stopped reading). None: nats-py's default (512 Ki).
     stream_pending_msgs: int | None = 4096
     # Longest wait for one write to a streaming client; past it the stream ends and the worker drops the request.
-    stream_write_timeout_s: float = 30.0
+    stream_write_timeout_s: float = DEFAULTS["stream_write_timeout"]
     health_timeout_s: float = 1.0
     # A decode worker whose beats stop for this long is dead to the router, and its requests migrate.
     worker_expiry_s: float = 2.0
@@ -72,7 +70,7 @@ class GatewayConfig:
     structured_outputs_in_reasoning: bool = False
     # "kv": the worker caching most of the prompt, weighed by load (router.py); "round-robin": the next alive
     # worker in turn, blind to caches (the baseline KV-aware routing is measured against: `kvmesh bench scale`).
-    routing: str = "kv"
+    routing: str = DEFAULTS["routing"]
     # The mesh's other models (`--model A --model B`), each on its own workers (services/gateway/served_models.py).
     more_models: tuple[ModelEntry, ...] = ()
     # --runner pooling: the served model embeds or classifies (services/gateway/pooling_api.py); None: it generates.

@@ -19,13 +19,14 @@ from opentelemetry import trace
 
 from services.gateway.app import create_app
 from services.gateway.beat_check import beat_problem
-from services.gateway.config import ROUTING, SCHEDULING_POLICIES, GatewayConfig, ModelEntry
+from services.gateway.config import GatewayConfig, ModelEntry
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tools import PARSERS
 from services.gateway.context import GatewayContext
 from services.gateway.input_lag import InputLag
 from services.gateway.lora_adapters import LoRAAdapters
 from services.gateway.lora_routes import send_update
+from shared.gateway_flags import add_gateway_flags
 from shared.engine.lora_config import add_lora_arguments, lora_enabled, parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pooling_mode import add_pooling_flags, pooling_from_args
@@ -198,17 +199,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="name clients use (default: the directory name); one per --model, in the same order")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-inflight-requests", type=int, default=GatewayConfig.max_inflight_requests,
-                        help="generation requests the gateway serves at once; past it a new one gets 429 with "
-                             "Retry-After at once (0: no bound)")
     parser.add_argument("--max-input-lag", type=float, default=GatewayConfig.max_input_lag_s, metavar="SECONDS",
                         help="while the gateway's own NATS input lags more than this (or 3x the smallest lag of "
                              "the last 30 s, when that is more: the busy machine's floor), new requests get 429 "
                              "with Retry-After (0: off)")
-    parser.add_argument("--max-queue-wait", type=float, default=GatewayConfig.max_queue_wait_s, metavar="SECONDS",
-                        help="longest a request may wait for its first token: a new request the mesh is expected not "
-                             "to start in time (its requests waiting / the rate it starts them) gets 429 with "
-                             "Retry-After, one that has not started by then 503 and its workers drop it (0: off)")
     parser.add_argument("--max-waiting", type=int, default=128,
                         help="per decode worker: at this many waiting requests it takes no new ones (503 when all are)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the checkpoint's)")
@@ -220,9 +214,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max_tokens when a request gives none, capped by the context left; 0: the whole context")
     parser.add_argument("--stream-idle-timeout", type=float, default=120.0,
                         help="seconds a decode worker may stay silent mid-request")
-    parser.add_argument("--stream-write-timeout", type=float, default=GatewayConfig.stream_write_timeout_s,
-                        metavar="SECONDS", help="longest wait for one write to a streaming client; past it the "
-                                                "stream ends and the worker drops the request")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="split reasoning from the answer (default: when the chat template writes <think> blocks)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
@@ -230,24 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-outputs-in-reasoning", action="store_true",
                         help="apply structured outputs and forced tool calls to a reasoning model's <think> text too "
                              "(default: they start after it, as vLLM)")
-
-
-    parser.add_argument("--trusted-hosts", default=None, metavar="NAMES",
-                        help="comma-separated host names the Host header may name, against DNS rebinding ('*': "
-                             "any; default: localhost, 127.0.0.1 and ::1 when bound to loopback, any otherwise)")
-    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                        help="fcfs (default): a request's priority other than 0 is a 400; priority: requests with "
-                             "a higher priority are served first (vLLM's rule)")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="let a request bring its own chat_template (rendered in a separate process with CPU, "
-                             "memory and output limits); default: such a request is a 400, as vLLM")
-    parser.add_argument("--max-request-tokens", type=int, default=None, metavar="TOKENS",
-                        help="tokens of work one request may ask (its prompts plus n, best_of or beams x max_tokens); "
-                             "default: 16 context lengths")
+    add_gateway_flags(parser, launcher=False)
     add_pooling_flags(parser)
-    parser.add_argument("--routing", choices=ROUTING, default="kv",
-                        help="kv (default): the decode worker caching most of the prompt, weighed by load; "
-                             "round-robin: each alive worker in turn, blind to caches (a baseline)")
     add_lora_arguments(parser, engine=False, gateway=True)
 
 

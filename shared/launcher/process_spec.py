@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from shared.gateway_flags import gateway_argv
 from shared.subjects import NAMESPACE_ENV, model_namespace
 
 # Start order: the services others call first, the gateway (whose /health needs the rest) last.
@@ -88,16 +89,17 @@ class MeshOptions:
     # Simulated engine workers per OS process (services/sim_pack.py): 80 of them fit in memory without 80
     # torch imports. 1: a process per worker, as for real workers.
     sim_workers_per_process: int = 1
-    routing: str | None = None  # the gateway's routing policy (None: its default, KV-aware)
-    max_inflight_requests: int | None = None  # the gateway's bound on requests at once (None: its default)
-    max_queue_wait: float | None = None  # the gateway's bound on a request's wait for its first token (None: its default)
-    max_request_tokens: int | None = None  # the gateway's bound on one request's tokens of work (None: its default)
-    stream_write_timeout: float | None = None  # the gateway's wait for one write to a streaming client (None: its default)
-    threads: int | None = None  # each CPU engine worker's compute threads (None: its share of this host's cores)
-    # The gateway's request-limit switches (docs/security.md): None/False: its defaults.
+    # The gateway's flags `kvmesh up` passes through (shared/gateway_flags.py, one field per flag's dest);
+    # None/False: the gateway's default.
+    routing: str | None = None
+    max_inflight_requests: int | None = None
+    max_queue_wait: float | None = None
+    max_request_tokens: int | None = None
+    stream_write_timeout: float | None = None
     trust_request_chat_template: bool = False
     scheduling_policy: str | None = None
     trusted_hosts: str | None = None
+    threads: int | None = None  # each CPU engine worker's compute threads (None: its share of this host's cores)
     max_num_seqs: int | None = None  # engine workers' batch limit (None: the workers' default)
     # Tensor-parallel degree of each engine role's workers (each worker is that many processes: shared/engine/tp/).
     decode_tp: int = 1
@@ -374,22 +376,7 @@ def _service_args(service: str, opts: MeshOptions) -> tuple[str, ...]:
             args += ["--reasoning-parser", opts.reasoning_parser]
         if opts.structured_outputs_in_reasoning:
             args.append("--structured-outputs-in-reasoning")
-        if opts.routing:
-            args += ["--routing", opts.routing]
-        if opts.max_inflight_requests is not None:
-            args += ["--max-inflight-requests", str(opts.max_inflight_requests)]
-        if opts.max_queue_wait is not None:
-            args += ["--max-queue-wait", f"{opts.max_queue_wait:g}"]
-        if opts.max_request_tokens is not None:
-            args += ["--max-request-tokens", str(opts.max_request_tokens)]
-        if opts.stream_write_timeout is not None:
-            args += ["--stream-write-timeout", f"{opts.stream_write_timeout:g}"]
-        if opts.trust_request_chat_template:
-            args.append("--trust-request-chat-template")
-        if opts.scheduling_policy:
-            args += ["--scheduling-policy", opts.scheduling_policy]
-        if opts.trusted_hosts:
-            args += ["--trusted-hosts", opts.trusted_hosts]
+        args += gateway_argv(opts)
         args += opts.lora_gateway_args
     # The engines fold the model name into block hashes, so prefill, decode and the gateway must
     # agree on it or no prefix would ever be shared.

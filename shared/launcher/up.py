@@ -21,6 +21,7 @@ from pathlib import Path
 from shared.engine.errors import EXIT_CONFIG, ConfigError
 from shared.models.errors import CheckpointError
 from shared.engine.lora_config import add_lora_arguments, lora_service_args
+from shared.gateway_flags import add_gateway_flags
 from shared.launcher.gpu_plan import (WORKER_DEFAULTS, PlanError, gpu_memory_from_nvidia_smi, parse_gpu_memory,
                                      plan_mesh, plan_models, worker_needs)
 from shared.engine.cpu_threads import worker_env
@@ -166,28 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bus identity (a 64+16 worker mesh on a small machine; not with --planner)")
     parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
                         help="engine workers' batch limit (default: theirs, 128); the load planner reads it too")
-    parser.add_argument("--routing", choices=["kv", "round-robin"], default=None,
-                        help="the gateway's routing: kv (default, KV-aware) or round-robin (a baseline)")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="the gateway lets a request bring its own chat_template (rendered in a limited child "
-                             "process); default: a 400, as vLLM")
-    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
-                        help="the gateway's: fcfs (default; a request's priority other than 0 is a 400) or priority")
-    parser.add_argument("--trusted-hosts", default=None, metavar="NAMES",
-                        help="host names the gateway answers to, against DNS rebinding ('*': any; default: loopback "
-                             "names when --host is loopback)")
-    parser.add_argument("--max-inflight-requests", type=int, default=None, metavar="N",
-                        help="the gateway serves at most N generation requests at once; past it 429 with Retry-After "
-                             "(default: the gateway's, 1024; 0: no bound)")
-    parser.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
-                        help="the longest a request may wait for its first token: past it (expected or actual) 429/503 "
-                             "with Retry-After (default: the gateway's, 30; 0: no bound)")
-    parser.add_argument("--max-request-tokens", type=int, default=None, metavar="TOKENS",
-                        help="tokens of work one request may ask (its prompts plus n, best_of or beams x max_tokens); "
-                             "past it a 400 (default: the gateway's, 16 context lengths)")
-    parser.add_argument("--stream-write-timeout", type=float, default=None, metavar="SECONDS",
-                        help="longest wait for one write to a streaming client; past it the stream ends and its "
-                             "worker drops the request (default: the gateway's)")
+    add_gateway_flags(parser, launcher=True)
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="compute threads of each CPU engine worker, affinity left as it is (default: each its "
                              "share of this host's usable cores, pinned to its own cores when there are several)")
