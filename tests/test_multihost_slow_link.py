@@ -76,6 +76,7 @@ def test_a_slow_link_to_one_decode_host_gets_it_less_and_nobody_times_out(mesh) 
 
     with ThreadPoolExecutor(2) as pool:  # warm-up: both workers answer (first steps build kernels)
         list(pool.map(one, range(1000, 1008)))
+    migrations = mesh.metric("kvmesh:request_migrations_total")
     result: dict = {"delay_ms_each_way": DELAY_MS, "max_tokens": MAX_TOKENS, "phases": {}}
     start = 0
     for name, count, concurrency in PHASES:
@@ -91,9 +92,11 @@ def test_a_slow_link_to_one_decode_host_gets_it_less_and_nobody_times_out(mesh) 
             "observed_ttft_s": {w: after[w]["observed_ttft_s"] for w in (FAST, SLOW)},
             "observed_token_gap_s": {w: after[w]["observed_token_gap_s"] for w in (FAST, SLOW)},
             "client_latency_s": {"mean": sum(latencies) / len(latencies), "max": max(latencies)}}
+    result["migrations"] = mesh.metric("kvmesh:request_migrations_total") - migrations
     print(json.dumps(result, indent=1))
     if path := os.environ.get("KVMESH_SLOW_LINK_RESULT"):
         Path(path).write_text(json.dumps(result, indent=1) + "\n")
+    assert result["migrations"] == 0, result  # slow is not dead: nothing moves off the slow host
     alone, busy = result["phases"]["one_at_a_time"], result["phases"]["three_at_a_time"]
     # The gateway sees the link (c's first tokens come later) and sends c less: hardly anything while b is free,
     # its part once b is busier.
