@@ -63,6 +63,19 @@ def test_w16_kernel_matches_twin(rows, dtype) -> None:
         _close(linear_w16(x, w), linear_w16_ref(x, w), x, w.float())
 
 
+def test_the_matmul_ops_trace_under_torch_compile() -> None:
+    """--cpu-compile traces a step through these ops: their fake shapes (kernels/cpu/extension.py) let a graph
+    hold them, and the compiled graph returns the op's own result."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    qs, scales = _blocks(48, 64, g)[0][G.Q4]
+    both = torch.compile(lambda x: (linear_w16(x, w) + 1, G.linear_gguf(x, qs, scales, None, G.Q4, G.ACT_Q8) * 2),
+                         fullgraph=True)
+    got_w16, got_gguf = both(x)
+    assert torch.equal(got_w16, linear_w16(x, w) + 1)
+    assert torch.equal(got_gguf, G.linear_gguf(x, qs, scales, None, G.Q4, G.ACT_Q8) * 2)
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_gguf_kernels_match_twin(rows) -> None:
     g = torch.Generator().manual_seed(100 + rows)

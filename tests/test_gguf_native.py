@@ -21,7 +21,7 @@ from shared.models.gguf_blocks import BLOCKS_FILE, dequantize_q4
 from shared.models.gguf_quant import HYBRID_MAX_ROWS, RowSplitLinear
 from shared.models.loader import load_model
 from shared.models.model_source import resolve_model
-from shared.models.quant_linear import Int4Linear, Int8Linear
+from shared.models.quant_linear import GgufLinear, Int4Linear, Int8Linear
 from shared.sampling_params import SamplingParams
 from tests.gguf_files import TinySpec, write_tiny_gguf
 
@@ -250,3 +250,24 @@ def test_q4_k_m_style_file_serves_q4_k_and_q6_k_blocks(smollm2_gguf_file, tmp_pa
     assert torch.equal(layer.mlp.down_proj.dequantized(), exact.mlp.down_proj.weight)
     assert torch.equal(layer.mlp.gate_up_proj.dequantized(), exact.mlp.gate_up_proj.weight)
     _assert_greedy_follows(blocks, dequant)
+
+
+def test_compiled_decode_runs_through_the_block_kernels(tiny) -> None:
+    """--cpu-compile on with the GGUF served as stored in float32 (GgufLinear, the CPU without native bf16): the
+    step traces through the C++ block kernels (their fake shapes, kernels/cpu/extension.py) and answers as eager
+    does. Float32 fused loops round differently from eager's ops, so the first token and its logprob are compared
+    within a tolerance, and decode steps must come through the compiled forward."""
+    prompts = [[1, 504, 3101, 27, 915, 4412, 28, 8, 77], [1, 77, 28, 915]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    outs = {}
+    for mode in ("off", "on"):
+        e = LLMEngine(EngineConfig(model=tiny, device="cpu", dtype="float32", quantization="gguf", num_kv_blocks=64,
+                                   max_num_batched_tokens=256, max_num_seqs=2, cpu_compile=mode))
+        assert any(isinstance(m, GgufLinear) for m in e.model.modules())
+        outs[mode] = e.generate(prompts, params, use_tqdm=False)
+        if mode == "on":
+            assert [b for b, _ in e.executor.cpu_compile_seconds] == [1, 2]
+            assert e.runner.graphs.forward.calls > 5
+    for eager, compiled in zip(outs["off"], outs["on"]):
+        assert compiled.output_token_ids[0] == eager.output_token_ids[0]
+        assert abs(compiled.logprobs[0].logprob - eager.logprobs[0].logprob) < 1e-3

@@ -158,7 +158,17 @@ def _load() -> tuple[bool, str]:
                                is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure: keep the torch path, say why once
         return False, f"building the C++ CPU kernels failed ({type(e).__name__}: {str(e)[-2000:]})"
+    _register_fakes()
     return True, f"C++ CPU kernels ({' '.join(flags) or 'no vector flags'}) from {build_dir}"
+
+
+def _register_fakes() -> None:
+    """Output shapes of the ops the eager model calls, so a step through them can be traced (--cpu-compile)."""
+    from kernels.cpu.gemv_bf16 import linear_w16_fake
+    from kernels.cpu.gemv_gguf import linear_gguf_fake
+
+    for name, fake in (("kvmesh_cpu::linear_w16", linear_w16_fake), ("kvmesh_cpu::linear_gguf", linear_gguf_fake)):
+        torch.library.register_fake(name)(fake)
 
 
 def native_status() -> tuple[bool, str]:

@@ -20,6 +20,11 @@ def linear_w16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     return torch.ops.kvmesh_cpu.linear_w16(x.contiguous(), w.contiguous(), bias)
 
 
+def linear_w16_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The op's output for tracing (torch.compile of a step through WeightLinear): [rows, out] float32."""
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
 def linear_w16_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     check(x, w, bias)
     return F.linear(x, w.float(), bias)

@@ -66,6 +66,12 @@ def linear_gguf(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: t
     return torch.ops.kvmesh_cpu.linear_gguf(x.contiguous(), qs, scales, bias, fmt, act)
 
 
+def linear_gguf_fake(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
+                     act: int) -> torch.Tensor:
+    """The op's output for tracing (torch.compile of a step through GgufLinear): [rows, out] float32."""
+    return x.new_empty((x.shape[0], qs.shape[0]))
+
+
 def dequantize_ref(qs: torch.Tensor, scales: torch.Tensor, fmt: int) -> torch.Tensor:
     """The weight [out, in] float32 the blocks stand for."""
     n = qs.shape[0]
