@@ -305,6 +305,7 @@ KVMESH_CONFIGS = {
     "kvmesh-none": ["--quantization", "none"],  # the GGUF dequantized to bf16
     "kvmesh-gguf": ["--quantization", "gguf"],  # native 4-bit layers at every batch size (no bf16 copy)
     "kvmesh-int4": ["--quantization", "int4"],
+    "kvmesh-1t": ["--threads", "1"],  # one compute thread: a core left for the worker's own I/O and the services
 }
 
 
