@@ -252,6 +252,7 @@ def test_q4_k_m_style_file_serves_q4_k_and_q6_k_blocks(smollm2_gguf_file, tmp_pa
     _assert_greedy_follows(blocks, dequant)
 
 
+@pytest.mark.slow  # compiling two buckets keeps both cores busy for ~30 s; the ops' tracing is a fast test
 def test_compiled_decode_runs_through_the_block_kernels(tiny) -> None:
     """--cpu-compile on with the GGUF served as stored in float32 (GgufLinear, the CPU without native bf16): the
     step traces through the C++ block kernels (their fake shapes, kernels/cpu/extension.py) and answers as eager
