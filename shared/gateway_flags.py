@@ -64,14 +64,14 @@ DEFAULTS = {f.dest: f.default for f in GATEWAY_FLAGS}
 def add_gateway_flags(parser: argparse.ArgumentParser, launcher: bool) -> None:
     """The table's flags on a parser: the gateway's (launcher False) with their defaults, or `kvmesh up`'s (True)
     with None, saying what the gateway's default is."""
+    prefix = "[gateway] " if launcher else ""
     for f in GATEWAY_FLAGS:
         if f.type is None:
-            parser.add_argument(f.flag, action="store_true", help=("[gateway] " if launcher else "") + f.help)
+            parser.add_argument(f.flag, action="store_true", help=prefix + f.help)
             continue
         shown = f" (default: {f.default})" if f.default is not None and "default" not in f.help else ""
         parser.add_argument(f.flag, type=f.type, choices=f.choices, metavar=f.metavar,
-                            default=None if launcher else f.default,
-                            help=("[gateway] " if launcher else "") + f.help + shown)
+                            default=None if launcher else f.default, help=prefix + f.help + shown)
 
 
 def gateway_argv(values: Any) -> list[str]:  # noqa: ANN401

@@ -148,17 +148,18 @@ def measure_ttft(repeats: int, workdir: Path, tokens: int = 4096) -> dict:
             links = TTFT_LINKS if label == "remote_prefill" else ("unshaped",)
             rows: dict[str, dict] = {name: {"ttft_seconds": [], "kv_pushes": 0.0, "kv_wait_seconds": []}
                                      for name in links}
+            pushes, waited = _pushes(m)  # the counters after each request are the next one's starting point
             for _ in range(repeats):
                 for name in links:
                     spec = LINKS[name]
                     with contextlib.ExitStack() as link:
                         if spec:
                             link.enter_context(hosts.wan("b", "c", spec[1], spec[2]))
-                        pushes, waited = _pushes(m)
                         rows[name]["ttft_seconds"].append(_ttft(client, tokens, rng))
                         pushes_after, waited_after = _pushes(m)
                     rows[name]["kv_pushes"] += pushes_after - pushes
                     rows[name]["kv_wait_seconds"].append(waited_after - waited)
+                    pushes, waited = pushes_after, waited_after
             for name, row in rows.items():
                 row["median_ms"] = statistics.median(row["ttft_seconds"]) * 1e3
                 row["kv_wait_median_ms"] = statistics.median(row["kv_wait_seconds"]) * 1e3

@@ -97,13 +97,11 @@ class MultiHostMesh:
         lines.wait_for(r"join file ", timeout=30)
         return lines
 
-    def join(self, letter: str, decode: int = 1, prefill: int = 0, *extra: str, wait: bool = True,
-             join_file: Path | None = None) -> Lines:
-        """Host `letter` joins with its workers (wait: until its launcher says it joined). join_file: another
-        one than the first host wrote (its routes through a relay, say)."""
+    def join(self, letter: str, decode: int = 1, prefill: int = 0, *extra: str, wait: bool = True) -> Lines:
+        """Host `letter` joins with its workers (wait: until its launcher says it joined)."""
         host = self.hosts[letter]
         lines = self._launch(host, letter, [
-            "--join", str(join_file or self.join_file), "--advertise-host", host.address, "--host-name", letter,
+            "--join", str(self.join_file), "--advertise-host", host.address, "--host-name", letter,
             "--decode", str(decode), "--prefill", str(prefill), "--grace", "3", *extra])
         if wait:
             lines.wait_for(JOINED, timeout=60)

@@ -22,10 +22,11 @@ import fcntl
 import os
 import signal
 import struct
-import subprocess
 import sys
 import threading
 import time
+
+from tests.netns_hosts import _ip
 
 WAN_READY = "WAN_READY"
 MTU = 65000
@@ -38,10 +39,6 @@ def _tun(name: str) -> int:
     fd = os.open("/dev/net/tun", os.O_RDWR)
     fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
     return fd
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
 class Direction:
