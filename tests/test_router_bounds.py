@@ -3,7 +3,6 @@ made-up worker ids grew the gateway from 101 to 247 MB for good. Router state no
 that beat, is forgotten when they stop, and each block set is capped (oldest dropped)."""
 from __future__ import annotations
 
-import asyncio
 import os
 
 from services.gateway.router import Router, RouterConfig
@@ -12,6 +11,8 @@ from shared.block_hash import hash_blocks
 from shared.protocol.events import BlockRemoved, BlockStored, LoadBeat
 from tests.gateway_harness import one_decoder_mesh
 from tests.test_gateway_units import ROOT, Clock, beat
+
+MARK = b"m" * 16  # the flood's last event: its hash in d0's set says the gateway handled them all
 
 
 def test_events_for_workers_that_never_beat_create_nothing() -> None:
@@ -68,14 +69,21 @@ def test_a_flood_of_block_events_over_the_bus_leaves_the_router_bounded(tmp_path
                                       BlockStored(worker_id="d0", hashes=[os.urandom(16) for _ in range(2000)]))
                 # d0's id on another subject: ignored (a worker speaks only for itself)
                 await bus.publish(nc, subjects.decode_events("fake1"), BlockStored(worker_id="d0", hashes=[b"y" * 16]))
+                # Last, one more of d0's own: once the gateway holds it, it has handled everything before it (one
+                # subscription, in order).
+                await bus.publish(nc, subjects.decode_events("d0"), BlockStored(worker_id="d0", hashes=[MARK]))
                 await nc.flush()
-                await asyncio.sleep(1.0)
             finally:
                 await nc.close()
 
+        async def view() -> tuple[int, str, set[bytes], int]:
+            # Read on the gateway's own loop, between its handlers: never in the middle of an event's hashes.
+            (d0,) = router.alive()
+            return router.worker_count(), d0.worker_id, set(d0.blocks), len(d0.host_blocks)
+
         mesh.call(flood(), timeout=120)
-        mesh.wait_until(lambda: True)
-        assert router.worker_count() == 1
-        d0 = router.alive()[0]
-        assert d0.worker_id == "d0" and len(d0.blocks) == total and len(d0.host_blocks) <= RouterConfig().max_worker_hashes
-        assert b"y" * 16 not in d0.blocks
+        mesh.wait_until(lambda: MARK in mesh.call(view())[2], timeout=120)
+        count, worker_id, blocks, host_blocks = mesh.call(view())
+        assert count == 1
+        assert worker_id == "d0" and len(blocks) == total and host_blocks <= RouterConfig().max_worker_hashes
+        assert b"y" * 16 not in blocks
