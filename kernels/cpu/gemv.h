@@ -51,6 +51,22 @@ void over_rows(int64_t M, int64_t N, int64_t weight_row_bytes, F&& fn) {
   });
 }
 
+// One activation row against the weight two output rows at a time (kernels that interleave two rows' chains):
+// fn(std::integral_constant<int, NW>(), n) fills outputs n .. n + NW - 1, NW 2 (1 for an odd last row).
+template <typename F>
+void over_row_pairs(int64_t N, int64_t weight_row_bytes, F&& fn) {
+  const int64_t grain = std::max<int64_t>(1, ((int64_t(32) << 10) / std::max<int64_t>(1, weight_row_bytes) + 1) / 2);
+  at::parallel_for(0, (N + 1) / 2, grain, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      if (2 * i + 2 <= N) {
+        fn(std::integral_constant<int, 2>(), 2 * i);
+      } else {
+        fn(std::integral_constant<int, 1>(), 2 * i);
+      }
+    }
+  });
+}
+
 // x [M, K] float32 times the weight whose rows [n0, n1) dequant(n0, n1, dst) writes to dst as float32 rows.
 template <typename F>
 at::Tensor tiled(const at::Tensor& x, int64_t N, int64_t K, F&& dequant) {
