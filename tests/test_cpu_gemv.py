@@ -94,6 +94,25 @@ def test_gguf_kernels_match_twin(rows) -> None:
         assert torch.equal(G.dequantize_ref(qs, sc, G.Q4), ref.view(n, k))
 
 
+def test_q4_float16_scales_give_the_float32_scales_bits() -> None:
+    """Scales exact in float16 (a GGUF's Q4_0 / Q4_1 ones) are kept so; every path (one row, row blocks, float32
+    tiles; int8 and float32 activations) multiplies them as the same values in float32: the same bits. Scales
+    that float16 would round stay float32."""
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((33, 320), (64, 576), (8, 64)):
+        codes = torch.randint(0, 16, (n, k), generator=g)
+        d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+        qs, sc = G.pack_q4(codes, d, (-8 * d).half().float())
+        assert sc.dtype == torch.float16
+        for rows in (1, 2, 5, 17, 33, 40):
+            x = torch.randn(rows, k, generator=g)
+            for act in (G.ACT_F32, G.ACT_Q8):
+                out = G.linear_gguf(x, qs, sc, None, G.Q4, act)
+                assert torch.equal(out, G.linear_gguf(x, qs, sc.float(), None, G.Q4, act)), (n, k, rows, act)
+                _close(out, G.linear_gguf_ref(x, qs, sc, None, G.Q4, act), x, G.dequantize_ref(qs, sc, G.Q4))
+    assert G.pack_q4(codes, d + 1e-7, d)[1].dtype == torch.float32
+
+
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
     """The C++ stack and the eager model batch rows differently (and a row's own step varies with the batch), so
     each row's output must be the same bits whether it runs alone (a single row goes through the kernels that take

@@ -1,7 +1,8 @@
 // Float32 activations times weights kept in GGUF's blocks of 32 (dequantized in registers, never in memory):
 //   fmt 0, Q4 (GGUF Q4_0 and Q4_1): qs uint8 [N, K / 2], block b of a row at bytes 16 b .. 16 b + 15, byte j holding
-//     weight 32 b + j in its low nibble and 32 b + j + 16 in its high one (GGUF's own order); scales float32
-//     [N, K / 32, 2] = (d, m): w = q d + m (Q4_0: m = -8 d).
+//     weight 32 b + j in its low nibble and 32 b + j + 16 in its high one (GGUF's own order); scales [N, K / 32, 2]
+//     = (d, m): w = q d + m (Q4_0: m = -8 d), float32, or float16 where every scale is exact in it (Q4_0's and
+//     Q4_1's are: the file stores them so), which a memory-bound step then reads 0.625 bytes a weight for, not 0.75.
 //   fmt 1, Q8_0: qs int8 [N, K], scales float32 [N, K / 32] = d: w = q d.
 //   fmt 2, Q8_16 (GGUF Q6_K: 6-bit codes minus 32, one scale per 16): qs int8 [N, K], scales float32 [N, K / 16]:
 //     w = q d, d of the column's 16.
@@ -16,6 +17,7 @@
 // through the same int8 rounding for act 1, then a float32 matmul).
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "gemv.h"
@@ -29,8 +31,14 @@ enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1, kQ8_16 = 2 };
 
 // ---- act 0: float32 activations --------------------------------------------------------------------------------
 
-template <int RB>
-inline void q4_f32(const uint8_t* q, const float* sc, int64_t nb, const float* x, int64_t ldx, const float* xsum,
+// A Q4 scale as float32 (S: float, or at::Half for float16 scales).
+template <typename S>
+inline float sf(S v) {
+  return float(v);
+}
+
+template <int RB, typename S>
+inline void q4_f32(const uint8_t* q, const S* sc, int64_t nb, const float* x, int64_t ldx, const float* xsum,
                    int64_t ldb, float* out, int64_t ldo) {
   float s[RB], ms[RB];
   for (int r = 0; r < RB; ++r) s[r] = ms[r] = 0.f;
@@ -45,8 +53,8 @@ inline void q4_f32(const uint8_t* q, const float* sc, int64_t nb, const float* x
     const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
     const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
     const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-    const __m256 d = _mm256_set1_ps(sc[2 * b]);
-    const float m = sc[2 * b + 1];
+    const __m256 d = _mm256_set1_ps(sf(sc[2 * b]));
+    const float m = sf(sc[2 * b + 1]);
     for (int r = 0; r < RB; ++r) {
       const float* xr = x + r * ldx + QK * b;
       __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
@@ -64,8 +72,8 @@ inline void q4_f32(const uint8_t* q, const float* sc, int64_t nb, const float* x
       const float* xr = x + r * ldx + QK * b;
       float t = 0.f;
       for (int j = 0; j < 16; ++j) t += float(q[16 * b + j] & 15) * xr[j] + float(q[16 * b + j] >> 4) * xr[j + 16];
-      s[r] += t * sc[2 * b];
-      ms[r] += sc[2 * b + 1] * xsum[r * ldb + b];
+      s[r] += t * sf(sc[2 * b]);
+      ms[r] += sf(sc[2 * b + 1]) * xsum[r * ldb + b];
     }
   }
 #endif
@@ -156,10 +164,23 @@ inline __m256i hsum8_epi32(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+inline __m256 load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+
+inline __m256 load8(const at::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return _mm256_setr_ps(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);
+#endif
+}
+
 // Eight Q4 blocks' scales (d0, m0, d1, m1, ...) split into their d and their m, in the order pair_sums leaves the
 // blocks' dot products in: 0 2 4 6 1 3 5 7.
-inline void split_dm(const float* sc, __m256& d, __m256& m) {
-  const __m256 a = _mm256_loadu_ps(sc), b = _mm256_loadu_ps(sc + 8);
+template <typename S>
+inline void split_dm(const S* sc, __m256& d, __m256& m) {
+  const __m256 a = load8(sc), b = load8(sc + 8);
   // shuffle_ps leaves d0 d1 d4 d5 | d2 d3 d6 d7 (and the m likewise)
   const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7);
   d = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, 0x88), order);
@@ -193,8 +214,8 @@ inline __m256i pair_sums(const __m256i* p) {
 }
 #endif
 
-template <int RB>
-inline void q4_q8(const uint8_t* q, const float* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+template <int RB, typename S>
+inline void q4_q8(const uint8_t* q, const S* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
                   const float* xs, int64_t ldb, float* out, int64_t ldo) {
   float s[RB], ms[RB];
   for (int r = 0; r < RB; ++r) s[r] = ms[r] = 0.f;
@@ -228,7 +249,7 @@ inline void q4_q8(const uint8_t* q, const float* sc, int64_t nb, const int8_t* x
   // many rows share its step.
   for (; b < nb; ++b) {
     const __m256i qw = unpack_q4(q + 16 * b);
-    const float d = sc[2 * b], m = sc[2 * b + 1];
+    const float d = sf(sc[2 * b]), m = sf(sc[2 * b + 1]);
     for (int r = 0; r < RB; ++r) {
       const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * ldq + QK * b));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us8(qw, qx)), _mm256_set1_ps(d * xd[r * ldb + b]), acc[r]);
@@ -242,8 +263,8 @@ inline void q4_q8(const uint8_t* q, const float* sc, int64_t nb, const int8_t* x
       const int8_t* xr = xq + r * ldq + QK * b;
       int32_t t = 0;
       for (int j = 0; j < 16; ++j) t += int32_t(q[16 * b + j] & 15) * xr[j] + int32_t(q[16 * b + j] >> 4) * xr[j + 16];
-      s[r] += float(t) * (sc[2 * b] * xd[r * ldb + b]);
-      ms[r] += sc[2 * b + 1] * xs[r * ldb + b];
+      s[r] += float(t) * (sf(sc[2 * b]) * xd[r * ldb + b]);
+      ms[r] += sf(sc[2 * b + 1]) * xs[r * ldb + b];
     }
   }
 #endif
@@ -256,8 +277,8 @@ inline void q4_q8(const uint8_t* q, const float* sc, int64_t nb, const int8_t* x
 // than one row at a time; four rows were no faster than two, and two activation rows or more are faster through
 // q4_q8's hoisted weights). The weights are unpacked where they are used:
 // hoisting them as q4_q8 does for several activation rows needs more registers than AVX2 has.
-template <int NW>
-inline void q4_q8_rows(const uint8_t* q, int64_t row_bytes, const float* sc, int64_t sc_per_row, int64_t nb,
+template <int NW, typename S>
+inline void q4_q8_rows(const uint8_t* q, int64_t row_bytes, const S* sc, int64_t sc_per_row, int64_t nb,
                        const int8_t* xq, const float* xd, const float* xs, float* out) {
 #ifdef KVMESH_GEMV_AVX2
   __m256 acc[NW];
@@ -291,7 +312,7 @@ inline void q4_q8_rows(const uint8_t* q, int64_t row_bytes, const float* sc, int
     const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + QK * b));
     for (int w = 0; w < NW; ++w) {
       const __m256i qw = unpack_q4(q + w * row_bytes + 16 * b);
-      const float d = sc[w * sc_per_row + 2 * b], m = sc[w * sc_per_row + 2 * b + 1];
+      const float d = sf(sc[w * sc_per_row + 2 * b]), m = sf(sc[w * sc_per_row + 2 * b + 1]);
       acc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us8(qw, qx)), _mm256_set1_ps(d * xd[b]), acc[w]);
       ms[w] = std::fma(m, xs[b], ms[w]);
     }
@@ -439,29 +460,101 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, 
   }
 }
 
-void dequant_rows(int64_t fmt, const uint8_t* qs, const float* sc, int64_t K, int64_t n0, int64_t n1, float* dst) {
+// Rows [n0, n1) of the weight as float32 (the tiles of steps past the block kernels' rows). S: the scales' type
+// (float16 for Q4 only).
+template <typename S>
+void dequant_rows(int64_t fmt, const uint8_t* qs, const S* sc, int64_t K, int64_t n0, int64_t n1, float* dst) {
   const int64_t nb = K / QK;
   for (int64_t n = n0; n < n1; ++n) {
     float* o = dst + (n - n0) * K;
     for (int64_t b = 0; b < nb; ++b) {
       if (fmt == kQ4) {
         const uint8_t* q = qs + n * (K / 2) + 16 * b;
-        const float d = sc[2 * (n * nb + b)], m = sc[2 * (n * nb + b) + 1];
+        const float d = sf(sc[2 * (n * nb + b)]), m = sf(sc[2 * (n * nb + b) + 1]);
         for (int j = 0; j < 16; ++j) {
           o[QK * b + j] = float(q[j] & 15) * d + m;
           o[QK * b + j + 16] = float(q[j] >> 4) * d + m;
         }
       } else if (fmt == kQ8_0) {
         const int8_t* q = reinterpret_cast<const int8_t*>(qs) + n * K + QK * b;
-        const float d = sc[n * nb + b];
+        const float d = sf(sc[n * nb + b]);
         for (int j = 0; j < QK; ++j) o[QK * b + j] = float(q[j]) * d;
       } else {
         const int8_t* q = reinterpret_cast<const int8_t*>(qs) + n * K + QK * b;
-        const float* d = sc + 2 * (n * nb + b);
-        for (int j = 0; j < QK; ++j) o[QK * b + j] = float(q[j]) * d[j / 16];
+        const S* d = sc + 2 * (n * nb + b);
+        for (int j = 0; j < QK; ++j) o[QK * b + j] = float(q[j]) * sf(d[j / 16]);
       }
     }
   }
+}
+
+// The product for scales of type S: float, or at::Half (Q4 only: the Q8 branches exist for float scales alone).
+template <typename S>
+at::Tensor product(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t N, int64_t fmt, int64_t act) {
+  constexpr bool kFloatScales = std::is_same_v<S, float>;
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  const int64_t sc_per_row = fmt == kQ8_0 ? nb : 2 * nb;  // Q4: (d, m) per 32; Q8_16: d per 16
+  const int64_t row_bytes = fmt == kQ4 ? K / 2 : K;
+  const float* xp = x.data_ptr<float>();
+  const int8_t* q8 = reinterpret_cast<const int8_t*>(qp);
+  if (M > (act == 1 ? kMaxRowsQ8 : gemv::kMaxRows))
+    return gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(fmt, qp, sp, K, n0, n1, dst); });
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  if (act == 0) {
+    std::vector<float> xsum(fmt == kQ4 ? M * nb : 0);
+    for (int64_t i = 0; i < int64_t(xsum.size()); ++i) {
+      float t = 0.f;
+      for (int j = 0; j < QK; ++j) t += xp[i * QK + j];
+      xsum[i] = t;
+    }
+    gemv::over_rows(M, N, row_bytes, [&](auto rb, int64_t n, int64_t m0) {
+      constexpr int RB = decltype(rb)::value;
+      if (fmt == kQ4) {
+        q4_f32<RB>(qp + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K, K, xsum.data() + m0 * nb, nb,
+                   op + m0 * N + n, N);
+      } else if constexpr (kFloatScales) {
+        if (fmt == kQ8_0) {
+          q8_f32<RB, false>(q8 + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K, K, op + m0 * N + n, N);
+        } else {
+          q8_f32<RB, true>(q8 + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K, K, op + m0 * N + n, N);
+        }
+      }
+    });
+    return out;
+  }
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xs(M * nb);
+  quantize_rows(xp, M, K, xq.data(), xd.data(), xs.data(), fmt == kQ4 && kPairedQ4);
+  if (M == 1 && fmt != kQ8_16) {
+    gemv::over_row_pairs(N, row_bytes, [&](auto nw, int64_t n) {
+      constexpr int NW = decltype(nw)::value;
+      if (fmt == kQ4) {
+        q4_q8_rows<NW>(qp + n * row_bytes, row_bytes, sp + n * sc_per_row, sc_per_row, nb, xq.data(), xd.data(),
+                       xs.data(), op + n);
+      } else if constexpr (kFloatScales) {
+        q8_q8_rows<NW>(q8 + n * row_bytes, row_bytes, sp + n * sc_per_row, sc_per_row, nb, xq.data(), xd.data(),
+                       op + n);
+      }
+    });
+    return out;
+  }
+  gemv::over_rows(M, N, row_bytes, [&](auto rb, int64_t n, int64_t m0) {
+    constexpr int RB = decltype(rb)::value;
+    if (fmt == kQ4) {
+      q4_q8<RB>(qp + n * row_bytes, sp + n * sc_per_row, nb, xq.data() + m0 * K, K, xd.data() + m0 * nb,
+                xs.data() + m0 * nb, nb, op + m0 * N + n, N);
+    } else if constexpr (kFloatScales) {
+      if (fmt == kQ8_0) {
+        q8_q8<RB, false>(q8 + n * row_bytes, sp + n * sc_per_row, nb, xq.data() + m0 * K, K, xd.data() + m0 * nb, nb,
+                         op + m0 * N + n, N);
+      } else {
+        q8_q8<RB, true>(q8 + n * row_bytes, sp + n * sc_per_row, nb, xq.data() + m0 * K, K, xd.data() + m0 * nb, nb,
+                        op + m0 * N + n, N);
+      }
+    }
+  });
+  return out;
 }
 
 }  // namespace
@@ -473,77 +566,19 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(act == 0 || act == 1, "linear_gguf: act 0 (float32) or 1 (int8), got ", act);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "linear_gguf: x [rows, in] float32 contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / QK;
+  const int64_t K = x.size(1), N = qs.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0, "linear_gguf: in features ", K, " not a multiple of 32");
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (fmt == kQ4 ? K / 2 : K) &&
                   qs.scalar_type() == (fmt == kQ4 ? at::kByte : at::kChar),
               "linear_gguf: qs [out, in / 2] uint8 (Q4) or [out, in] int8 (Q8_0, Q8_16), contiguous");
-  const int64_t sc_per_row = fmt == kQ8_0 ? nb : 2 * nb;  // Q4: (d, m) per 32; Q8_16: d per 16
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * sc_per_row,
-              "linear_gguf: scales float32 [out, ", sc_per_row, " per row] contiguous");
+  const int64_t sc_per_row = fmt == kQ8_0 ? nb : 2 * nb;
+  const bool half = fmt == kQ4 && scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || half) && scales.is_contiguous() &&
+                  scales.numel() == N * sc_per_row,
+              "linear_gguf: scales float32 (Q4: or float16) [out, ", sc_per_row, " per row] contiguous");
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  at::Tensor out;
-  if (M > (act == 1 ? kMaxRowsQ8 : gemv::kMaxRows)) {
-    out = gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(fmt, qp, sp, K, n0, n1, dst); });
-  } else {
-    out = at::empty({M, N}, x.options());
-    float* op = out.data_ptr<float>();
-    const int64_t row_bytes = fmt == kQ4 ? K / 2 : K;
-    if (act == 0) {
-      std::vector<float> xsum(fmt == kQ4 ? M * nb : 0);
-      for (int64_t i = 0; i < int64_t(xsum.size()); ++i) {
-        float t = 0.f;
-        for (int j = 0; j < QK; ++j) t += xp[i * QK + j];
-        xsum[i] = t;
-      }
-      gemv::over_rows(M, N, row_bytes, [&](auto rb, int64_t n, int64_t m0) {
-        constexpr int RB = decltype(rb)::value;
-        if (fmt == kQ4) {
-          q4_f32<RB>(qp + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K, K, xsum.data() + m0 * nb, nb,
-                     op + m0 * N + n, N);
-        } else if (fmt == kQ8_0) {
-          q8_f32<RB, false>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K,
-                            K, op + m0 * N + n, N);
-        } else {
-          q8_f32<RB, true>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb, xp + m0 * K,
-                           K, op + m0 * N + n, N);
-        }
-      });
-    } else {
-      std::vector<int8_t> xq(M * K);
-      std::vector<float> xd(M * nb), xs(M * nb);
-      quantize_rows(xp, M, K, xq.data(), xd.data(), xs.data(), fmt == kQ4 && kPairedQ4);
-      if (M == 1 && fmt != kQ8_16) {
-        gemv::over_row_pairs(N, row_bytes, [&](auto nw, int64_t n) {
-          constexpr int NW = decltype(nw)::value;
-          if (fmt == kQ4) {
-            q4_q8_rows<NW>(qp + n * row_bytes, row_bytes, sp + n * sc_per_row, sc_per_row, nb, xq.data(), xd.data(),
-                           xs.data(), op + n);
-          } else {
-            q8_q8_rows<NW>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, row_bytes, sp + n * sc_per_row,
-                           sc_per_row, nb, xq.data(), xd.data(), op + n);
-          }
-        });
-        gemv::add_bias(out, bias);
-        return out;
-      }
-      gemv::over_rows(M, N, row_bytes, [&](auto rb, int64_t n, int64_t m0) {
-        constexpr int RB = decltype(rb)::value;
-        if (fmt == kQ4) {
-          q4_q8<RB>(qp + n * row_bytes, sp + n * sc_per_row, nb, xq.data() + m0 * K, K, xd.data() + m0 * nb,
-                    xs.data() + m0 * nb, nb, op + m0 * N + n, N);
-        } else if (fmt == kQ8_0) {
-          q8_q8<RB, false>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb,
-                           xq.data() + m0 * K, K, xd.data() + m0 * nb, nb, op + m0 * N + n, N);
-        } else {
-          q8_q8<RB, true>(reinterpret_cast<const int8_t*>(qp) + n * row_bytes, sp + n * sc_per_row, nb,
-                          xq.data() + m0 * K, K, xd.data() + m0 * nb, nb, op + m0 * N + n, N);
-        }
-      });
-    }
-  }
+  at::Tensor out = half ? product(x, qp, scales.data_ptr<at::Half>(), N, fmt, act)
+                        : product(x, qp, scales.data_ptr<float>(), N, fmt, act);
   gemv::add_bias(out, bias);
   return out;
 }
