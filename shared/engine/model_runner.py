@@ -27,7 +27,7 @@ from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
 from shared.engine.verify_buckets import VerifyGraphPlan
 from shared.engine.verify_graphs import VerifyGraphs, VerifyGraphStats, is_verify
-from shared.models.cpu_native import native_decode_for
+from shared.models.cpu_native import MAX_CHUNK, native_decode_for
 from shared.models.llama import LlamaFamilyForCausalLM
 from shared.sampling_params import SamplingParams
 
@@ -129,7 +129,7 @@ class ModelRunner:
         # On CPU, small steps (decode, verify, short chunks) through the C++ decoder stack (shared/models/cpu_native.py)
         self.native, why = native_decode_for(model, device)
         if device == "cpu":
-            log.info("CPU step path: %s", f"C++ decoder stack for steps of chunks <= 16 rows ({why})"
+            log.info("CPU step path: %s", f"C++ decoder stack for steps of chunks <= {MAX_CHUNK} rows ({why})"
                      if self.native is not None else f"Python, torch twins ({why})")
 
     # --- the KV pool and the graphs over it ----------------------------------------------------

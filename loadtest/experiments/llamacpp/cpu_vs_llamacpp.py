@@ -4,11 +4,15 @@
  [--neighbour] [--shape qwen3-0.6b|llama-3.2-1b [--quant Q4_0|Q4_1]] [--isa avx2] [--levels 1,8,32] [--prompts 32]
  [--c1-prompts 8] [--output-len 128] [--ttft-prompt-tokens 2000] [--ttft-reps 3]`
 
-Workload: 32 chat prompts "Tell me a long story about the town of X." (about 50 prompt tokens with the chat
+Workload: chat prompts "Tell me a long story about the town of X." (about 40 prompt tokens with the chat
 template), 128 output tokens each (ignore_eos), greedy, streamed through the chat endpoint with `kvmesh bench
 serve`: output tokens per second at concurrency 8 and 32 (32 requests), and at concurrency 1 (8 requests) with
-its median TTFT. Each server runs alone: started, measured, stopped, then the next. `--levels`, `--prompts`,
-`--c1-prompts` and `--output-len` shorten a run.
+its median TTFT. Every request of a run has a prompt of its own (the warm-up's, concurrency 1's and the higher
+levels' are distinct), so each server computes every prompt past the chat template's shared start, which both
+cache: a repeated prompt would measure prefix-cache granularity instead (llama.cpp reuses a slot's tokens one by
+one, kvmesh whole blocks of 16). That is measured apart: `c1_repeat` sends concurrency 1's prompts once more and
+records its median TTFT. Each server runs alone: started, measured, stopped, then the next. `--levels`,
+`--prompts`, `--c1-prompts` and `--output-len` shorten a run.
 
 --neighbour    a busy process (a Python `while True: pass`, normal priority, pinned nowhere) runs beside each server
                while it is measured, and is stopped after: what a compiler or another job does to a serving host.
@@ -58,7 +62,7 @@ from loadtest.serve.llamacpp import (CACHE_ROOT, ISA_LEVELS, LlamaCppConfig, bin
                                      server_binary, source_version, start_llamacpp)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
-TOWNS = TOPICS * 2  # any 32 names: the prompt's length is what matters
+TOWNS = TOPICS  # any names: the prompt's length is what matters (a number makes each prompt distinct)
 NEIGHBOUR = "while True: pass"
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
               "avx512dq", "avx512cd", "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_bf16", "amx_int8")
@@ -70,10 +74,12 @@ ONEDNN_ISA = {"generic": "SSE41", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX51
 MKL_ISA = {"generic": "SSE4_2", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512"}
 
 
-def _workload(tmp: Path, count: int, output_len: int) -> Path:
-    path = tmp / "stories.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Tell me a long story about the town of {t.title()}.",
-                                        "output_len": output_len}) + "\n" for t in (TOWNS * 8)[:count]))
+def _workload(tmp: Path, name: str, first: int, count: int, output_len: int) -> Path:
+    """Prompts first .. first + count - 1 of the run, each distinct (a topic and a number), as a jsonl."""
+    path = tmp / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Tell me a long story about the town of "
+                                                  f"{TOWNS[i % len(TOWNS)].title()} {i}.",
+                                        "output_len": output_len}) + "\n" for i in range(first, first + count)))
     return path
 
 
@@ -107,7 +113,7 @@ def neighbour(on: bool) -> Iterator[None]:
             proc.wait()
 
 
-def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, prompts: int, warmups: int = 2) -> dict:
+def _bench(base_url: str, model: str, jsonl: Path, out: Path, levels: str, prompts: int, warmups: int = 0) -> dict:
     cmd = [sys.executable, "-m", "loadtest.cli", "bench", "serve", "--base-url", base_url, "--model", model,
            "--num-warmups", str(warmups),
            "--endpoint", "chat", "--temperature", "0", "--eos-mode", "ignore_eos", "--dataset", "jsonl",
@@ -132,32 +138,39 @@ def _figures(*reports: dict) -> dict:
 class Run:
     """What every server's measurement shares: the workloads, the levels and the neighbour."""
 
-    jsonl: Path
+    output_len: int
     tmp: Path
     levels: tuple[int, ...]
-    prompts: int
+    prompts_per_level: int
     c1_prompts: int
     long_jsonl: Path | None
     ttft_reps: int
     with_neighbour: bool
     ctx_per_slot: int = 1024  # llama.cpp's context a slot (the long prompt has to fit one)
 
+    def prompts(self, name: str, first: int, count: int) -> Path:
+        return _workload(self.tmp, name, first, count, self.output_len)
+
     def measure(self, base_url: str, model: str, tag: str) -> dict:
-        # One warm-up request (first-request costs are not what is compared), then the neighbour starts.
-        _bench(base_url, model, self.jsonl, self.tmp / f"{tag}-warm.json", "1", 1)
+        # Prompt numbers: warm-up 0-1, concurrency 1 from 2, each higher level from its own thousand.
+        c1 = self.prompts("c1", 2, self.c1_prompts)
+        # Warm-up requests of their own prompts (first-request costs are not what is compared), then the neighbour
+        # starts. No level warms up: its warm-ups would be its own first prompts, answered from the cache after.
+        _bench(base_url, model, self.prompts("warm", 0, 2), self.tmp / f"{tag}-warm.json", "1", 2)
         with neighbour(self.with_neighbour):
             reports = []
             if 1 in self.levels:
-                reports.append(_bench(base_url, model, self.jsonl, self.tmp / f"{tag}-c1.json", "1", self.c1_prompts))
-            higher = [str(c) for c in self.levels if c > 1]
-            if higher:
-                reports.append(_bench(base_url, model, self.jsonl, self.tmp / f"{tag}-cN.json", ",".join(higher),
-                                      self.prompts))
+                reports.append(_bench(base_url, model, c1, self.tmp / f"{tag}-c1.json", "1", self.c1_prompts))
+            for i, c in enumerate(c for c in self.levels if c > 1):
+                reports.append(_bench(base_url, model, self.prompts(f"c{c}", 1000 * (i + 1), self.prompts_per_level),
+                                      self.tmp / f"{tag}-c{c}.json", str(c), self.prompts_per_level))
             out = _figures(*reports)
+            if 1 in self.levels:
+                # The same prompts again: what each server's prefix cache saves on a repeated prompt.
+                again = _bench(base_url, model, c1, self.tmp / f"{tag}-c1-repeat.json", "1", self.c1_prompts)
+                out["c1_repeat"] = {"ttft_p50_ms": _figures(again)["c1"]["ttft_p50_ms"]}
             if self.long_jsonl is not None:
-                # No warm-up: it would send these very prompts first, and both servers' prefix caches would answer.
-                long = _bench(base_url, model, self.long_jsonl, self.tmp / f"{tag}-long.json", "1", self.ttft_reps,
-                              warmups=0)
+                long = _bench(base_url, model, self.long_jsonl, self.tmp / f"{tag}-long.json", "1", self.ttft_reps)
                 s = long["runs"][0]["summary"]
                 out["long_prompt"] = {"ttft_p50_ms": round(s["ttft_ms"]["median"], 1),
                                       "prompt_tokens_mean": round(s.get("total_input_tokens", 0) / max(1, s["completed"])),
@@ -253,7 +266,7 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        run = Run(_workload(tmp, max(args.prompts, args.c1_prompts, 1), args.output_len), tmp, levels, args.prompts,
+        run = Run(args.output_len, tmp, levels, args.prompts,
                   args.c1_prompts, long_prompts(args.ttft_prompt_tokens, args.ttft_reps, tmp)
                   if args.ttft_prompt_tokens else None, args.ttft_reps, args.neighbour,
                   max(1024, args.ttft_prompt_tokens + 128, args.output_len + 256))
@@ -276,14 +289,16 @@ def main() -> None:
         for theirs in (k for k in results if k.startswith("llamacpp")):
             r = {lv: round(results[ours][lv]["output_tok_s"] / results[theirs][lv]["output_tok_s"], 3)
                  for lv in (f"c{c}" for c in levels)}
-            if "c1" in results[ours]:
-                r["ttft_c1"] = round(results[ours]["c1"]["ttft_p50_ms"] / results[theirs]["c1"]["ttft_p50_ms"], 3)
+            for lv in ("c1", "c1_repeat"):
+                if lv in results[ours] and lv in results[theirs]:
+                    r[f"ttft_{lv}"] = round(results[ours][lv]["ttft_p50_ms"] / results[theirs][lv]["ttft_p50_ms"], 3)
             if "long_prompt" in results[ours]:
                 r["ttft_long_prompt"] = round(results[ours]["long_prompt"]["ttft_p50_ms"] /
                                               results[theirs]["long_prompt"]["ttft_p50_ms"], 3)
             ratios[f"{ours}/{theirs}"] = r
-    report = {**provenance(), "workload": f"{max(args.prompts, args.c1_prompts)} chat prompts (~50 tokens), {args.output_len} output "
-                          f"tokens, ignore_eos, greedy, streamed; c1: {args.c1_prompts} requests, levels {args.levels}"
+    report = {**provenance(), "workload": f"distinct chat prompts (~40 tokens), {args.output_len} output tokens, "
+                          f"ignore_eos, greedy, streamed; 2 warm-up requests, c1: {args.c1_prompts} requests then "
+                          f"the same again (c1_repeat), higher levels: {args.prompts} requests; levels {args.levels}"
                           + (f"; long prompt: {args.ttft_reps} distinct prompts of ~{args.ttft_prompt_tokens} tokens, "
                              "1 output token, TTFT" if args.ttft_prompt_tokens else ""),
               "model": MODEL_NAME if args.shape == "smollm2" else f"{args.shape} architecture, random weights, "
