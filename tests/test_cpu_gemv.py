@@ -126,6 +126,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
                 together = G.linear_gguf(x, qs, sc, None, fmt, act)
                 alone = torch.cat([G.linear_gguf(x[i:i + 1], qs, sc, None, fmt, act) for i in range(7)])
                 assert torch.equal(alone, together), (n, k, fmt, act)
+    for n, k in ((24, 64), (33, 200), (100, 576)):  # 16-bit weights; in = 200 leaves a tail past the vectors
+        x = torch.randn(7, k, generator=g)
+        for dtype in (torch.bfloat16, torch.float16):
+            w = torch.randn(n, k, generator=g).to(dtype)
+            alone = torch.cat([linear_w16(x[i:i + 1], w) for i in range(7)])
+            assert torch.equal(alone, linear_w16(x, w)), (n, k, dtype)
 
 
 def test_int8_activations_error_bound() -> None:

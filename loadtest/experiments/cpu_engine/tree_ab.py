@@ -2,8 +2,8 @@
 turn (A B B A ...), so a VM whose speed drifts by 2x within a minute slows both alike; per round the ratio, then the
 median. What a change to the C++ kernels needs (each tree builds its own extension).
 
-`python -m loadtest.experiments.cpu_engine.tree_ab --base DIR [--model PATH] [--prompt-len 10] [--batches 1,8]
- [--out 32] [--rounds 6] [--isa avx2] [--json PATH]`
+`python -m loadtest.experiments.cpu_engine.tree_ab --base DIR [--model PATH] [--quantization auto] [--prompt-len 10]
+ [--batches 1,8] [--out 32] [--rounds 6] [--isa avx2] [--json PATH]`
 
 The tree this file is in is B ("new"), --base is A. Model: a GGUF or checkpoint directory (default the demo's
 SmolLM2 Q4_1), served as `kvmesh up` does (--quantization auto). Per round and batch: `batch` fresh prompts of
@@ -32,8 +32,8 @@ from shared.config import EngineConfig
 from shared.engine.llm_engine import LLMEngine
 from shared.models.model_source import resolve_model
 from shared.sampling_params import SamplingParams
-model, plen = sys.argv[1], int(sys.argv[2])
-engine = LLMEngine(EngineConfig(model=str(resolve_model(model)), quantization="auto"))
+model, plen, quantization = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+engine = LLMEngine(EngineConfig(model=str(resolve_model(model)), quantization=quantization))
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     batch, out, rnd = (int(v) for v in line.split())
@@ -57,9 +57,9 @@ ISA_ENV = {"avx2": {"KVMESH_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ON
 
 
 class Arm:
-    def __init__(self, tree: Path, model: str, plen: int, env: dict[str, str]) -> None:
+    def __init__(self, tree: Path, model: str, plen: int, quantization: str, env: dict[str, str]) -> None:
         self.tree = tree
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, model, str(plen)], cwd=tree, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, model, str(plen), quantization], cwd=tree, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, **env, "PYTHONPATH": str(tree)})
         if json.loads(self.proc.stdout.readline()).get("ready") is not True:
@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--out", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--quantization", default="auto", help="as `kvmesh up --quantization` (none: 16-bit weights)")
     ap.add_argument("--isa", choices=["native", *ISA_ENV], default="native")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -96,8 +97,8 @@ def main() -> None:
         model = str(smollm2_gguf())
     env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "1000"), **ISA_ENV.get(args.isa, {})}
     batches = [int(b) for b in args.batches.split(",")]
-    arms = {"A": Arm(Path(args.base).resolve(), model, args.prompt_len, env),
-            "B": Arm(HERE, model, args.prompt_len, env)}
+    arms = {"A": Arm(Path(args.base).resolve(), model, args.prompt_len, args.quantization, env),
+            "B": Arm(HERE, model, args.prompt_len, args.quantization, env)}
     runs: dict[str, dict[int, list[dict]]] = {k: {b: [] for b in batches} for k in arms}
     try:
         for rnd in range(args.rounds + 1):  # round 0 warms both up
@@ -120,7 +121,7 @@ def main() -> None:
             "B_prefill_ms_median": round(statistics.median(r["prefill_ms"] for r in n), 1),
             "B_over_A_prefill_time": round(statistics.median(y["prefill_ms"] / x["prefill_ms"] for x, y in zip(a, n)), 3),
         }
-    emit_report({**provenance(), "A": tree_state(Path(args.base).resolve()), "B": tree_state(HERE), "model": model, "isa": args.isa,
+    emit_report({**provenance(), "A": tree_state(Path(args.base).resolve()), "B": tree_state(HERE), "model": model, "quantization": args.quantization, "isa": args.isa,
                  "prompt_len": args.prompt_len, "out": args.out, "rounds": args.rounds, "batches": table,
                  "runs": runs}, args.json)
 
