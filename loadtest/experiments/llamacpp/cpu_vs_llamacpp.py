@@ -21,8 +21,8 @@ records its median TTFT. Each server runs alone: started, measured, stopped, the
                GGUF from that), SmolLM2's tokenizer; every kvmesh config and llamacpp-q4 serve the 4-bit file,
                llamacpp-bf16 the bf16 one.
 --isa          emulate a CPU with at most this instruction set: llama.cpp's build for it (`kvmesh bench llamacpp
-               --build --isa avx2`), and kvmesh's torch, oneDNN and MKL capped there (ATEN_CPU_CAPABILITY,
-               ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS).
+               --build --isa avx2`), and kvmesh's own kernels built for it and torch, oneDNN and MKL capped there
+               (KVMESH_CPU_ISA, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS).
 --ttft-prompt-tokens  time to first token of a prompt this long (a distinct prompt each of --ttft-reps requests,
                so no prefix cache helps; 1 output token): kvmesh's prefill against llama.cpp's. 0: skipped.
 The JSON records the CPU's flags (/proc/cpuinfo), the ISA each server effectively used and the load average.
@@ -72,6 +72,8 @@ ONEDNN_ISA = {"generic": "SSE41", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX51
 # torch's at::mm goes to MKL (BLAS_INFO=mkl), which neither cap above reaches: the prefill tiles of the GGUF kernels
 # (and every step of more than 16 rows) would still run AVX-512 code on an emulated AVX2 CPU.
 MKL_ISA = {"generic": "SSE4_2", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512"}
+# kvmesh's own C++ kernels (kernels/cpu/extension.py's KVMESH_CPU_ISA: built and dispatched for that level).
+KERNEL_ISA = {"generic": "generic", "avx": "generic", "avx2": "avx2", "avx512": "native"}
 
 
 def _workload(tmp: Path, name: str, first: int, count: int, output_len: int) -> Path:
@@ -184,6 +186,10 @@ def _kvmesh(extra: list[str], gguf: Path, run: Run, tag: str, env: dict[str, str
     # The GGUF's cached checkpoint directory (what the workers load from a .gguf): `kvmesh up --model FILE.gguf`
     # of a one-model mesh stops at its config.json check in this tree.
     model = Path(resolve_model(gguf))
+    if run.long_jsonl is not None:
+        # The gateway counts a request's own prefill as waiting for its first token (docs/scaling.md#overload): a
+        # long prompt that takes a slow CPU more than the 30 s bound would be answered 503 on an idle mesh.
+        extra = [*extra, "--max-queue-wait", "0"]
     with kvmesh_up(model, port, MODEL_NAME, extra, run.tmp / f"{tag}-up.log", env=env) as (_, log_path):
         lines = log_path.read_text().splitlines()
         dtype = next((m[1] for x in lines if (m := re.search(r"dtype (\w+) on CPU", x))), "?")
@@ -224,7 +230,8 @@ def cpu_report(isa: str | None, binary: Path | None) -> dict:
             "llama_cpp_build_isa": binary_isa(binary) if binary else None,
             "kvmesh_torch_isa": ATEN_CAPABILITY[isa] if isa else torch.backends.cpu.get_cpu_capability(),
             "kvmesh_onednn_max_isa": ONEDNN_ISA[isa] if isa else "all",
-            "kvmesh_mkl_max_isa": MKL_ISA[isa] if isa else "all"}
+            "kvmesh_mkl_max_isa": MKL_ISA[isa] if isa else "all",
+            "kvmesh_kernels_isa": KERNEL_ISA[isa] if isa else os.environ.get("KVMESH_CPU_ISA", "native")}
 
 
 def main() -> None:
@@ -260,7 +267,7 @@ def main() -> None:
     env = dict(os.environ)
     if args.isa:
         env.update(ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[args.isa], ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[args.isa],
-                   MKL_ENABLE_INSTRUCTIONS=MKL_ISA[args.isa])
+                   MKL_ENABLE_INSTRUCTIONS=MKL_ISA[args.isa], KVMESH_CPU_ISA=KERNEL_ISA[args.isa])
     levels = tuple(int(c) for c in args.levels.split(","))
     results: dict[str, dict] = {}
     load = [os.getloadavg()[0]]
