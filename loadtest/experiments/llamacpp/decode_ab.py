@@ -1,0 +1,118 @@
+"""kvmesh's engine and llama.cpp's on the same GGUF, decode and short-prefill speed measured in turn, round after
+round: on a VM whose speed moves by 2x within minutes, a server-by-server comparison (cpu_vs_llamacpp) that runs
+each server once for minutes compares two moments as much as two engines.
+
+`python -m loadtest.experiments.llamacpp.decode_ab [--model GGUF] [--rounds 8] [--out 64] [--prompt 16]
+ [--isa avx2] [--json PATH]`
+
+kvmesh: one long-lived in-process engine (`kvmesh up`'s --quantization auto, the engine workers' GOMP_SPINCOUNT),
+per round a fresh --prompt-token prompt (its prefill step timed) then --out tokens decoded at batch 1. llama.cpp:
+`llama-bench -p PROMPT -n OUT -r 1 -t 2` on the same file, its prompt-processing and generation tok/s. The two
+alternate (A B B A ...); per round the ratio, then the median. Batch 1 only: the mesh adds nothing measurable there
+(docs/benchmarks.md), concurrency is cpu_vs_llamacpp's job. --isa avx2: kvmesh's kernels built for AVX2 and
+torch, oneDNN and MKL capped there; llama.cpp's AVX2 build (KVMESH_LLAMACPP_DIR).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from loadtest.report_json import emit_report, provenance
+
+HERE = Path(__file__).resolve().parents[3]
+
+CHILD = r"""
+import json, sys, time
+from shared.config import EngineConfig
+from shared.engine.llm_engine import LLMEngine
+from shared.models.model_source import resolve_model
+from shared.sampling_params import SamplingParams
+engine = LLMEngine(EngineConfig(model=str(resolve_model(sys.argv[1])), quantization="auto"))
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    plen, out, rnd = (int(v) for v in line.split())
+    engine.add_request(f"r{rnd}", [100 + (j * 13 + rnd * 101) % 4000 for j in range(plen)],
+                       SamplingParams(temperature=0.0, max_tokens=out + 1, ignore_eos=True))
+    t = time.perf_counter()
+    engine.step()
+    first = time.perf_counter() - t
+    steps = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    print(json.dumps({"pp_tok_s": plen / first, "tg_tok_s": len(steps) / sum(steps)}), flush=True)
+"""
+
+
+def llama_bench(binary: Path, model: Path, plen: int, out: int) -> dict:
+    r = subprocess.run([str(binary), "-m", str(model), "-p", str(plen), "-n", str(out), "-r", "1", "-t", "2",
+                        "-o", "json"], capture_output=True, text=True, check=True, timeout=600)
+    rows = json.loads(r.stdout)
+    got = {("pp" if row["n_prompt"] else "tg"): row["avg_ts"] for row in rows}
+    return {"pp_tok_s": got["pp"], "tg_tok_s": got["tg"]}
+
+
+def main() -> None:
+    from loadtest.experiments.llamacpp.cpu_vs_llamacpp import (ATEN_CAPABILITY, KERNEL_ISA, MKL_ISA, ONEDNN_ISA,
+                                                               cpu_report)
+    from loadtest.serve.llamacpp import server_binary
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="", help="a GGUF (default: the demo's SmolLM2 Q4_1)")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--out", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens (prefill speed at a chat prompt's size)")
+    ap.add_argument("--isa", choices=sorted(KERNEL_ISA))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not args.model:
+        from shared.models.smollm2 import smollm2_gguf
+
+        args.model = str(smollm2_gguf())
+    server = server_binary(args.isa)
+    if server is None:
+        raise SystemExit("build llama.cpp first: kvmesh bench llamacpp --build" + (f" --isa {args.isa}" if args.isa else ""))
+    bench = server.with_name("llama-bench")
+    env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "1000"), "PYTHONPATH": str(HERE)}
+    if args.isa:
+        env.update(ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[args.isa], ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[args.isa],
+                   MKL_ENABLE_INSTRUCTIONS=MKL_ISA[args.isa], KVMESH_CPU_ISA=KERNEL_ISA[args.isa])
+    child = subprocess.Popen([sys.executable, "-c", CHILD, args.model], cwd=HERE, env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    if json.loads(child.stdout.readline()).get("ready") is not True:
+        raise SystemExit("the kvmesh engine did not start")
+
+    def kvmesh(rnd: int) -> dict:
+        child.stdin.write(f"{args.prompt} {args.out} {rnd}\n")
+        child.stdin.flush()
+        return json.loads(child.stdout.readline())
+
+    runs: dict[str, list[dict]] = {"kvmesh": [], "llamacpp": []}
+    try:
+        for rnd in range(args.rounds + 1):  # round 0 warms both up
+            for name in (("kvmesh", "llamacpp") if rnd % 2 else ("llamacpp", "kvmesh")):
+                r = kvmesh(rnd) if name == "kvmesh" else llama_bench(bench, Path(args.model), args.prompt, args.out)
+                if rnd:
+                    runs[name].append(r)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    table = {}
+    for key in ("tg_tok_s", "pp_tok_s"):
+        ours, theirs = [r[key] for r in runs["kvmesh"]], [r[key] for r in runs["llamacpp"]]
+        table[key] = {"kvmesh_median": round(statistics.median(ours), 2),
+                      "llamacpp_median": round(statistics.median(theirs), 2),
+                      "kvmesh_over_llamacpp": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3)}
+    emit_report({**provenance(), "model": args.model, "prompt_tokens": args.prompt, "out": args.out,
+                 "rounds": args.rounds, "cpu": cpu_report(args.isa, server), "llama_bench": str(bench),
+                 "summary": table, "runs": runs}, args.json)
+
+
+if __name__ == "__main__":
+    main()
