@@ -221,6 +221,46 @@ inline __m256i dot_pair(__m256i lo, __m256i xl, __m256i hi, __m256i xh) {
 inline __m256i pair_sums(const __m256i* p) {
   return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
 }
+
+// A group of eight Q4 blocks (four 32-byte loads of two blocks each) as the low and high nibbles dot_pair takes.
+inline void unpack_group(const uint8_t* q, __m256i* lo, __m256i* hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < kBlocks / 2; ++j) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * 16 * j));
+    lo[j] = _mm256_and_si256(raw, m4);
+    hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+  }
+}
+
+// An unpacked group's eight integer dot products with one activation row's codes there (the paired layout), as
+// float32 in pair_sums' order.
+inline __m256 group_dots(const __m256i* lo, const __m256i* hi, const int8_t* x) {
+  __m256i p[kBlocks / 2];
+  for (int j = 0; j < kBlocks / 2; ++j)
+    p[j] = dot_pair(lo[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 2 * QK * j)), hi[j],
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 2 * QK * j + QK)));
+  return _mm256_cvtepi32_ps(pair_sums(p));
+}
+
+// Eight Q8_0 blocks as the operands dot_us8 takes: |q| (unsigned) in aw, q itself (whose signs go to the
+// activations) in qw.
+inline void load_q8_group(const int8_t* q, __m256i* qw, __m256i* aw) {
+  for (int j = 0; j < kBlocks; ++j) {
+    qw[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + QK * j));
+    aw[j] = _mm256_sign_epi8(qw[j], qw[j]);
+  }
+}
+
+// A loaded Q8_0 group's eight integer dot products with one activation row's codes there, as float32 in block
+// order.
+inline __m256 q8_group_dots(const __m256i* qw, const __m256i* aw, const int8_t* x) {
+  __m256i p[kBlocks];
+  for (int j = 0; j < kBlocks; ++j) {
+    const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QK * j));
+    p[j] = dot_us8(aw[j], _mm256_sign_epi8(qx, qw[j]));
+  }
+  return _mm256_cvtepi32_ps(hsum8_epi32(p));
+}
 #endif
 
 template <int RB, typename S>
@@ -232,23 +272,13 @@ inline void q4_q8(const uint8_t* q, const S* sc, int64_t nb, const int8_t* xq, i
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
   int64_t b = 0;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (; b + kBlocks <= nb; b += kBlocks) {
     __m256i lo[kBlocks / 2], hi[kBlocks / 2];
-    for (int j = 0; j < kBlocks / 2; ++j) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 * (b + 2 * j)));
-      lo[j] = _mm256_and_si256(raw, m4);
-      hi[j] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-    }
+    unpack_group(q + 16 * b, lo, hi);
     __m256 d, m;
     split_dm(sc + 2 * b, d, m);
     for (int r = 0; r < RB; ++r) {
-      const int8_t* x = xq + r * ldq + QK * b;
-      __m256i p[kBlocks / 2];
-      for (int j = 0; j < kBlocks / 2; ++j)
-        p[j] = dot_pair(lo[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 2 * QK * j)), hi[j],
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 2 * QK * j + QK)));
-      const __m256 dots = _mm256_cvtepi32_ps(pair_sums(p));
+      const __m256 dots = group_dots(lo, hi, xq + r * ldq + QK * b);
       acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * ldb + b)), acc[r]);
       acc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * ldb + b), acc[r]);
     }
@@ -296,23 +326,15 @@ inline void q4_q8_rows(const uint8_t* q, int64_t row_bytes, const S* sc, int64_t
     acc[w] = _mm256_setzero_ps();
     ms[w] = 0.f;
   }
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   int64_t b = 0;
   for (; b + kBlocks <= nb; b += kBlocks) {
     const __m256 xdv = _mm256_loadu_ps(xd + b), xsv = _mm256_loadu_ps(xs + b);
     for (int w = 0; w < NW; ++w) {
-      const uint8_t* qw = q + w * row_bytes + 16 * b;
-      const int8_t* x = xq + QK * b;
-      __m256i p[kBlocks / 2];
-      for (int j = 0; j < kBlocks / 2; ++j) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + 2 * 16 * j));
-        p[j] = dot_pair(_mm256_and_si256(raw, m4), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 2 * QK * j)),
-                        _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4),
-                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 2 * QK * j + QK)));
-      }
+      __m256i lo[kBlocks / 2], hi[kBlocks / 2];
+      unpack_group(q + w * row_bytes + 16 * b, lo, hi);
       __m256 d, m;
       split_dm(sc + w * sc_per_row + 2 * b, d, m);
-      const __m256 dots = _mm256_cvtepi32_ps(pair_sums(p));
+      const __m256 dots = group_dots(lo, hi, xq + QK * b);
       acc[w] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, xdv), acc[w]);
       acc[w] = _mm256_fmadd_ps(m, xsv, acc[w]);
     }
@@ -344,19 +366,10 @@ inline void q8_q8(const int8_t* q, const float* sc, int64_t nb, const int8_t* xq
   if (!SUB16) {  // Q8_0: one scale per block, eight blocks at a time (Q8_16's two scales a block stay below)
     for (; b0 + kBlocks <= nb; b0 += kBlocks) {
       __m256i qw[kBlocks], aw[kBlocks];
-      for (int j = 0; j < kBlocks; ++j) {
-        qw[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + QK * (b0 + j)));
-        aw[j] = _mm256_sign_epi8(qw[j], qw[j]);
-      }
+      load_q8_group(q + QK * b0, qw, aw);
       const __m256 d = _mm256_loadu_ps(sc + b0);
       for (int r = 0; r < RB; ++r) {
-        const int8_t* x = xq + r * ldq + QK * b0;
-        __m256i p[kBlocks];
-        for (int j = 0; j < kBlocks; ++j) {
-          const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + QK * j));
-          p[j] = dot_us8(aw[j], _mm256_sign_epi8(qx, qw[j]));
-        }
-        const __m256 dots = _mm256_cvtepi32_ps(hsum8_epi32(p));
+        const __m256 dots = q8_group_dots(qw, aw, xq + r * ldq + QK * b0);
         acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * ldb + b0)), acc[r]);
       }
     }
@@ -405,13 +418,9 @@ inline void q8_q8_rows(const int8_t* q, int64_t row_bytes, const float* sc, int6
   for (; b0 + kBlocks <= nb; b0 += kBlocks) {
     const __m256 xdv = _mm256_loadu_ps(xd + b0);
     for (int w = 0; w < NW; ++w) {
-      __m256i p[kBlocks];
-      for (int j = 0; j < kBlocks; ++j) {
-        const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + w * row_bytes + QK * (b0 + j)));
-        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + QK * (b0 + j)));
-        p[j] = dot_us8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qx, qw));
-      }
-      const __m256 dots = _mm256_cvtepi32_ps(hsum8_epi32(p));
+      __m256i qw[kBlocks], aw[kBlocks];
+      load_q8_group(q + w * row_bytes + QK * b0, qw, aw);
+      const __m256 dots = q8_group_dots(qw, aw, xq + QK * b0);
       acc[w] = _mm256_fmadd_ps(dots, _mm256_mul_ps(_mm256_loadu_ps(sc + w * sc_per_row + b0), xdv), acc[w]);
     }
   }
