@@ -76,6 +76,15 @@ MKL_ISA = {"generic": "SSE4_2", "avx": "AVX", "avx2": "AVX2", "avx512": "AVX512"
 KERNEL_ISA = {"generic": "generic", "avx": "generic", "avx2": "avx2", "avx512": "native"}
 
 
+def isa_env(isa: str | None) -> dict[str, str]:
+    """The environment that caps kvmesh at an --isa level: its own kernels built for it, torch, oneDNN and MKL
+    capped there ({} for none)."""
+    if not isa:
+        return {}
+    return {"ATEN_CPU_CAPABILITY": ATEN_CAPABILITY[isa], "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[isa],
+            "MKL_ENABLE_INSTRUCTIONS": MKL_ISA[isa], "KVMESH_CPU_ISA": KERNEL_ISA[isa]}
+
+
 def _workload(tmp: Path, name: str, first: int, count: int, output_len: int) -> Path:
     """Prompts first .. first + count - 1 of the run, each distinct (a topic and a number), as a jsonl."""
     path = tmp / f"{name}.jsonl"
@@ -264,10 +273,7 @@ def main() -> None:
 
         _, bf16_path, q4 = shape_ggufs(args.shape, llama_cpp_tree(binary), CACHE_ROOT / "gguf" / "shapes", args.quant)
         bf16 = lambda: bf16_path  # noqa: E731
-    env = dict(os.environ)
-    if args.isa:
-        env.update(ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[args.isa], ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[args.isa],
-                   MKL_ENABLE_INSTRUCTIONS=MKL_ISA[args.isa], KVMESH_CPU_ISA=KERNEL_ISA[args.isa])
+    env = {**os.environ, **isa_env(args.isa)}
     levels = tuple(int(c) for c in args.levels.split(","))
     results: dict[str, dict] = {}
     load = [os.getloadavg()[0]]

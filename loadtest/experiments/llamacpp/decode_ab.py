@@ -19,35 +19,11 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
 from loadtest.report_json import emit_report, provenance
 
 HERE = Path(__file__).resolve().parents[3]
-
-CHILD = r"""
-import json, sys, time
-from shared.config import EngineConfig
-from shared.engine.llm_engine import LLMEngine
-from shared.models.model_source import resolve_model
-from shared.sampling_params import SamplingParams
-engine = LLMEngine(EngineConfig(model=str(resolve_model(sys.argv[1])), quantization="auto"))
-print(json.dumps({"ready": True}), flush=True)
-for line in sys.stdin:
-    plen, out, rnd = (int(v) for v in line.split())
-    engine.add_request(f"r{rnd}", [100 + (j * 13 + rnd * 101) % 4000 for j in range(plen)],
-                       SamplingParams(temperature=0.0, max_tokens=out + 1, ignore_eos=True))
-    t = time.perf_counter()
-    engine.step()
-    first = time.perf_counter() - t
-    steps = []
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
-    print(json.dumps({"pp_tok_s": plen / first, "tg_tok_s": len(steps) / sum(steps)}), flush=True)
-"""
 
 
 def llama_bench(binary: Path, model: Path, plen: int, out: int) -> dict:
@@ -59,8 +35,8 @@ def llama_bench(binary: Path, model: Path, plen: int, out: int) -> dict:
 
 
 def main() -> None:
-    from loadtest.experiments.llamacpp.cpu_vs_llamacpp import (ATEN_CAPABILITY, KERNEL_ISA, MKL_ISA, ONEDNN_ISA,
-                                                               cpu_report)
+    from loadtest.experiments.cpu_engine.tree_ab import Arm
+    from loadtest.experiments.llamacpp.cpu_vs_llamacpp import KERNEL_ISA, cpu_report, isa_env
     from loadtest.serve.llamacpp import server_binary
 
     ap = argparse.ArgumentParser()
@@ -77,21 +53,15 @@ def main() -> None:
         args.model = str(smollm2_gguf())
     server = server_binary(args.isa)
     if server is None:
-        raise SystemExit("build llama.cpp first: kvmesh bench llamacpp --build" + (f" --isa {args.isa}" if args.isa else ""))
+        raise SystemExit("build llama.cpp first: kvmesh bench llamacpp --build"
+                         + (f" --isa {args.isa}" if args.isa else ""))
     bench = server.with_name("llama-bench")
-    env = {**os.environ, "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "1000"), "PYTHONPATH": str(HERE)}
-    if args.isa:
-        env.update(ATEN_CPU_CAPABILITY=ATEN_CAPABILITY[args.isa], ONEDNN_MAX_CPU_ISA=ONEDNN_ISA[args.isa],
-                   MKL_ENABLE_INSTRUCTIONS=MKL_ISA[args.isa], KVMESH_CPU_ISA=KERNEL_ISA[args.isa])
-    child = subprocess.Popen([sys.executable, "-c", CHILD, args.model], cwd=HERE, env=env, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    if json.loads(child.stdout.readline()).get("ready") is not True:
-        raise SystemExit("the kvmesh engine did not start")
+    env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "1000"), **isa_env(args.isa)}
+    engine = Arm(HERE, args.model, args.prompt, "auto", env)
 
     def kvmesh(rnd: int) -> dict:
-        child.stdin.write(f"{args.prompt} {args.out} {rnd}\n")
-        child.stdin.flush()
-        return json.loads(child.stdout.readline())
+        r = engine.run(1, args.out, rnd)
+        return {"pp_tok_s": args.prompt / (r["prefill_ms"] / 1e3), "tg_tok_s": r["tok_s"]}
 
     runs: dict[str, list[dict]] = {"kvmesh": [], "llamacpp": []}
     try:
@@ -101,8 +71,7 @@ def main() -> None:
                 if rnd:
                     runs[name].append(r)
     finally:
-        child.stdin.close()
-        child.wait(timeout=60)
+        engine.close()
     table = {}
     for key in ("tg_tok_s", "pp_tok_s"):
         ours, theirs = [r[key] for r in runs["kvmesh"]], [r[key] for r in runs["llamacpp"]]
