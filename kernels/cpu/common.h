@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "thread_pool.h"
+
 namespace kvmesh {
 
 inline float bf16_to_float(uint16_t b) {

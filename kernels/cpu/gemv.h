@@ -2,7 +2,7 @@
 // in a compact format (16-bit floats, GGUF blocks), converted to float32 (or multiplied as integers) in registers.
 //
 // Small steps (at most kMaxRows rows, every decode step and the C++ stack's short chunks) go through over_rows:
-// parallel over output rows (at::parallel_for: the engine's thread count), each weight row read from memory once
+// parallel over output rows (thread_pool.h's parallel_for on the engine's threads), each weight row read from memory once
 // for all the step's rows, in passes of up to kRowBlock activation rows whose accumulators stay in registers.
 // Larger steps (prefill) go through tiled: a tile of the weight (about 2 MiB) dequantized to float32 at a time and
 // multiplied by at::mm, so no float32 copy of the whole weight ever exists.
@@ -37,7 +37,7 @@ template <typename F>
 void over_rows(int64_t M, int64_t N, int64_t weight_row_bytes, F&& fn) {
   // Tasks of at least ~32 KiB of weights: below that the fork/join costs more than the rows.
   const int64_t grain = std::max<int64_t>(1, (int64_t(32) << 10) / std::max<int64_t>(1, weight_row_bytes));
-  at::parallel_for(0, N, grain, [&](int64_t a, int64_t b) {
+  parallel_for(0, N, grain, [&](int64_t a, int64_t b) {
     for (int64_t n = a; n < b; ++n) {
       int64_t m = 0;
       for (; m + kRowBlock <= M; m += kRowBlock) fn(std::integral_constant<int, kRowBlock>(), n, m);
@@ -56,7 +56,7 @@ void over_rows(int64_t M, int64_t N, int64_t weight_row_bytes, F&& fn) {
 template <typename F>
 void over_row_pairs(int64_t N, int64_t weight_row_bytes, F&& fn) {
   const int64_t grain = std::max<int64_t>(1, ((int64_t(32) << 10) / std::max<int64_t>(1, weight_row_bytes) + 1) / 2);
-  at::parallel_for(0, (N + 1) / 2, grain, [&](int64_t a, int64_t b) {
+  parallel_for(0, (N + 1) / 2, grain, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       if (2 * i + 2 <= N) {
         fn(std::integral_constant<int, 2>(), 2 * i);
@@ -78,7 +78,7 @@ at::Tensor tiled(const at::Tensor& x, int64_t N, int64_t K, F&& dequant) {
     const int64_t tn = std::min(T, N - n0);
     at::Tensor t = tile.narrow(0, 0, tn);
     float* dst = t.data_ptr<float>();
-    at::parallel_for(0, tn, 8, [&](int64_t a, int64_t b) { dequant(n0 + a, n0 + b, dst + a * K); });
+    parallel_for(0, tn, 8, [&](int64_t a, int64_t b) { dequant(n0 + a, n0 + b, dst + a * K); });
     out.narrow(1, n0, tn).copy_(at::mm(x, t.t()));
   }
   return out;

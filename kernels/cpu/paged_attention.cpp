@@ -21,7 +21,7 @@ static void attend(T* out, const T* q, const T* kc, const T* vc, const int32_t* 
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, row_end[r]);
   // A task is ~longest * group * d multiply-adds twice: below ~64k of them per chunk a thread's wake-up costs more.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, longest * group * d));
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t a, int64_t b) {
+  parallel_for(0, rows * kv_heads, grain, [&](int64_t a, int64_t b) {
     std::vector<float> qf(group * d), acc(group * d), inv_sum(group), scores(group * std::max<int64_t>(longest, 1));
     for (int64_t task = a; task < b; ++task) {
       const int64_t r = task / kv_heads, kh = task % kv_heads;

@@ -71,7 +71,7 @@ at::Tensor qk_rope_store(const at::Tensor& qkv, int64_t heads, int64_t kv_heads,
     T* vc = ptr<T>(v_cache);
     const T* qw = q_weight ? ptr<T>(*q_weight) : nullptr;
     const T* kw = k_weight ? ptr<T>(*k_weight) : nullptr;
-    at::parallel_for(0, tokens, std::max<int64_t>(1, 64 / (heads + kv_heads)), [&](int64_t t0, int64_t t1) {
+    parallel_for(0, tokens, std::max<int64_t>(1, 64 / (heads + kv_heads)), [&](int64_t t0, int64_t t1) {
       std::vector<float> c(half), s(half), a(d);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t p = pos[t];

@@ -12,7 +12,7 @@ namespace kvmesh {
 template <typename T>
 static void norm_rows(T* out, T* x, T* res, const T* w, int64_t rows, int64_t n, float eps) {
   // One row is ~1 us of work: split rows across threads only when there are many.
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, rows, std::max<int64_t>(1, 32768 / n), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(n);
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * n;

@@ -9,7 +9,7 @@ namespace kvmesh {
 
 template <typename T>
 static void silu_mul_rows(T* out, const T* x, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows * n, 16384, [&](int64_t a, int64_t b) {
+  parallel_for(0, rows * n, 16384, [&](int64_t a, int64_t b) {
     for (int64_t e = a; e < b;) {
       const int64_t r = e / n, c0 = e % n, c1 = std::min<int64_t>(n, c0 + (b - e));
       const T* g = x + r * 2 * n;
