@@ -12,10 +12,11 @@ any busy job), every barrier waits for the descheduled thread while the others b
   the mesh's own workers never sit on each other's cores. Usable cores are the process's affinity mask, one CPU a
   physical core (SMT siblings share their core's execution units), capped by the cgroup's CPU quota;
 - the team spins briefly, then sleeps (GOMP_SPINCOUNT=1000, libgomp's own figure for an oversubscribed team: tens
-  of microseconds, enough for a quiet step's barriers): a neighbour that took a core costs this process that core's
-  share of time, not every barrier. Beside other jobs it decoded 4-9x faster than libgomp's default spin and as
-  fast as OMP_WAIT_POLICY=PASSIVE, which sleeps at every barrier and so pays a wake-up per parallel op even on a
-  quiet machine (loadtest/experiments/cpu_engine/omp_neighbour_ab.py; docs/cpu.md has the figures).
+  of microseconds): a neighbour that took a core costs this process that core's share of time, not every barrier.
+  Beside other jobs it decoded 4-9x faster than libgomp's default spin and as fast as OMP_WAIT_POLICY=PASSIVE
+  (loadtest/experiments/cpu_engine/omp_neighbour_ab.py; docs/cpu.md has the figures). The team now runs torch's
+  own ops; the C++ kernels, most of a decode step, have their own threads (kernels/cpu/thread_pool.cpp), which
+  the same thread count sizes.
 
 The OpenMP environment is read once, when torch loads libgomp: it is set in the launcher's child environment and
 at the top of the engine services' entry points, never later. Standard library only: it runs before torch loads.

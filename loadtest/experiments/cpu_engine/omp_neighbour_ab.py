@@ -19,7 +19,9 @@ Arms (threads = torch intra-op threads; the environment goes to the child):
   t<N>-passive     OMP_WAIT_POLICY=PASSIVE (waiters sleep at once)
   t<N>-spin<K>     GOMP_SPINCOUNT=K (a bounded spin, then sleep)
   t<N>-pin         pinned to the first N usable cores (os.sched_setaffinity before torch loads)
-Policies combine: t2-spin1000-pin.
+  t<N>-omp         the C++ kernels' parallel loops on torch's OpenMP team (KVMESH_CPU_POOL=omp) instead of their
+                   own worker threads (kernels/cpu/thread_pool.cpp): the wait policies above then reach them too
+Policies combine: t2-spin1000-pin, t2-default-omp.
 Also records which OpenMP runtime(s) the process maps once the engine ran (torch's bundled libgomp, and whether a
 C++ extension built with -fopenmp brought a second one).
 """
@@ -85,6 +87,8 @@ def arm_setup(arm: str) -> tuple[int, bool, dict[str, str]]:
             env["GOMP_SPINCOUNT"] = policy.removeprefix("spin")
         elif policy == "pin":
             pin = True
+        elif policy == "omp":
+            env["KVMESH_CPU_POOL"] = "omp"
         elif policy == "pinpassive":
             pin, env["OMP_WAIT_POLICY"] = True, "PASSIVE"
         elif policy != "default":
@@ -95,7 +99,7 @@ def arm_setup(arm: str) -> tuple[int, bool, dict[str, str]]:
 def run_arm(arm: str, neighbour: bool, batches: str, out: int, root: Path) -> dict:
     threads, pin, extra = arm_setup(arm)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "KVMESH_CPU_POOL")}
     env.update(extra, PYTHONPATH=str(root))
     busy = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if neighbour else None
     try:
