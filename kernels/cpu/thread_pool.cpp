@@ -10,12 +10,14 @@
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include <atomic>
 #include <chrono>
@@ -82,6 +84,7 @@ void forget_workers_after_fork() {
   p.sleepers.store(0);
 }
 
+// Set on a pool worker, and on a caller while its job runs: a loop inside a chunk runs inline.
 thread_local bool in_worker = false;
 
 bool use_omp() {
@@ -92,12 +95,21 @@ bool use_omp() {
   return omp;
 }
 
+// Elsewhere than Linux a sleeping worker looks again every 100 us instead.
 void futex_wait(std::atomic<uint32_t>* word, uint32_t value) {
+#if defined(__linux__)
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
+#else
+  if (word->load() == value) std::this_thread::sleep_for(std::chrono::microseconds(100));
+#endif
 }
 
 void futex_wake_all(std::atomic<uint32_t>* word) {
+#if defined(__linux__)
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+#else
+  (void)word;
+#endif
 }
 
 // Claims and runs chunks of the open job until none is left; returns how many this thread ran.
@@ -184,6 +196,7 @@ void run(int64_t begin, int64_t end, int64_t grain, const Body& f) {
     return;
   }
   ensure_workers(p, threads - 1);
+  in_worker = true;
   const uint32_t id = p.gen.load(std::memory_order_relaxed) + 1;
   p.claim.store(uint64_t(id) << 32 | kClosed, std::memory_order_relaxed);
   p.body = &f;
@@ -201,6 +214,7 @@ void run(int64_t begin, int64_t end, int64_t grain, const Body& f) {
     KVMESH_PAUSE();
     if (spins % kYieldEvery == 0) sched_yield();
   }
+  in_worker = false;
   p.jobs.fetch_add(1, std::memory_order_relaxed);
   p.chunks.fetch_add(n, std::memory_order_relaxed);
   std::exception_ptr err;
