@@ -43,7 +43,7 @@ def digest(t):
 g = torch.Generator().manual_seed(0)
 out = {}
 # Matmuls big enough for several chunks: one activation row (the two-weight-row kernel), 5 rows (row blocks),
-# 40 rows (float32 tiles, the dequantization split in chunks).
+# 40 rows (float32 tiles).
 blocks = _blocks(1024, 576, g)[0]
 w16 = torch.randn(1024, 576, generator=g).to(torch.bfloat16)
 for rows in (1, 5, 40):

@@ -78,7 +78,9 @@ at::Tensor tiled(const at::Tensor& x, int64_t N, int64_t K, F&& dequant) {
     const int64_t tn = std::min(T, N - n0);
     at::Tensor t = tile.narrow(0, 0, tn);
     float* dst = t.data_ptr<float>();
-    parallel_for(0, tn, 8, [&](int64_t a, int64_t b) { dequant(n0 + a, n0 + b, dst + a * K); });
+    // On torch's team, like the at::mm that follows each tile: alternating the two pools would hand the cores
+    // back and forth (each waking the other) twice a tile.
+    at::parallel_for(0, tn, 8, [&](int64_t a, int64_t b) { dequant(n0 + a, n0 + b, dst + a * K); });
     out.narrow(1, n0, tn).copy_(at::mm(x, t.t()));
   }
   return out;
