@@ -2,8 +2,9 @@
 // in a compact format (16-bit floats, GGUF blocks), converted to float32 (or multiplied as integers) in registers.
 //
 // Small steps (at most kMaxRows rows, every decode step and the C++ stack's short chunks) go through over_rows:
-// parallel over output rows (thread_pool.h's parallel_for on the engine's threads), each weight row read from memory once
-// for all the step's rows, in passes of up to kRowBlock activation rows whose accumulators stay in registers.
+// parallel over output rows (thread_pool.h's parallel_for on the engine's threads), each weight row read from
+// memory once for all the step's rows, in passes of up to kRowBlock activation rows whose accumulators stay in
+// registers.
 // Larger steps (prefill) go through tiled: a tile of the weight (about 2 MiB) dequantized to float32 at a time and
 // multiplied by at::mm, so no float32 copy of the whole weight ever exists.
 #pragma once
