@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from loadtest.report_json import emit_report
+from shared.engine.cpu_threads import OPENMP_KEYS
 
 CHILD = r"""
 import json, os, statistics, sys, time
@@ -99,7 +100,7 @@ def arm_setup(arm: str) -> tuple[int, bool, dict[str, str]]:
 def run_arm(arm: str, neighbour: bool, batches: str, out: int, root: Path) -> dict:
     threads, pin, extra = arm_setup(arm)
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "KVMESH_CPU_POOL")}
+           if k not in (*OPENMP_KEYS, "OMP_NUM_THREADS", "KVMESH_CPU_POOL")}
     env.update(extra, PYTHONPATH=str(root))
     busy = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if neighbour else None
     try:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from loadtest.experiments.llamacpp.cpu_vs_llamacpp import isa_env
 from loadtest.report_json import emit_report, provenance
+from shared.engine.cpu_threads import openmp_env
 
 HERE = Path(__file__).resolve().parents[3]
 
@@ -92,8 +93,7 @@ def main() -> None:
         from shared.models.smollm2 import smollm2_gguf
 
         model = str(smollm2_gguf())
-    env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "1000"),
-           **isa_env(None if args.isa == "native" else args.isa)}
+    env = {**openmp_env(os.environ), **isa_env(None if args.isa == "native" else args.isa)}
     batches = [int(b) for b in args.batches.split(",")]
     arms = {"A": Arm(Path(args.base).resolve(), model, args.prompt_len, args.quantization, env),
             "B": Arm(HERE, model, args.prompt_len, args.quantization, env)}

@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 from loadtest.report_json import emit_report, provenance
+from shared.engine.cpu_threads import openmp_env
 
 HERE = Path(__file__).resolve().parents[3]
 
@@ -56,7 +57,7 @@ def main() -> None:
         raise SystemExit("build llama.cpp first: kvmesh bench llamacpp --build"
                          + (f" --isa {args.isa}" if args.isa else ""))
     bench = server.with_name("llama-bench")
-    env = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "1000"), **isa_env(args.isa)}
+    env = {**openmp_env(os.environ), **isa_env(args.isa)}
     engine = Arm(HERE, args.model, args.prompt, "auto", env)
 
     def kvmesh(rnd: int) -> dict:
