@@ -49,8 +49,7 @@ constexpr int kYieldEvery = 64;
 constexpr auto kIdleSleep = std::chrono::milliseconds(2);
 
 struct Pool {
-  std::mutex run_mu;                // one job at a time
-  std::mutex grow_mu;
+  std::mutex run_mu;                // one job at a time; also guards starting workers
   std::atomic<uint32_t> gen{0};     // bumped when a job opens; idle workers watch it (futex word)
   std::atomic<int> sleepers{0};
   std::atomic<uint64_t> claim{kClosed};  // (job id << 32) | next chunk
@@ -157,9 +156,8 @@ void worker_main(Pool* p, int index, uint32_t seen) {
   }
 }
 
+// Called with run_mu held.
 void ensure_workers(Pool& p, int n) {
-  if (p.workers.load(std::memory_order_acquire) >= n) return;
-  std::lock_guard<std::mutex> g(p.grow_mu);
   // New threads inherit the caller's CPU affinity: the engine's pinning covers them.
   for (int i = p.workers.load(); i < n; ++i) {
     std::thread(worker_main, &p, i, p.gen.load(std::memory_order_acquire)).detach();
