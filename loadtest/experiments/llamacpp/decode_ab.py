@@ -8,8 +8,8 @@ each server once for minutes compares two moments as much as two engines.
 kvmesh: one long-lived in-process engine (`kvmesh up`'s --quantization auto, the engine workers' GOMP_SPINCOUNT),
 per round a fresh --prompt-token prompt (its prefill step timed) then --out tokens decoded at batch 1. llama.cpp:
 `llama-bench -p PROMPT -n OUT -r 1 -t 2` on the same file, its prompt-processing and generation tok/s. The two
-alternate (A B B A ...); per round the ratio, then the median. Batch 1 only: the mesh adds nothing measurable there
-(docs/benchmarks.md), concurrency is cpu_vs_llamacpp's job. --isa avx2: kvmesh's kernels built for AVX2 and
+alternate (A B B A ...); per round the ratio, then the median. Batch 1 and the engine alone: the mesh's own cost
+and concurrency are cpu_vs_llamacpp's job. --isa avx2: kvmesh's kernels built for AVX2 and
 torch, oneDNN and MKL capped there; llama.cpp's AVX2 build (KVMESH_LLAMACPP_DIR).
 """
 from __future__ import annotations
