@@ -20,7 +20,7 @@ from kernels.cpu.extension import native_status
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import hashlib, json, sys, threading
+import hashlib, json, sys, threading, time
 import torch
 threads = int(sys.argv[1])
 torch.set_num_threads(threads)
@@ -86,6 +86,13 @@ ts = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
 [t.start() for t in ts]
 [t.join() for t in ts]
 out["concurrent_wrong"] = len(wrong)
+# On a loaded machine the caller can claim every chunk of every job above before a woken worker gets a core:
+# a larger matmul until a worker has taken one (a worker that never does fails the test after a minute).
+big = torch.randn(8192, 576, generator=g).bfloat16()
+deadline = time.monotonic() + 60
+while threads > 1 and not torch.ops.kvmesh_cpu.pool_stats()[4] and torch.ops.kvmesh_cpu.pool_stats()[3] == 0 \
+        and time.monotonic() < deadline:
+    linear_w16(x1, big)
 out["stats"] = list(torch.ops.kvmesh_cpu.pool_stats())
 # A forked child has none of the parent's workers: it starts its own and computes the same bits.
 if threads > 1 and not out["stats"][4]:
