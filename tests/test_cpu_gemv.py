@@ -22,8 +22,9 @@ from tests.checkpoints import build_checkpoint
 from tests.engine_helpers import greedy, make_engine, random_prompts
 
 # 1-16: the row-block kernels (4-row passes and their tails); above: float32 tiles, except int8 activations
-# (GGUF's ACT_Q8), which stay on the block kernels up to MAX_ROWS_Q8
-ROWS = [1, 3, 4, 5, 16, 17, 32, 33, 40]
+# (GGUF's ACT_Q8), which stay on the block kernels up to MAX_ROWS_Q8, and 16-bit weights, which take blocks of
+# weight rows from 9 rows (5 for in >= 1024) up to 64
+ROWS = [1, 3, 4, 5, 16, 17, 32, 33, 40, 65]
 # (out, in): in = 64 and 96 have fewer blocks than the kernels take at once (8), 576 eight twice and 2 more, 256
 # exactly eight
 SHAPES = [(24, 64), (100, 576), (7, 96), (40, 256)]
@@ -126,12 +127,17 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it() -> None:
                 together = G.linear_gguf(x, qs, sc, None, fmt, act)
                 alone = torch.cat([G.linear_gguf(x[i:i + 1], qs, sc, None, fmt, act) for i in range(7)])
                 assert torch.equal(alone, together), (n, k, fmt, act)
-    for n, k in ((24, 64), (33, 200), (100, 576)):  # 16-bit weights; in = 200 leaves a tail past the vectors
-        x = torch.randn(7, k, generator=g)
-        for dtype in (torch.bfloat16, torch.float16):
-            w = torch.randn(n, k, generator=g).to(dtype)
-            alone = torch.cat([linear_w16(x[i:i + 1], w) for i in range(7)])
-            assert torch.equal(alone, linear_w16(x, w)), (n, k, dtype)
+    # 16-bit weights; in = 200 and 1040 leave a tail past the vectors. 7 rows take one weight row at a time (the
+    # wide blocks where in >= 1024), 21 the wide blocks (three weight rows by two activation rows; out = 100 and 21
+    # rows leave a tail of each).
+    for n, k in ((24, 64), (33, 200), (100, 576), (31, 1040)):
+        for rows in (7, 21):
+            x = torch.randn(rows, k, generator=g)
+            for dtype in (torch.bfloat16, torch.float16):
+                w = torch.randn(n, k, generator=g).to(dtype)
+                alone = torch.cat([linear_w16(x[i:i + 1], w) for i in range(rows)])
+                assert torch.equal(alone, linear_w16(x, w)), (n, k, rows, dtype)
+                assert torch.equal(linear_w16(x[:9], w), linear_w16(x, w)[:9]), (n, k, rows, dtype)
 
 
 def test_int8_activations_error_bound() -> None:

@@ -4,7 +4,8 @@
 // Small steps (at most kMaxRows rows, every decode step and the C++ stack's short chunks) go through over_rows:
 // parallel over output rows (thread_pool.h's parallel_for on the engine's threads), each weight row read from
 // memory once for all the step's rows, in passes of up to kRowBlock activation rows whose accumulators stay in
-// registers.
+// registers. over_blocks does the same a block of weight rows at a time (16-bit weights' larger steps, where the
+// arithmetic, not the weight traffic, bounds the step).
 // Larger steps (prefill) go through tiled: a tile of the weight (about 2 MiB) dequantized to float32 at a time and
 // multiplied by at::mm, so no float32 copy of the whole weight ever exists.
 #pragma once
@@ -64,6 +65,40 @@ void over_row_pairs(int64_t N, int64_t weight_row_bytes, F&& fn) {
       } else {
         fn(std::integral_constant<int, 1>(), 2 * i);
       }
+    }
+  });
+}
+
+// Calls fn(std::integral_constant<int, V>()) for the runtime value 1 <= v <= Max (kernels take their block shape
+// as a compile-time constant so the accumulators stay in registers).
+template <int Max, typename F>
+inline void with_constant(int v, F&& fn) {
+  if constexpr (Max >= 1) {
+    if (v == Max) {
+      fn(std::integral_constant<int, Max>());
+    } else {
+      with_constant<Max - 1>(v, fn);
+    }
+  }
+}
+
+// out[m, n] for m < M, n < N in blocks of up to NW output columns (weight rows) by RB activation rows:
+// fn(std::integral_constant<int, nw>(), std::integral_constant<int, rb>(), n0, m0) fills rows m0 .. m0 + rb - 1
+// of columns n0 .. n0 + nw - 1. Each weight block is read from memory once for all M rows (it stays in L1 between
+// the row passes); the activations, M rows of K, are read once per weight block from the cache.
+template <int NW, int RB, typename F>
+void over_blocks(int64_t M, int64_t N, int64_t weight_row_bytes, F&& fn) {
+  const int64_t groups = (N + NW - 1) / NW;
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t(32) << 10) / std::max<int64_t>(1, weight_row_bytes * NW));
+  parallel_for(0, groups, grain, [&](int64_t a, int64_t b) {
+    for (int64_t g = a; g < b; ++g) {
+      const int64_t n0 = g * NW;
+      with_constant<NW>(int(std::min<int64_t>(NW, N - n0)), [&](auto nw) {
+        int64_t m = 0;
+        for (; m + RB <= M; m += RB) fn(nw, std::integral_constant<int, RB>(), n0, m);
+        if (m < M) with_constant<RB>(int(M - m), [&](auto rb) { fn(nw, rb, n0, m); });
+      });
     }
   });
 }
