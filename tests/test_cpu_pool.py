@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernels.cpu.extension import native_status
 
@@ -165,3 +166,27 @@ def test_an_error_in_a_chunk_reaches_the_caller_and_the_pool_keeps_working(runs)
 def test_two_threads_calling_kernels_at_once_get_their_own_results(runs) -> None:
     for name, r in runs.items():
         assert r["concurrent_wrong"] == 0, name
+
+
+def test_the_kernels_loops_follow_the_models_matmuls() -> None:
+    """Loops go to the kernels' own threads only when every linear layer is one of the kernels' (16-bit or GGUF
+    weights); a model with one of torch's (here a float32 nn.Linear head) runs them on torch's OpenMP team."""
+    from torch import nn
+
+    from kernels.cpu.thread_pool import stats, use_torch_team
+    from shared.models.cpu_native import choose_kernel_threads
+    from shared.models.quant_linear import WeightLinear
+
+    assert "KVMESH_CPU_POOL" not in os.environ
+    w = torch.randn(8, 16)
+    try:
+        ours = nn.Sequential(WeightLinear(w, None, torch.bfloat16), WeightLinear(w, None, torch.float16))
+        assert choose_kernel_threads(ours).endswith("on their own threads: the matmuls are these kernels too")
+        assert stats()[4] == 0
+        mixed = nn.Sequential(WeightLinear(w, None, torch.bfloat16), nn.Linear(16, 8))
+        assert "torch's OpenMP team: the matmuls are torch's (Linear)" in choose_kernel_threads(mixed)
+        assert stats()[4] == 1
+        assert "no linear layer is one of the kernels'" in choose_kernel_threads(nn.Sequential(nn.LayerNorm(4)))
+    finally:
+        use_torch_team(False)
+    assert stats()[4] == 0

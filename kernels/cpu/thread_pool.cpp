@@ -6,7 +6,10 @@
 // id no longer matches. The caller returns once `done` counts every chunk; the body and the job's fields are only
 // read after a successful claim, so nothing outlives the call.
 //
-// KVMESH_CPU_POOL=omp sends every loop to at::parallel_for instead (torch's OpenMP team), read once.
+// On torch's OpenMP team instead (every loop to at::parallel_for) when the step's matmuls run there too: a model
+// whose linear layers are torch's ops (oneDNN bf16, int4/int8) would otherwise hand the cores from one set of
+// threads to the other a few hundred times a step. The model's loader chooses (pool_use_omp);
+// KVMESH_CPU_POOL=omp|own overrides it for the process.
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
@@ -86,12 +89,23 @@ void forget_workers_after_fork() {
 // Set on a pool worker, and on a caller while its job runs: a loop inside a chunk runs inline.
 thread_local bool in_worker = false;
 
-bool use_omp() {
-  static const bool omp = [] {
+// KVMESH_CPU_POOL: "omp" or "own" decides for the process; otherwise the model's loader does (pool_use_omp), own
+// threads until it has.
+int env_choice() {
+  static const int choice = [] {
     const char* v = std::getenv("KVMESH_CPU_POOL");
-    return v != nullptr && std::strcmp(v, "omp") == 0;
+    if (v != nullptr && std::strcmp(v, "omp") == 0) return 1;
+    if (v != nullptr && std::strcmp(v, "own") == 0) return 0;
+    return -1;
   }();
-  return omp;
+  return choice;
+}
+
+std::atomic<bool> omp_chosen{false};
+
+bool use_omp() {
+  const int env = env_choice();
+  return env >= 0 ? env == 1 : omp_chosen.load(std::memory_order_relaxed);
 }
 
 // Elsewhere than Linux a sleeping worker looks again every 100 us instead.
@@ -235,11 +249,20 @@ std::vector<int64_t> pool_stats_op() {
   return {s.workers, s.jobs, s.chunks, s.worker_chunks, use_omp() ? 1 : 0};
 }
 
+// Between steps only (a loop already running finishes where it started); returns what loops will use.
+bool pool_use_omp_op(bool omp) {
+  omp_chosen.store(omp, std::memory_order_relaxed);
+  return use_omp();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
-  // [workers, jobs, chunks, chunks run by workers, 1 when KVMESH_CPU_POOL=omp]; no tensor argument: catch-all.
+  // [workers, jobs, chunks, chunks run by workers, 1 when loops go to torch's team]; no tensor argument: catch-all.
   m.def("pool_stats() -> int[]", &pool_stats_op);
+  // Run the kernels' loops on torch's OpenMP team (true) or their own threads; KVMESH_CPU_POOL overrides. Returns
+  // whether loops now go to torch's team.
+  m.def("pool_use_omp(bool omp) -> bool", &pool_use_omp_op);
 }
 
 }  // namespace pool

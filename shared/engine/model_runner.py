@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import AttentionMetadata
+from kernels.cpu.extension import native_available
 from kernels.extend_attention import tune_extend_tiles
 from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.block_tables import BlockTables
@@ -27,7 +28,7 @@ from shared.engine.sequence import Sequence
 from shared.engine.staging import CopyStream, StagingRing, copy_stream_for
 from shared.engine.verify_buckets import VerifyGraphPlan
 from shared.engine.verify_graphs import VerifyGraphs, VerifyGraphStats, is_verify
-from shared.models.cpu_native import MAX_CHUNK, native_decode_for
+from shared.models.cpu_native import MAX_CHUNK, choose_kernel_threads, native_decode_for
 from shared.models.llama import LlamaFamilyForCausalLM
 from shared.sampling_params import SamplingParams
 
@@ -131,6 +132,8 @@ class ModelRunner:
         if device == "cpu":
             log.info("CPU step path: %s", f"C++ decoder stack for steps of chunks <= {MAX_CHUNK} rows ({why})"
                      if self.native is not None else f"Python, torch twins ({why})")
+            if native_available():
+                log.info("%s", choose_kernel_threads(model))
 
     # --- the KV pool and the graphs over it ----------------------------------------------------
 

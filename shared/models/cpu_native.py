@@ -19,6 +19,7 @@ from torch import nn
 from kernels import AttentionMetadata
 from kernels.cpu.decoder_stack import DENSE, GGUF, INT4, INT8, PACKED, W16, DecoderStack
 from kernels.cpu.extension import native_status
+from kernels.cpu.thread_pool import ENV, use_torch_team
 from kernels.triton_support import recording
 from shared.models.gguf_quant import RowSplitLinear
 from shared.models.packed_linear import PackedLinear
@@ -79,6 +80,27 @@ class NativeDecode:
                  kv_caches) -> torch.Tensor:  # noqa: ANN001
         x = self.model.embed_tokens(input_ids)
         return self.stack.run(x, positions, self.model.cos_sin, meta, kv_caches)
+
+
+# Linear layers whose matmuls the C++ kernels run on their own threads; every other kind is torch's op on its
+# OpenMP team.
+OWN_THREAD_LINEARS = (WeightLinear, GgufLinear)
+
+
+def choose_kernel_threads(model: nn.Module) -> str:
+    """Point the C++ kernels' loops at the threads that run the model's matmuls (kernels/cpu/thread_pool.py):
+    their own when every linear layer, the head included, is one of theirs, else torch's team. Returns the line to
+    log."""
+    ours = any(isinstance(m, OWN_THREAD_LINEARS) for m in model.modules())
+    theirs = sorted({type(m).__name__ for m in model.modules()
+                     if isinstance(m, (nn.Linear, PackedLinear, Int4Linear, Int8Linear))})
+    want_team = bool(theirs) or not ours
+    on_team = use_torch_team(want_team)
+    where = "torch's OpenMP team" if on_team else "their own threads"
+    why = (f"{ENV} is set" if on_team != want_team else
+           f"the matmuls are torch's ({', '.join(theirs)})" if theirs else
+           "no linear layer is one of the kernels'" if not ours else "the matmuls are these kernels too")
+    return f"C++ kernels' loops on {where}: {why}"
 
 
 def native_decode_for(model: nn.Module, device: str) -> tuple[NativeDecode | None, str]:

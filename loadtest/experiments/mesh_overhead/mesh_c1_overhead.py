@@ -22,6 +22,8 @@ machine slows every arm alike; only same-run ratios mean anything):
   mesh-<name>   `kvmesh up` with extra flags (MESH_ARMS)
   *-passive, *-spin, *-spin1k, *-1t   the same with OpenMP's wait policy passive, a short spin (GOMP_SPINCOUNT 20000
                 or 1000) or one thread (engine workers default to GOMP_SPINCOUNT=1000 unless a policy is set)
+  mesh-omp, mesh-own, mesh-ompspin, mesh-omplong, mesh-spinlong   the C++ kernels' loops on torch's team or their
+                own threads whatever the model (KVMESH_CPU_POOL), with GOMP_SPINCOUNT 20000 or 300000
   ARM@before    the arm run from --before-tree (`git archive REV | tar -x -C DIR`): a before/after A/B
 --spans exports the mesh's OTel spans to an in-process OTLP receiver and breaks each mesh request's TTFT down by hop.
 """
@@ -53,6 +55,11 @@ MESH_ARMS: dict[str, list[str]] = {
     "mesh-spin": [],
     "mesh-1t": [],
     "mesh-spin1k": [],
+    "mesh-omp": [],
+    "mesh-own": [],
+    "mesh-ompspin": [],
+    "mesh-omplong": [],
+    "mesh-spinlong": [],
 }
 # Environment of an arm (every process of the mesh, or the engine arm's process): OpenMP's wait policy.
 ARM_ENV: dict[str, dict[str, str]] = {
@@ -60,6 +67,10 @@ ARM_ENV: dict[str, dict[str, str]] = {
     "mesh-spin": {"GOMP_SPINCOUNT": "20000"}, "engine-spin": {"GOMP_SPINCOUNT": "20000"},
     "mesh-1t": {"OMP_NUM_THREADS": "1"}, "engine-1t": {"OMP_NUM_THREADS": "1"},
     "mesh-spin1k": {"GOMP_SPINCOUNT": "1000"}, "engine-spin1k": {"GOMP_SPINCOUNT": "1000"},
+    "mesh-omp": {"KVMESH_CPU_POOL": "omp"}, "mesh-own": {"KVMESH_CPU_POOL": "own"},
+    "mesh-ompspin": {"KVMESH_CPU_POOL": "omp", "GOMP_SPINCOUNT": "20000"},
+    "mesh-omplong": {"KVMESH_CPU_POOL": "omp", "GOMP_SPINCOUNT": "300000"},
+    "mesh-spinlong": {"GOMP_SPINCOUNT": "300000"},
 }
 
 ENGINE_CHILD = r"""
