@@ -29,6 +29,9 @@ from services.gateway.schemas import dump
 
 
 log = logging.getLogger(__name__)
+# A write's time limit: asyncio.timeout (Python 3.11+) arms a timer; wait_for wraps every write in a task of its
+# own on 3.11, about twice the event loop's work for a write (5 vs 10 us measured).
+_timeout = getattr(asyncio, "timeout", None)
 
 
 class BoundedStreamingResponse(StreamingResponse):
@@ -43,7 +46,11 @@ class BoundedStreamingResponse(StreamingResponse):
     async def stream_response(self, send: Any) -> None:
         async def bounded(message: dict[str, Any]) -> None:
             try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
+                if _timeout is None:
+                    await asyncio.wait_for(send(message), self.write_timeout_s)
+                else:
+                    async with _timeout(self.write_timeout_s):
+                        await send(message)
             except asyncio.TimeoutError:
                 self.stalled = True
                 raise
