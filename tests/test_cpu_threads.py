@@ -162,9 +162,14 @@ def test_real_decode_worker_takes_its_share(demo_model: Path, tmp_path: Path) ->
             assert "GOMP_SPINCOUNT=1000" in line, line
             if expected.cpus is not None:
                 assert "pinned to CPUs" in line, line
-                # Every thread of the worker, the ones made before the pinning included.
+                # Every thread of the worker, the ones made before the pinning included (a short-lived one may
+                # end between the listing and the read: what it was allowed no longer matters).
                 for task in Path(f"/proc/{proc.pid}/task").iterdir():
-                    assert _allowed(task / "status") == set(expected.cpus), task.name
+                    try:
+                        allowed = _allowed(task / "status")
+                    except FileNotFoundError:
+                        continue
+                    assert allowed == set(expected.cpus), task.name
         finally:
             proc.terminate()
             try:
