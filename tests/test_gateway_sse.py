@@ -26,10 +26,17 @@ def _general(fmt: Formatter, d: Delta, include_usage: bool) -> list[str]:
     return [fmt.sse(c) for c in fmt.chunks(d, include_usage)]
 
 
+def _pair(cls: type[Formatter], tokenizer, rid: str, n: int, logprobs: int | None) -> tuple[Formatter, Formatter]:  # noqa: ANN001
+    """Two formatters of one request: the same `created` second even when a second boundary falls between them."""
+    fast, general = cls(tokenizer, "sim", rid, n, logprobs), cls(tokenizer, "sim", rid, n, logprobs)
+    general.created = fast.created
+    return fast, general
+
+
 @pytest.mark.parametrize("cls", [CompletionFormatter, ChatFormatter])
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_fast_path_writes_what_the_general_path_writes(tokenizer, cls: type[Formatter], include_usage: bool) -> None:  # noqa: ANN001
-    fast, general = cls(tokenizer, "sim", "r1", 2, None), cls(tokenizer, "sim", "r1", 2, None)
+    fast, general = _pair(cls, tokenizer, "r1", 2, None)
     for i, text in enumerate(TEXTS):
         d = Delta(i % 2, text=text, token_ids=[10 + i])
         got = fast.sse_chunks(d, include_usage)
@@ -45,12 +52,12 @@ def test_other_deltas_take_the_general_path(tokenizer, cls: type[Formatter]) -> 
               Delta(0, text="", token_ids=[6]),  # held-back text: chat sends nothing, completions an empty text
               Delta(0, text="", finish_reason="length")]
     for d in deltas:
-        fast, general = cls(tokenizer, "sim", "r2", 1, None), cls(tokenizer, "sim", "r2", 1, None)
+        fast, general = _pair(cls, tokenizer, "r2", 1, None)
         assert fast.sse_chunks(d, True) == _general(general, d, True)
         assert not fast._templates
     # Logprobs asked for: every delta is encoded in full (the template has no room for them).
     lp = [TokenLogprob(token_id=7, logprob=-0.5, rank=1, top_ids=[7], top_logprobs=[-0.5])]
-    fast, general = cls(tokenizer, "sim", "r3", 1, 1), cls(tokenizer, "sim", "r3", 1, 1)
+    fast, general = _pair(cls, tokenizer, "r3", 1, 1)
     d = Delta(0, text="x", token_ids=[7], logprobs=lp)
     assert fast.sse_chunks(d, False) == _general(general, d, False) and not fast._templates
     assert "logprobs" in json.loads(fast.sse_chunks(d, False)[0].removeprefix("data: "))["choices"][0]
