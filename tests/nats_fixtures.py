@@ -67,3 +67,21 @@ async def wait_discoverable(nc, service_name: str, timeout: float = 5.0) -> None
             if loop.time() > deadline:
                 raise
             await asyncio.sleep(0.05)
+
+
+async def wait_responders(nc, subject: str, timeout: float = 5.0) -> None:
+    """Until a request on `subject` over `nc` reaches a responder. With the mesh's accounts a subscription made
+    and flushed on one connection can still be unknown to another account's requests for a moment (seen under
+    load: a no-responders status); an empty request answered with an error counts as reached."""
+    import nats
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            await nc.request(subject, b"", timeout=timeout)
+            return
+        except nats.errors.NoRespondersError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.05)

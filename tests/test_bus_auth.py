@@ -11,7 +11,7 @@ from nats.errors import NoServersError
 
 from shared import bus, subjects
 from shared.launcher.local_nats import LocalNats, role_passwords
-from tests.nats_fixtures import locked_nats
+from tests.nats_fixtures import locked_nats, wait_responders
 
 
 @pytest.fixture
@@ -271,6 +271,7 @@ def test_oversized_requests_and_long_streams_pass_with_response_permissions_only
             await bus.serve(worker, subjects.decode_generate("decode-0"), "kvmesh.decode.decode-0", generate,
                             GenerateRequest)
             await worker.flush()
+            await wait_responders(gateway, subjects.decode_generate("decode-0"))
             big = list(range(400_000))  # ~1.2 MB of msgpack: over the 1 MiB max_payload, so an upload
             req = GenerateRequest(request_id="r", prompt_token_ids=big, sampling=SamplingParams())
             tokens = []

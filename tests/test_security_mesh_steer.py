@@ -25,7 +25,7 @@ from shared.launcher.local_nats import LocalNats, identity_passwords
 from shared.protocol.prefill import RemotePrefillReply, RemotePrefillRequest
 from tests.engine_helpers import greedy, random_prompts
 from tests.mesh_helpers import decode_service, generate, prefill_service, running, wait_idle
-from tests.nats_fixtures import locked_nats, nats_server  # noqa: F401
+from tests.nats_fixtures import locked_nats, nats_server, wait_responders  # noqa: F401
 
 
 @pytest.fixture
@@ -57,16 +57,11 @@ def test_an_upload_header_cannot_steer_an_answer_into_another_requesters_inbox(l
         served = await bus.serve(server_nc, subjects.PREFILL_PREFILL, subjects.QUEUE_PREFILL, prefill,
                                  RemotePrefillRequest)
         # The server has the subscription before the victim asks: otherwise, on a busy machine, nats-server
-        # may answer the victim's inbox with an empty no-responders status first. A flush of the server's
-        # connection was not enough (seen under load: a 503 status in the victim's inbox), so the victim first
-        # asks once and is answered.
+        # may answer the victim's inbox with an empty no-responders status first (a flush of the server's
+        # connection was not enough).
         await server_nc.flush()
-        for _ in range(100):
-            try:
-                await victim.request(subjects.PREFILL_PREFILL, wire.encode(_request("probe")), timeout=5)
-                break
-            except nats.errors.NoRespondersError:
-                await asyncio.sleep(0.05)
+        await wait_responders(victim, subjects.PREFILL_PREFILL)
+        await wait_responders(attacker, subjects.PREFILL_PREFILL)
         try:
             inbox = victim.new_inbox()
             got = await victim.subscribe(inbox)

@@ -17,7 +17,7 @@ from shared.bus import headers as H
 from shared.bus.chunks import Reassembler, UploadBudget, upload_sender
 from shared.bus.errors import ChunkError
 from shared.launcher.local_nats import LocalNats, role_passwords
-from tests.nats_fixtures import locked_nats
+from tests.nats_fixtures import locked_nats, wait_responders
 
 MiB = 1 << 20
 LIMITS = bus.BusLimits(max_message_bytes=4 * MiB, max_pending_bytes=8 * MiB, max_sender_bytes=4 * MiB,
@@ -74,6 +74,8 @@ def test_one_senders_open_uploads_do_not_shut_another_sender_out(server) -> None
         served = await bus.serve(kvstore, subjects.KVSTORE_PUT, subjects.QUEUE_KVSTORE, _echo, p.EncodeRequest,
                                  limits=LIMITS)
         await kvstore.flush()
+        await wait_responders(hog, subjects.KVSTORE_PUT)
+        await wait_responders(decode, subjects.KVSTORE_PUT)
         try:
             # Two uploads of 3 MiB each, kept open: 6 MiB of an 8 MiB budget, unless a sender's share stops them.
             await _hold_open(hog, "hog-1", 6)
