@@ -52,7 +52,7 @@ inline __m512 w16_load16(const uint16_t* p) {
 }
 #endif
 
-// Small steps read one weight row at a time (gemv::over_rows): one sequential stream, which the hardware
+// Small steps read one weight row at a time (gemv::over_blocks<1, ...>): one sequential stream, which the hardware
 // prefetchers follow best (two or four rows' streams interleaved measured 0.4-0.8x at one row). From kMinRowsWide
 // rows on (kMinRowsWideLongK for rows of at least kWideK values) the step is bound by the arithmetic, not the
 // weight traffic, and takes kWideW weight rows by kWideRows activation rows at a time (gemv::over_blocks),
@@ -151,14 +151,13 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& w) {
   }
   at::Tensor out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
+  auto block = [&](auto nw, auto rb, int64_t n0, int64_t m0) {
+    w16_block<kHalf, decltype(nw)::value, decltype(rb)::value>(wp + n0 * K, xp + m0 * K, K, K, op + m0 * N + n0, N);
+  };
   if (M < (K >= kWideK ? kMinRowsWideLongK : kMinRowsWide)) {
-    gemv::over_rows(M, N, 2 * K, [&](auto rb, int64_t n, int64_t m0) {
-      w16_block<kHalf, 1, decltype(rb)::value>(wp + n * K, xp + m0 * K, K, K, op + m0 * N + n, N);
-    });
+    gemv::over_blocks<1, gemv::kRowBlock>(M, N, 2 * K, block);
   } else {
-    gemv::over_blocks<kWideW, kWideRows>(M, N, 2 * K, [&](auto nw, auto rb, int64_t n0, int64_t m0) {
-      w16_block<kHalf, decltype(nw)::value, decltype(rb)::value>(wp + n0 * K, xp + m0 * K, K, K, op + m0 * N + n0, N);
-    });
+    gemv::over_blocks<kWideW, kWideRows>(M, N, 2 * K, block);
   }
   return out;
 }
