@@ -57,31 +57,20 @@ def locked_nats(config_dir: Path, passwords: dict[str, str]) -> Iterator[LocalNa
 
 async def wait_discoverable(nc, service_name: str, timeout: float = 5.0) -> None:
     """Until `$SRV.PING.<service_name>` is answered over `nc` (the connection clients will use)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            await nc.request(f"$SRV.PING.{service_name}", b"", timeout=0.5)
-            return
-        except Exception:  # noqa: BLE001 - no responders or timeout: not reachable yet
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    await wait_responders(nc, f"$SRV.PING.{service_name}", timeout)
 
 
 async def wait_responders(nc, subject: str, timeout: float = 5.0) -> None:
-    """Until a request on `subject` over `nc` reaches a responder. With the mesh's accounts a subscription made
-    and flushed on one connection can still be unknown to another account's requests for a moment (seen under
-    load: a no-responders status); an empty request answered with an error counts as reached."""
-    import nats
-
+    """Until a request on `subject` over `nc` is answered. With the mesh's accounts a subscription made and
+    flushed on one connection can still be unknown to another account's requests for a moment (seen under load:
+    a no-responders status); an empty request answered with an error counts as answered."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         try:
-            await nc.request(subject, b"", timeout=timeout)
+            await nc.request(subject, b"", timeout=0.5)
             return
-        except nats.errors.NoRespondersError:
+        except Exception:  # noqa: BLE001 - no responders or timeout: not reachable yet
             if loop.time() > deadline:
                 raise
             await asyncio.sleep(0.05)

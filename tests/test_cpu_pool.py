@@ -91,8 +91,7 @@ out["concurrent_wrong"] = len(wrong)
 # a larger matmul until a worker has taken one (a worker that never does fails the test after a minute).
 big = torch.randn(8192, 576, generator=g).bfloat16()
 deadline = time.monotonic() + 60
-while threads > 1 and not torch.ops.kvmesh_cpu.pool_stats()[4] and torch.ops.kvmesh_cpu.pool_stats()[3] == 0 \
-        and time.monotonic() < deadline:
+while threads > 1 and (s := torch.ops.kvmesh_cpu.pool_stats())[4] == 0 and s[3] == 0 and time.monotonic() < deadline:
     linear_w16(x1, big)
 out["stats"] = list(torch.ops.kvmesh_cpu.pool_stats())
 # A forked child has none of the parent's workers: it starts its own and computes the same bits.
