@@ -8,7 +8,9 @@
 // _linear_pointwise for PackedLinear, _weight_int4pack_mm_for_cpu / _weight_int8pack_mm for the quantized
 // layers, the row split of RowSplitLinear), so they give the same results; the elementwise parts are the C++
 // kernels of this folder. On CPUs without native bf16 the float32 model's weights can stay compact: 16-bit weights
-// (kW16, gemv_bf16.cpp) or GGUF blocks (kGguf, gemv_gguf.cpp), the kernels WeightLinear / GgufLinear call.
+// (kW16, gemv_bf16.cpp) or GGUF blocks (kGguf, gemv_gguf.cpp), the kernels WeightLinear / GgufLinear call; on
+// CPUs with AVX512-BF16 a bf16 model's weights are DpLinear's (kDp, gemv_dpbf16.cpp), and its GGUF layers take
+// the bf16 activations widened to float32.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -22,14 +24,15 @@
 namespace kvmesh {
 namespace {
 
-enum Kind : int64_t { kDense = 0, kPacked = 1, kInt4 = 2, kInt8 = 3, kSplit = 4, kW16 = 5, kGguf = 6 };
+enum Kind : int64_t { kDense = 0, kPacked = 1, kInt4 = 2, kInt8 = 3, kSplit = 4, kW16 = 5, kGguf = 6, kDp = 7 };
 
 struct Linear {
   int64_t kind = kDense;
   at::Tensor a;                   // weight, packed weight, int4 packed, int8 weight, 16-bit weight or GGUF codes
   std::optional<at::Tensor> b;    // int4 scales_zeros / int8 scales / GGUF block scales
   std::optional<at::Tensor> bias;
-  int64_t group = 0;              // int4 group; kGguf: format + 4 * activation mode (linear_gguf's fmt, act)
+  int64_t group = 0;              // int4 group; kGguf: format + 4 * activation mode (linear_gguf's fmt, act);
+                                  // kDp: out features
   int64_t quant = -1, dense = -1, max_rows = 0;  // kSplit: the quantized layer up to max_rows rows, else dense
 };
 
@@ -88,7 +91,10 @@ at::Tensor apply(const Stack& s, int64_t id, const at::Tensor& x) {
     case kW16:
       return linear_w16(x, l.a, l.bias);
     case kGguf:
-      return linear_gguf(x, l.a, *l.b, l.bias, l.group % 4, l.group / 4);
+      if (x.scalar_type() == at::kFloat) return linear_gguf(x, l.a, *l.b, l.bias, l.group % 4, l.group / 4);
+      return linear_gguf(x.to(at::kFloat), l.a, *l.b, l.bias, l.group % 4, l.group / 4).to(x.scalar_type());
+    case kDp:
+      return linear_dpbf16(x, l.a, l.group, l.bias);
   }
   TORCH_CHECK(false, "decoder stack: unknown linear kind ", l.kind);
 }
@@ -110,7 +116,8 @@ int64_t stack_new(const at::Tensor& final_w, double eps, int64_t heads, int64_t 
 
 int64_t stack_linear(int64_t handle, int64_t kind, const at::Tensor& a, const std::optional<at::Tensor>& b,
                      const std::optional<at::Tensor>& bias, int64_t group) {
-  TORCH_CHECK((kind >= kDense && kind <= kInt8) || kind == kW16 || kind == kGguf, "stack_linear: kind ", kind);
+  TORCH_CHECK((kind >= kDense && kind <= kInt8) || kind == kW16 || kind == kGguf || kind == kDp, "stack_linear: kind ",
+              kind);
   TORCH_CHECK((kind == kInt4 || kind == kInt8 || kind == kGguf) == b.has_value(),
               "stack_linear: scales for quantized kinds only");
   TORCH_CHECK(kind != kGguf || (group >= 0 && group < 8 && group % 4 < 3),

@@ -9,7 +9,7 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 
-DENSE, PACKED, INT4, INT8, W16, GGUF = 0, 1, 2, 3, 5, 6  # decoder_stack.cpp's Kind (4 is the row split)
+DENSE, PACKED, INT4, INT8, W16, GGUF, DP = 0, 1, 2, 3, 5, 6, 7  # decoder_stack.cpp's Kind (4 is the row split)
 
 
 class DecoderStack:

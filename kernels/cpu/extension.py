@@ -165,9 +165,11 @@ def _load() -> tuple[bool, str]:
 def _register_fakes() -> None:
     """Output shapes of the ops the eager model calls, so a step through them can be traced (--cpu-compile)."""
     from kernels.cpu.gemv_bf16 import linear_w16_fake
+    from kernels.cpu.gemv_dpbf16 import linear_dpbf16_fake
     from kernels.cpu.gemv_gguf import linear_gguf_fake
 
-    for name, fake in (("kvmesh_cpu::linear_w16", linear_w16_fake), ("kvmesh_cpu::linear_gguf", linear_gguf_fake)):
+    for name, fake in (("kvmesh_cpu::linear_w16", linear_w16_fake), ("kvmesh_cpu::linear_gguf", linear_gguf_fake),
+                       ("kvmesh_cpu::linear_dpbf16", linear_dpbf16_fake)):
         torch.library.register_fake(name)(fake)
 
 

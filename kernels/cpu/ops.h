@@ -31,6 +31,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 // x [rows, in] float32 times w [out, in] bfloat16 or float16 (widened in registers), plus bias: [rows, out] float32.
 at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
+// x [rows, in] bfloat16 times a weight packed by gemv_dpbf16.py's pack_dpbf16 (AVX512-BF16 builds only), plus
+// bias: [rows, out] bfloat16.
+at::Tensor linear_dpbf16(const at::Tensor& x, const at::Tensor& w, int64_t out_features,
+                         const std::optional<at::Tensor>& bias);
+
 // x [rows, in] float32 times a weight in GGUF blocks (gemv_gguf.cpp: fmt 0 Q4_0/Q4_1, 1 Q8_0; act 0 float32
 // activations, 1 int8 activations), plus bias: [rows, out] float32.
 at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
