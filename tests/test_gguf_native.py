@@ -17,8 +17,10 @@ from shared.config import EngineConfig
 from shared.engine.errors import ConfigError
 from shared.engine.kv_cache import engine_root
 from shared.engine.llm_engine import LLMEngine
+from shared.models.dp_linear import ENV as DP_ENV
+from shared.models.dp_linear import DpLinear, dp_linear_choice
 from shared.models.gguf_blocks import BLOCKS_FILE, dequantize_q4
-from shared.models.gguf_quant import HYBRID_MAX_ROWS, RowSplitLinear
+from shared.models.gguf_quant import HYBRID_MAX_ROWS, OWN_HYBRID_MAX_ROWS, RowSplitLinear
 from shared.models.loader import load_model
 from shared.models.model_source import resolve_model
 from shared.models.quant_linear import GgufLinear, Int4Linear, Int8Linear
@@ -30,6 +32,13 @@ from tests.gguf_files import TinySpec, write_tiny_gguf
 TYPES = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "attn_v.weight": "Q4_K", "attn_output.weight": "Q8_0",
          "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q5_0", "ffn_down.weight": "Q4_0"}
 BF16_ULP = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding moves a value by at most 2^-9 of it; 2^-8 is slack
+
+
+@pytest.fixture(autouse=True)
+def _torch_int4(monkeypatch) -> None:
+    """These tests are of torch's int4/int8 path (bf16 on AMX CPUs, or with oneDNN's matmul chosen); the GGUF
+    kernels' bf16 path has its own test below."""
+    monkeypatch.setenv(DP_ENV, "onednn")
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +112,39 @@ def test_hybrid_uses_int4_for_small_steps_and_bf16_above(tiny) -> None:
         assert torch.equal(layer(x), ref.layers[0].mlp.down_proj(x))
 
 
+def test_bf16_hybrid_on_the_kernels_own_threads(tiny, monkeypatch) -> None:
+    """With the own AVX512-BF16 matmul (shared/models/dp_linear.py) a bf16 model's GGUF layers go to the GGUF
+    block kernels (bf16 activations widened to float32) up to OWN_HYBRID_MAX_ROWS rows, a DpLinear twin above;
+    Q8_0 blocks are rebuilt from the bf16 weights; every matmul is the kernels', so their loops leave torch's team."""
+    monkeypatch.setenv(DP_ENV, "own")
+    if not dp_linear_choice()[0]:
+        pytest.skip("the C++ kernels are off or built without AVX512-BF16")
+    from kernels.cpu.thread_pool import stats
+    from shared.models.cpu_native import choose_kernel_threads
+
+    hybrid, _ = load_model(tiny, dtype="bfloat16", quantization="gguf-hybrid", pack_weights=True)
+    blocks, _ = load_model(tiny, dtype="bfloat16", quantization="gguf", pack_weights=True)
+    exact, _ = load_model(tiny, dtype="float32")
+    for name in ("qkv_proj", "o_proj"):
+        layer, ref = getattr(hybrid.layers[0].self_attn, name), getattr(exact.layers[0].self_attn, name)
+        assert isinstance(layer, RowSplitLinear) and isinstance(layer.quantized, GgufLinear)
+        assert isinstance(layer.dense, DpLinear)
+        assert isinstance(getattr(blocks.layers[0].self_attn, name), GgufLinear)
+        for rows in (1, OWN_HYBRID_MAX_ROWS, OWN_HYBRID_MAX_ROWS + 1, 40):
+            x = torch.randn(rows, ref.in_features).bfloat16()
+            out = layer(x)
+            assert out.dtype == torch.bfloat16
+            want = (layer.quantized if rows <= OWN_HYBRID_MAX_ROWS else layer.dense)(x)
+            assert torch.equal(out, want)
+            y_exact = x.float() @ ref.weight.t()
+            y_bf16 = (x @ ref.weight.bfloat16().t()).float()
+            # the int8 activations and bf16 output rounding: within a few times bf16 weights' own error
+            assert (out.float() - y_exact).abs().max() <= 4 * (y_bf16 - y_exact).abs().max() + 2e-3, (name, rows)
+    assert isinstance(hybrid.layers[0].mlp.gate_up_proj, DpLinear)  # Q5_0 kept: the plain bf16 layer
+    assert choose_kernel_threads(hybrid).endswith("on their own threads: the matmuls are these kernels too")
+    assert stats()[4] == 0
+
+
 def test_auto_picks_native_only_where_it_applies(tiny, tmp_path, monkeypatch) -> None:
     cfg = lambda **kw: EngineConfig(model=tiny, device="cpu", num_kv_blocks=16, **kw)  # noqa: E731
     assert cfg(dtype="bfloat16", quantization="auto").quantization == "gguf-hybrid"
@@ -146,8 +188,11 @@ def test_engine_serves_native_close_to_dequantized(tiny) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_native_q4_1_quality_against_dequantized(smollm2_dir) -> None:
-    """The real demo model, native Q4_1 (int4 layers, int8 head) vs its dequantized bf16 weights: perplexity of a
+@pytest.mark.parametrize("matmul", ["onednn", "own"])
+def test_smollm2_native_q4_1_quality_against_dequantized(smollm2_dir, matmul, monkeypatch) -> None:
+    """The real demo model, native Q4_1 (torch's int4 layers and int8 head with oneDNN's matmul; the GGUF block
+    kernels with int8 activations and the AVX512-BF16 kernel with the kernels' own) vs its dequantized bf16 weights
+    (served by the same matmul): perplexity of a
     fixed text within 1%, and greedy chat answers that stay together for most of their first 16 tokens (bf16
     rounding alone splits near-ties: measured, 18 of 32 rows identical over 32 tokens)."""
     import math
@@ -159,11 +204,15 @@ def test_smollm2_native_q4_1_quality_against_dequantized(smollm2_dir) -> None:
     text_ids = tok(PERPLEXITY_TEXT.read_text())["input_ids"]
     chats = [encode_chat(tok, [{"role": "user", "content": k.format(t)}]) for t in TOPICS for k in KINDS][:8]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    monkeypatch.setenv(DP_ENV, matmul)
+    if matmul == "own" and not dp_linear_choice()[0]:
+        pytest.skip("the C++ kernels are off or built without AVX512-BF16")
+    head = Int8Linear if matmul == "onednn" else GgufLinear
     ppl, toks = {}, {}
     for quant in ("gguf", "none"):
         e = LLMEngine(EngineConfig(model=str(smollm2_dir), device="cpu", dtype="bfloat16", quantization=quant,
                                    num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=1024))
-        assert isinstance(e.model.lm_head, Int8Linear) == (quant == "gguf")
+        assert isinstance(e.model.lm_head, head) == (quant == "gguf")
         out = e.generate([text_ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         lps = [p.logprob for p in out.prompt_logprobs if p is not None]
         ppl[quant] = math.exp(-sum(lps) / len(lps))

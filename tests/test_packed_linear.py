@@ -9,12 +9,19 @@ import pytest
 import torch
 from torch import nn
 
+from shared.models.dp_linear import ENV
 from shared.models.packed_linear import PackedLinear, pack_model, packing_available
 from shared.models.quant_linear import Int8Linear
 from tests.checkpoints import build_checkpoint
 from tests.engine_helpers import greedy, make_engine, random_prompts
 
 needs_onednn_bf16 = pytest.mark.skipif(not packing_available(), reason="this CPU/torch has no oneDNN bf16")
+
+
+@pytest.fixture(autouse=True)
+def _onednn(monkeypatch) -> None:
+    """oneDNN's matmul even where the kernels' own AVX512-BF16 one would be chosen (tests/test_cpu_dpbf16.py)."""
+    monkeypatch.setenv(ENV, "onednn")
 
 
 @needs_onednn_bf16

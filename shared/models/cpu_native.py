@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata
-from kernels.cpu.decoder_stack import DENSE, GGUF, INT4, INT8, PACKED, W16, DecoderStack
+from kernels.cpu.decoder_stack import DENSE, DP, GGUF, INT4, INT8, PACKED, W16, DecoderStack
 from kernels.cpu.extension import native_status
 from kernels.cpu.thread_pool import ENV, use_torch_team
 from kernels.triton_support import recording
+from shared.models.dp_linear import DpLinear
 from shared.models.gguf_quant import RowSplitLinear
 from shared.models.packed_linear import PackedLinear
 from shared.models.quant_linear import GgufLinear, Int4Linear, Int8Linear, WeightLinear
@@ -41,6 +42,8 @@ def _linear(stack: DecoderStack, m: nn.Module) -> int:
         return stack.linear(INT8, m.qweight, m.scales, m.bias)
     if isinstance(m, WeightLinear):
         return stack.linear(W16, m.weight16, bias=m.bias)
+    if isinstance(m, DpLinear):
+        return stack.linear(DP, m.packed, bias=m.bias, group=m.out_features)
     if isinstance(m, GgufLinear):
         return stack.linear(GGUF, m.qs, m.scales, m.bias, m.fmt + 4 * m.act)
     if type(m) is nn.Linear:
@@ -84,7 +87,7 @@ class NativeDecode:
 
 # Linear layers whose matmuls the C++ kernels run on their own threads; every other kind is torch's op on its
 # OpenMP team.
-OWN_THREAD_LINEARS = (WeightLinear, GgufLinear)
+OWN_THREAD_LINEARS = (WeightLinear, GgufLinear, DpLinear)
 
 
 def choose_kernel_threads(model: nn.Module) -> str:

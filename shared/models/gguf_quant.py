@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 # few rows) are slower than oneDNN's bf16 matmul (0.6-0.97x at 8-32 rows): 1.25x bf16's memory.
 GGUF_MODES = ("gguf", "gguf-hybrid")
 HYBRID_MAX_ROWS = 4
+# The same split where both halves are the kernels' own (GgufLinear up to here, DpLinear above; bf16 on a CPU with
+# AVX512-BF16 and no AMX): at 1 row the blocks read a quarter of bf16's bytes, from 8 rows on the bf16 kernel's
+# arithmetic wins (with the weights in cache: GGUF 8.4 vs 2.4 ms for SmolLM2's layers at 8 rows); between, not
+# measured, torch's threshold kept.
+OWN_HYBRID_MAX_ROWS = 4
 # What --quantization auto serves a GGUF as: hybrid, because pure int4 measured 0.58-0.67x of bf16 at batch 32 and
 # every prefill chunk (tens of rows) would go through the slow path too; gguf when memory matters more.
 AUTO_MODE = "gguf-hybrid"
@@ -64,12 +69,18 @@ class RowSplitLinear(nn.Module):
         return self.quantized(x) if rows <= self.max_rows else self.dense(x)
 
 
-def _with_dense(new: nn.Module, old: nn.Linear, max_rows: int | None) -> nn.Module:
+def _with_dense(new: nn.Module, old: nn.Linear, max_rows: int | None, own: bool) -> nn.Module:
     if max_rows is None:
         return new
+    from shared.models.dp_linear import DpLinear, can_take
     from shared.models.packed_linear import PackedLinear, packing_available
 
-    dense = PackedLinear(old.weight, old.bias) if packing_available() and old.weight.dtype == torch.bfloat16 else old
+    if own and can_take(old):
+        dense = DpLinear(old.weight, old.bias)
+    elif packing_available() and old.weight.dtype == torch.bfloat16:
+        dense = PackedLinear(old.weight, old.bias)
+    else:
+        dense = old
     return RowSplitLinear(new, dense, max_rows)
 
 # The linear layers of a decoder layer, with the checkpoint tensors fused into each, in row order (the order
@@ -152,23 +163,24 @@ def _act(fmt: str) -> int:
     return ACT_Q8 if choice == "q8" else ACT_F32
 
 
-def _native(layer: nn.Module, names: list[str], types: dict[str, str], f, float32: bool) -> nn.Module | None:  # noqa: ANN001
+def _native(layer: nn.Module, names: list[str], types: dict[str, str], f, blocks: bool) -> nn.Module | None:  # noqa: ANN001
+    """The layer on the GGUF block kernels (blocks: GgufLinear) or torch's int4/int8 ones, or None."""
     kinds = {types.get(n) for n in names}
     if kinds <= set(NATIVE_Q4):  # Q4 parts mix: all are codes, scale and minimum per 32
         q = torch.cat([_unpack(f.get_tensor(f"{n}.codes")) for n in names])
         d = torch.cat([f.get_tensor(f"{n}.d") for n in names])
         m = torch.cat([f.get_tensor(f"{n}.m") for n in names])
-        if float32:
+        if blocks:
             return GgufLinear.from_q4(q, d, m, layer.bias, _act("Q4"), "+".join(sorted(kinds)))
         return Int4Linear.from_blocks(q, d, m, layer.bias)
     if kinds == {"Q8_0"}:
-        if float32:
+        if blocks:
             new, exact = GgufLinear.from_q8_0(layer.weight, layer.bias, _act("Q8_0"))
-            if not exact:
+            if not exact and layer.weight.dtype == torch.float32:  # bf16 weights are rounded: rebuilt, as expected
                 log.warning("%s: the dequantized weights are not exactly Q8_0 blocks; requantized to Q8_0", names[0])
             return new
         return Int8Linear(layer.weight, layer.bias)
-    if kinds <= set(NATIVE_Q8) and float32:  # Q6_K: int8 codes (q - 32), a scale per 16
+    if kinds <= set(NATIVE_Q8) and blocks:  # Q6_K: int8 codes (q - 32), a scale per 16
         q = torch.cat([f.get_tensor(f"{n}.codes") for n in names])
         d = torch.cat([f.get_tensor(f"{n}.d") for n in names])
         return GgufLinear.from_q8_16(q, d, layer.bias, _act("Q6_K"), "+".join(sorted(kinds)))
@@ -181,8 +193,15 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
     """Replace the model's linear layers whose GGUF type has a native kernel, in place (dense_above: keep a bf16
     twin for steps of more rows, RowSplitLinear); returns weights (elements)
     served natively per GGUF type (a fused layer of mixed Q4 parts counts as "Q4_0+Q4_1")."""
+    from shared.models.dp_linear import dp_linear_choice
+
     types = gguf_types(model_dir)
     float32 = model.norm.weight.dtype == torch.float32
+    # bf16 on a CPU whose bf16 matmuls are the kernels' own (shared/models/dp_linear.py): the blocks go to the
+    # GGUF kernels too (the bf16 activations widened to float32), so every matmul is on the kernels' threads.
+    own = not float32 and model.norm.weight.dtype == torch.bfloat16 and dp_linear_choice()[0]
+    if own and dense_above is not None:
+        dense_above = OWN_HYBRID_MAX_ROWS
     served: Counter = Counter()
     if float32:
         from kernels.cpu.extension import native_status
@@ -199,15 +218,15 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
                 parent = getattr(layer, parent_name)
                 names = [f"model.layers.{i}.{p}.weight" for p in parts]
                 old = getattr(parent, name)
-                new = _native(old, names, types, f, float32)
+                new = _native(old, names, types, f, float32 or own)
                 if new is not None:
-                    setattr(parent, name, _with_dense(new, old, dense_above))
+                    setattr(parent, name, _with_dense(new, old, dense_above, own))
                 (kept if new is None else served)["+".join(sorted({types[n] for n in names}))] += old.weight.numel()
         head = "model.embed_tokens.weight" if tie_word_embeddings else "lm_head.weight"
-        new = _native(model.lm_head, [head], types, f, float32)
+        new = _native(model.lm_head, [head], types, f, float32 or own)
         if new is not None:
             served[types[head]] += model.lm_head.weight.numel()
-            model.lm_head = _with_dense(new, model.lm_head, dense_above)
+            model.lm_head = _with_dense(new, model.lm_head, dense_above, own)
     kept_text = ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(kept.items())) or "nothing"
     served_text = ", ".join(f"{t} {n / 1e6:.1f} M" for t, n in sorted(served.items())) or "none"
     if float32:
@@ -216,6 +235,12 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
                  "(kernels/cpu/gemv_gguf.cpp) with %s activations for Q4, %s for Q8_0 and %s for Q6_K in steps of up "
                  "to 16 rows, float32 tiles above; kept dequantized: %s", served_text, acts["Q4"], acts["Q8_0"],
                  acts["Q6_K"], kept_text)
+        return served
+    if own:
+        log.info("GGUF weights served as stored on CPU, bf16 compute: %s; C++ block kernels (kernels/cpu/gemv_gguf.cpp, "
+                 "the activations widened to float32; Q8_0 blocks rebuilt from the bf16 weights)%s; kept "
+                 "dequantized: %s", served_text, "" if dense_above is None else
+                 f"; a bf16 twin on the AVX512-BF16 kernel serves steps of more than {dense_above} rows", kept_text)
         return served
     log.info("GGUF weights served natively on CPU (no bf16 copy): %s; Q4 blocks through int4 (group 32, bf16 "
              "scales), Q8_0 requantized per row to int8%s; kept dequantized: %s", served_text,

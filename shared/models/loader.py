@@ -240,9 +240,15 @@ def load_model(
         log.info("%s", f"{cfg.dtype} weights kept in {cfg.dtype}, float32 compute (C++ kernels/cpu/gemv_bf16.cpp): "
                  f"{n / 1e6:.1f} M weights" if n else "weights in float32: the C++ CPU kernels are off")
     if pack_weights and device == "cpu" and torch_dtype == torch.bfloat16:
+        from shared.models.dp_linear import dp_linear_choice, use_dp_linears
         from shared.models.packed_linear import pack_model, packing_available
 
-        if packing_available():
+        own, why = dp_linear_choice()
+        if own:
+            n = use_dp_linears(model)
+            log.info("bf16 linears on the C++ AVX512-BF16 kernel (kernels/cpu/gemv_dpbf16.cpp; %s): %.1f M weights",
+                     why, n / 1e6)
+        elif packing_available():
             n = pack_model(model)
             log.info("bf16 linears packed for oneDNN: %.1f M weights", n / 1e6)
         else:

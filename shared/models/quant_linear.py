@@ -243,9 +243,10 @@ class GgufLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from kernels.cpu.gemv_gguf import linear_gguf, linear_gguf_ref
 
-        x2 = x.reshape(-1, self.in_features).contiguous()
+        # A bf16 model's activations (a CPU whose bf16 matmuls are the kernels' own) are widened to float32 here.
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
         out = (linear_gguf if self.native else linear_gguf_ref)(x2, self.qs, self.scales, self.bias, self.fmt, self.act)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.gguf_type}, "
