@@ -44,9 +44,9 @@ log = logging.getLogger(__name__)
 GGUF_MODES = ("gguf", "gguf-hybrid")
 HYBRID_MAX_ROWS = 4
 # The same split where both halves are the kernels' own (GgufLinear up to here, DpLinear above; bf16 on a CPU with
-# AVX512-BF16 and no AMX): at 1 row the blocks read a quarter of bf16's bytes, from 8 rows on the bf16 kernel's
-# arithmetic wins (with the weights in cache: GGUF 8.4 vs 2.4 ms for SmolLM2's layers at 8 rows); between, not
-# measured, torch's threshold kept.
+# AVX512-BF16 and no AMX). Measured on a 2-core Zen 5, the demo model's decode step (ms) at 1 / 2 / 3 / 4 / 8 rows:
+# 4.5 / 5.1 / 6.5 / 7.6-7.9 / 9.5-10.2 split here, 4.9-5.4 / 6.2-6.3 / 7.5 / 8.0 / 10.2 with DpLinear alone; its
+# linear layers alone from memory, GGUF vs DpLinear: 5.2 vs 5.2 ms at 1 row, 7.4 vs 6.0 at 4, 11.1 vs 7.2 at 8.
 OWN_HYBRID_MAX_ROWS = 4
 # What --quantization auto serves a GGUF as: hybrid, because pure int4 measured 0.58-0.67x of bf16 at batch 32 and
 # every prefill chunk (tens of rows) would go through the slow path too; gguf when memory matters more.
