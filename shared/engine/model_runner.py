@@ -19,6 +19,8 @@ import torch
 
 from kernels import AttentionMetadata
 from kernels.cpu.extension import native_available
+from kernels.cpu.thread_pool import stats as pool_stats
+from kernels.cpu.thread_pool import use_torch_team
 from kernels.extend_attention import tune_extend_tiles
 from kernels.token_bitmask import apply_token_bitmask
 from shared.engine.block_tables import BlockTables
@@ -129,11 +131,16 @@ class ModelRunner:
         self.lora = None
         # On CPU, small steps (decode, verify, short chunks) through the C++ decoder stack (shared/models/cpu_native.py)
         self.native, why = native_decode_for(model, device)
+        self.own_loops = False
         if device == "cpu":
             log.info("CPU step path: %s", f"C++ decoder stack for steps of chunks <= {MAX_CHUNK} rows ({why})"
                      if self.native is not None else f"Python, torch twins ({why})")
             if native_available():
                 log.info("%s", choose_kernel_threads(model))
+                # Own threads serve the C++ stack's steps; a Python step interleaves the kernels' matmuls with
+                # torch's ops, and two teams taking the cores in turn cost it 1.4-1.6x (a 64-row bf16 prompt), so its
+                # loops go to torch's team (set every step: a draft model's runner shares the process).
+                self.own_loops = not pool_stats()[4]
 
     # --- the KV pool and the graphs over it ----------------------------------------------------
 
@@ -315,7 +322,10 @@ class ModelRunner:
         ids, positions, meta, rows, order = self.build(plan, sample_rows + hidden_rows, fed)
         lora = self.lora is not None and self.lora.prepare(plan, order)
         try:
-            if not lora and self.native is not None and self.native.can_run(meta, self.kv_caches):
+            native = not lora and self.native is not None and self.native.can_run(meta, self.kv_caches)
+            if self.own_loops:
+                use_torch_team(not native)
+            if native:
                 hidden = self.native(ids, positions, meta, self.kv_caches)
             else:
                 hidden = self.model(ids, positions, meta, self.kv_caches)
