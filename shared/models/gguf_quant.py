@@ -20,6 +20,11 @@ with float32 d and m, Q8_0 codes with float32 d (recovered exactly from the dequ
 32 with a float32 d per 16, multiplied with the activations rounded to int8 blocks of 32 in decode-sized steps
 (GGUF_ACT, measured faster than float32 activations for Q4 and Q8_0) and as float32 tiles in prefill. `--quantization auto` picks this where
 `--dtype auto` chose float32 for lack of native bf16; `--quantization gguf` picks it for any float32 serving.
+
+In bf16 on a CPU whose bf16 matmuls are the kernels' own (AVX512-BF16 without AMX, shared/models/dp_linear.py) the
+blocks go to the same GgufLinear kernels, the bf16 activations widened to float32 (Q8_0 blocks rebuilt from the
+bf16 weights: d within a bf16 rounding of the file's), and the hybrid's twin is a DpLinear: every matmul is then on
+the kernels' own threads. The int4/int8 layers above serve bf16 elsewhere (AMX CPUs, KVMESH_CPU_BF16_LINEAR=onednn).
 """
 from __future__ import annotations
 
