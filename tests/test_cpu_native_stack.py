@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.models.cpu_native import MAX_CHUNK, NativeDecode
+from shared.models.cpu_native import MAX_CHUNK, SHORT_PROMPT, NativeDecode
 from tests.checkpoints import ARCHS, build_checkpoint, hf_greedy
 from tests.engine_helpers import assert_all_free, assert_matches_hf, greedy, make_engine, random_prompts
 
@@ -30,17 +30,24 @@ def _generate(engine, prompts):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_equal_with_cpp_path_on_and_off_float32(checkpoints, arch) -> None:
     ckpt = checkpoints[arch]
-    # 5 and MAX_CHUNK tokens: prefilled through the C++ stack; 60: through Python (and past mistral's window of 48).
-    prompts = random_prompts([5, MAX_CHUNK, 60], seed=7)
+    # 5, MAX_CHUNK and 60 tokens (a whole short prompt, past mistral's window of 48) prefilled through the C++ stack;
+    # SHORT_PROMPT + 20 through Python.
+    prompts = random_prompts([5, MAX_CHUNK, 60, SHORT_PROMPT + 20], seed=7)
     engine = make_engine(ckpt, dtype="float32")
     native = engine.runner.native
     assert isinstance(native, NativeDecode), "the C++ stack must be the default CPU path"
-    outs = _generate(engine, prompts)
-    assert native.calls >= MAX_TOKENS, f"the C++ stack ran {native.calls} steps"
+    outs = _generate(engine, prompts[:3])
+    calls = native.calls
+    assert calls >= MAX_TOKENS, f"the C++ stack ran {calls} steps"
+    outs += _generate(engine, prompts[3:])  # its one prefill step in Python, then MAX_TOKENS - 1 decode steps
+    assert native.calls == calls + MAX_TOKENS - 1
     assert_matches_hf(ckpt, _reference, prompts, outs, MAX_TOKENS)
+    calls = native.calls
+    _generate(engine, random_prompts([MAX_CHUNK + 28], seed=8))  # a fresh prompt: no cached prefix
+    assert native.calls == calls + MAX_TOKENS, "the short prompt's prefill step ran in C++"
     assert_all_free(engine)
     engine.runner.native = None  # the Python path, same engine and weights
-    off = _generate(engine, prompts)
+    off = _generate(engine, prompts[:3]) + _generate(engine, prompts[3:])
     assert [o.output_token_ids for o in off] == [o.output_token_ids for o in outs]
 
 

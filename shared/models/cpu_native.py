@@ -1,11 +1,12 @@
 """The C++ CPU path for small steps (kernels/cpu/): a single-device Llama-family model's decoder stack handed to
-C++ once, then each decode step (and each verify or short prompt-chunk step: at most MAX_CHUNK rows per chunk)
-runs all layers in one call instead of ~70 Python-dispatched aten ops per layer.
+C++ once, then each decode step (and each verify or short prompt-chunk step: at most MAX_CHUNK rows per chunk, or
+a whole prompt of at most SHORT_PROMPT tokens where its kernels allow) runs all layers in one call instead of ~70
+Python-dispatched aten ops per layer.
 
 Default on a CPU device when the extension builds (KVMESH_CPU_KERNELS=torch keeps the Python path). The Python
 (eager, torch twin) path stays for: CUDA, tensor parallelism, an FP8 or otherwise non-model-dtype KV cache,
-dtypes other than float32/bfloat16, linear layers it does not know, steps with a prompt chunk longer than
-MAX_CHUNK (its per-row attention loops have no matmul; prefill attention there is the twin's), steps whose Triton
+dtypes other than float32/bfloat16, linear layers it does not know, steps with a longer prompt chunk
+(its per-row attention loops have no matmul; prefill attention there is the twin's), steps whose Triton
 launches are being recorded (kernels/aot.py), and a compiled CPU decode (--cpu-compile: its bucketed decode graphs
 run instead of execute_rows).
 """
@@ -28,7 +29,15 @@ from shared.models.quant_linear import GgufLinear, Int4Linear, Int8Linear, Weigh
 
 log = logging.getLogger(__name__)
 
-MAX_CHUNK = 32  # longest prompt chunk (or verify step) of a step the C++ stack runs
+MAX_CHUNK = 32  # longest prompt chunk (or verify step) of a step the C++ stack runs, whatever the context
+# ... and a prompt chunk of any length whose whole context is at most this many tokens (a short prompt, all at
+# once): its per-row attention then stays cheap, while the Python path's per-layer dispatch costs ~10 ms a step.
+# Measured on a 2-core Zen 5 in bf16, the demo's prefill: 40 / 64 / 96 / 128 tokens 18 / 27 / 39 / 55 ms against
+# 28 / 37 / 48 / 63 through Python, 8 prompts of 40 tokens 94 against 122. A last chunk deep into a long prompt
+# stays on Python: 112 rows at context 2,160 took 318 ms more in C++. Not for a model whose float32 kernels
+# multiply such steps by dequantized tiles on torch's team (GgufLinear past 32 rows, WeightLinear past 64) while
+# the rest of the stack is on the kernels' own threads: measured no faster on AVX2 (0.89-1.05x).
+SHORT_PROMPT = 128
 
 
 def _linear(stack: DecoderStack, m: nn.Module) -> int:
@@ -56,6 +65,9 @@ class NativeDecode:
 
     def __init__(self, model: nn.Module) -> None:
         cfg = model.cfg
+        small_only = {id(m.quantized) for m in model.modules() if isinstance(m, RowSplitLinear)}
+        tiles = any(isinstance(m, (GgufLinear, WeightLinear)) and id(m) not in small_only for m in model.modules())
+        self.short_prompt = MAX_CHUNK if tiles else SHORT_PROMPT
         self.model = model
         self.dtype = model.norm.weight.dtype
         attn0 = model.layers[0].self_attn
@@ -76,8 +88,10 @@ class NativeDecode:
     def can_run(self, meta: AttentionMetadata, kv_caches) -> bool:  # noqa: ANN001
         k = kv_caches[0][0]  # an FP8 cache (scales, dequantization) stays on the twin
         # recording(): kernels/aot.py records the Triton launches a step would make, which only the Python path does.
-        return (meta.max_prefill_query_len <= MAX_CHUNK and k.dtype == self.dtype and k.device.type == "cpu"
-                and not recording())
+        if meta.max_prefill_query_len > MAX_CHUNK and (meta.max_prefill_query_len > self.short_prompt or
+                                                        int(meta.prefill_context_lens.max()) > self.short_prompt):
+            return False
+        return k.dtype == self.dtype and k.device.type == "cpu" and not recording()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches) -> torch.Tensor:  # noqa: ANN001
