@@ -61,7 +61,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "(groups of 32), none; auto (default): the checkpoint's quantization_config, gguf-hybrid "
                              "for a GGUF model served in bf16 on CPU, else none")
     parser.add_argument("--no-cpu-weight-packing", dest="cpu_weight_packing", action="store_false",
-                        help="bf16 on CPU: plain F.linear instead of oneDNN pre-packed weights (same results, slower)")
+                        help="bf16 on CPU: plain F.linear instead of oneDNN pre-packed weights or the C++ AVX512-BF16 "
+                             "matmul (KVMESH_CPU_BF16_LINEAR chooses between those two; slower)")
     parser.add_argument("--speculative-config", default=os.environ.get("KVMESH_SPECULATIVE_CONFIG"), metavar="JSON",
                         help='speculative decoding as vLLM\'s JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_min": 2, "prompt_lookup_max": 4} or {"method": "suffix"} '

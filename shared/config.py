@@ -52,8 +52,9 @@ class EngineConfig:
     # shared/models/gguf_quant.py; gguf-hybrid: plus a bf16 twin for large steps), or auto (the CLI's default):
     # gguf-hybrid when that applies, else None. Resolved here.
     quantization: str | None = None
-    # bf16 linear layers with oneDNN pre-packed weights on CPU (shared/models/packed_linear.py): same results,
-    # about 2x faster decode matmuls. False: plain F.linear (the baseline to compare with).
+    # bf16 linear layers on CPU with their weights repacked at load: oneDNN's pre-packed weights
+    # (shared/models/packed_linear.py: same results, about 2x faster decode matmuls) or, on CPUs with AVX512-BF16
+    # and no AMX, the C++ kernels' own matmul (shared/models/dp_linear.py). False: plain F.linear (the baseline).
     cpu_weight_packing: bool = True
     # Ranks one engine's model is split across (shared/engine/tp/): rank 0 is this engine, the others are
     # follower processes it starts; 1 is the single-device engine, unchanged.
