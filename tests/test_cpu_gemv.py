@@ -298,3 +298,48 @@ def test_avx2_build_matches_twins() -> None:
     env = dict(os.environ, KVMESH_CPU_ISA="avx2", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     r = subprocess.run([sys.executable, "-c", _AVX2_CHECK], env=env, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0 and "avx2 ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_interleaved_q4_rows_match_the_plain_layout_and_the_twin(half) -> None:
+    """Q4X (rows interleaved in groups of the build's lanes, one vector lane a row): the same weights as the plain
+    blocks (unpacked back bit for bit), every step size within float32 summation of the twin, past 32 rows the
+    dequantized tiles, and a row's bits the same alone as in any batch."""
+    lanes = G.q4x_lanes()
+    assert lanes in (8, 16)
+    g = torch.Generator().manual_seed(21)
+    for n, k in ((lanes, 64), (3 * lanes, 576), (2 * lanes, 1056)):
+        codes = torch.randint(0, 16, (n, k), generator=g)
+        d = torch.rand(n, k // 32, generator=g) * 0.02
+        m = -8 * d + torch.randn(n, k // 32, generator=g) * 0.01
+        qs, sc = G.pack_q4(codes, d.half().float() if half else d, m.half().float() if half else m)
+        assert (sc.dtype == torch.float16) == half
+        qx, sx = G.pack_q4x(qs, sc, lanes)
+        assert all(torch.equal(a, b) for a, b in zip(G.unpack_q4x(qx, sx, lanes), (qs, sc)))
+        w = G.dequantize_ref(qs, sc, G.Q4)
+        assert torch.equal(G.dequantize_ref(qx, sx, G.Q4X), w)
+        bias = torch.randn(n, generator=g)
+        for rows in (1, 2, 3, 4, 5, 9, 32, 33):
+            x = torch.randn(rows, k, generator=g)
+            out = G.linear_gguf(x, qx, sx, bias, G.Q4X, G.ACT_Q8)
+            _close(out, G.linear_gguf_ref(x, qs, sc, bias, G.Q4, G.ACT_Q8), x, w)
+            if rows <= G.MAX_ROWS_Q8:
+                for r in (0, rows - 1):
+                    assert torch.equal(G.linear_gguf(x[r:r + 1], qx, sx, bias, G.Q4X, G.ACT_Q8), out[r:r + 1])
+    with pytest.raises(AssertionError, match="int8 activations"):
+        G.linear_gguf(x, qx, sx, None, G.Q4X, G.ACT_F32)
+    with pytest.raises(RuntimeError, match="groups of"):
+        torch.ops.kvmesh_cpu.linear_gguf(torch.randn(1, 64), qs[:lanes - 1, :32].contiguous(),
+                                         sc[:lanes - 1, :2].contiguous(), None, G.Q4X, G.ACT_Q8)
+
+
+def test_gguf_linear_interleaves_q4_rows_where_it_can() -> None:
+    lanes = G.q4x_lanes()
+    g = torch.Generator().manual_seed(5)
+    for n, act, want in ((2 * lanes, G.ACT_Q8, G.Q4X), (2 * lanes + 1, G.ACT_Q8, G.Q4), (2 * lanes, G.ACT_F32, G.Q4)):
+        codes = torch.randint(0, 16, (n, 64), generator=g)
+        d = torch.rand(n, 2, generator=g) * 0.02
+        layer = GgufLinear.from_q4(codes, d, -8 * d, None, act, "Q4_0")
+        assert layer.fmt == want and layer.in_features == 64
+        ref = (codes.float().view(n, 2, 32) * d[..., None] - 8 * d[..., None]).view(n, 64)
+        assert torch.equal(layer.dequantized(), ref)

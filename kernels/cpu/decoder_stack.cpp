@@ -120,7 +120,7 @@ int64_t stack_linear(int64_t handle, int64_t kind, const at::Tensor& a, const st
               kind);
   TORCH_CHECK((kind == kInt4 || kind == kInt8 || kind == kGguf) == b.has_value(),
               "stack_linear: scales for quantized kinds only");
-  TORCH_CHECK(kind != kGguf || (group >= 0 && group < 8 && group % 4 < 3),
+  TORCH_CHECK(kind != kGguf || (group >= 0 && group < 8),
               "stack_linear: GGUF format/activation code ", group);
   auto s = get(handle);
   Linear l;

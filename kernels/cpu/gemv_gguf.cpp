@@ -17,6 +17,7 @@
 // through the same int8 rounding for act 1, then a float32 matmul).
 #include <torch/library.h>
 
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -27,7 +28,19 @@ namespace kvmesh {
 namespace {
 
 constexpr int64_t QK = 32;
-enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1, kQ8_16 = 2 };
+enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1, kQ8_16 = 2, kQ4X = 3 };
+
+// kQ4X: Q4 blocks of kLanes weight rows interleaved (int8 activations only), so that each vector lane accumulates
+// one output row: for group g (rows kLanes g ..) and block b, 4 chunks of kLanes x 4 bytes, chunk c holding bytes
+// 4c .. 4c + 3 of each row's block (its codes 4c .. 4c + 3 in the low nibbles, 16 + 4c .. in the high ones); the
+// scales as [groups, blocks, 2, kLanes] (each row's d, then each row's m). One vector load feeds kLanes rows, the
+// activations' four codes are broadcast, and no sum ever crosses lanes: a batch-1 step's block kernel was bound
+// by its horizontal sums and shuffles, not the weight traffic (llama.cpp's repacked Q4_0 does the same).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 
 // ---- act 0: float32 activations --------------------------------------------------------------------------------
 
@@ -438,6 +451,113 @@ inline void q8_q8_rows(const int8_t* q, int64_t row_bytes, const float* sc, int6
 #endif
 }
 
+// ---- kQ4X: interleaved Q4 rows, int8 activations -----------------------------------------------------------
+
+inline float q4x_scale(float v) {
+  return v;
+}
+
+inline float q4x_scale(at::Half v) {
+  return sf(v);
+}
+
+// Outputs of one group of kLanes weight rows (n_out of them real) for RB activation rows: out[r * ldo + i] =
+// sum_b (d_i d_x isum + m_i s_x), block by block in order, in float32, the same operations for every row (a
+// row's bits do not depend on its batch).
+template <int RB, typename S>
+inline void q4x_group(const uint8_t* q, const S* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                      const float* xs, int64_t ldb, float* out, int64_t ldo, int64_t n_out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* qb = q + b * 16 * kLanes;
+    __m512i isum[RB];
+    for (int r = 0; r < RB; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(qb + c * 4 * kLanes);
+      const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = xq + r * ldq + QK * b + 4 * c;
+        int32_t xl, xh;
+        std::memcpy(&xl, x, 4);
+        std::memcpy(&xh, x + 16, 4);
+        isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(xl));
+        isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(xh));
+      }
+    }
+    __m512 d, m;
+    if constexpr (std::is_same_v<S, float>) {
+      d = _mm512_loadu_ps(sc + b * 2 * kLanes);
+      m = _mm512_loadu_ps(sc + b * 2 * kLanes + kLanes);
+    } else {
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * 2 * kLanes)));
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * 2 * kLanes + kLanes)));
+    }
+    for (int r = 0; r < RB; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * ldb + b])),
+                               acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldb + b]), acc[r]);
+    }
+  }
+  const __mmask16 keep = n_out >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n_out) - 1);
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+#elif defined(KVMESH_GEMV_AVX2)
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* qb = q + b * 16 * kLanes;
+    __m256i isum[RB];
+    for (int r = 0; r < RB; ++r) isum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 4 * kLanes));
+      const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      for (int r = 0; r < RB; ++r) {
+        const int8_t* x = xq + r * ldq + QK * b + 4 * c;
+        int32_t xl, xh;
+        std::memcpy(&xl, x, 4);
+        std::memcpy(&xh, x + 16, 4);
+        // each int16 of maddubs is at most 2 * 15 * 127: the two products add without saturating
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh))), _mm256_set1_epi16(1)));
+      }
+    }
+    const __m256 d = load8(sc + b * 2 * kLanes), m = load8(sc + b * 2 * kLanes + kLanes);
+    for (int r = 0; r < RB; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * ldb + b])),
+                               acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * ldb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, acc[r]);
+    for (int64_t i = 0; i < n_out; ++i) out[r * ldo + i] = v[i];
+  }
+#else
+  for (int r = 0; r < RB; ++r) {
+    for (int64_t i = 0; i < n_out; ++i) {
+      float a = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* qb = q + b * 16 * kLanes;
+        int32_t isum = 0;
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t byte = qb[(j / 4) * 4 * kLanes + 4 * i + j % 4];
+          isum += int32_t(byte & 15) * xq[r * ldq + QK * b + j] + int32_t(byte >> 4) * xq[r * ldq + QK * b + 16 + j];
+        }
+        const float d = q4x_scale(sc[b * 2 * kLanes + i]), m = q4x_scale(sc[b * 2 * kLanes + kLanes + i]);
+        a = std::fma(float(isum), d * xd[r * ldb + b], a);
+        a = std::fma(m, xs[r * ldb + b], a);
+      }
+      out[r * ldo + i] = a;
+    }
+  }
+#endif
+}
+
 // Where quantize_rows puts each activation row's codes and block scales for the Q4 kernel (paired) or the Q8 ones.
 // Paired (AVX2 builds; the scalar kernels read the plain layout): within each whole group of eight blocks, the
 // codes of blocks 2j and 2j + 1 as 64 bytes, codes 0-15 of the first, 0-15 of the second, 16-31 of the first,
@@ -486,7 +606,17 @@ void dequant_rows(int64_t fmt, const uint8_t* qs, const S* sc, int64_t K, int64_
   for (int64_t n = n0; n < n1; ++n) {
     float* o = dst + (n - n0) * K;
     for (int64_t b = 0; b < nb; ++b) {
-      if (fmt == kQ4) {
+      if (fmt == kQ4X) {
+        const int64_t g = n / kLanes, i = n % kLanes;
+        const uint8_t* qb = qs + g * kLanes * (K / 2) + b * 16 * kLanes;
+        const S* sg = sc + (g * nb + b) * 2 * kLanes;
+        const float d = sf(sg[i]), m = sf(sg[kLanes + i]);
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t byte = qb[(j / 4) * 4 * kLanes + 4 * i + j % 4];
+          o[QK * b + j] = float(byte & 15) * d + m;
+          o[QK * b + j + 16] = float(byte >> 4) * d + m;
+        }
+      } else if (fmt == kQ4) {
         const uint8_t* q = qs + n * (K / 2) + 16 * b;
         const float d = sf(sc[2 * (n * nb + b)]), m = sf(sc[2 * (n * nb + b) + 1]);
         for (int j = 0; j < 16; ++j) {
@@ -506,6 +636,41 @@ void dequant_rows(int64_t fmt, const uint8_t* qs, const S* sc, int64_t K, int64_
   }
 }
 
+// kQ4X's product: int8 activations up to kMaxRowsQ8 rows (groups of kLanes outputs in parallel, passes of up to
+// four activation rows), dequantized float32 tiles above.
+template <typename S>
+at::Tensor product_q4x(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  if (M > kMaxRowsQ8)
+    return gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(kQ4X, qp, sp, K, n0, n1, dst); });
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xs(M * nb);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data(), false);
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  const int64_t groups = (N + kLanes - 1) / kLanes, group_bytes = kLanes * (K / 2);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(32) << 10) / group_bytes);
+  parallel_for(0, groups, grain, [&](int64_t a, int64_t e) {
+    for (int64_t g = a; g < e; ++g) {
+      const uint8_t* q = qp + g * group_bytes;
+      const S* sc = sp + g * nb * 2 * kLanes;
+      const int64_t n0 = g * kLanes, n_out = std::min(kLanes, N - n0);
+      int64_t m = 0;
+      for (; m + gemv::kRowBlock <= M; m += gemv::kRowBlock) {
+        q4x_group<gemv::kRowBlock>(q, sc, nb, xq.data() + m * K, K, xd.data() + m * nb, xs.data() + m * nb, nb,
+                                   op + m * N + n0, N, n_out);
+      }
+      if (m < M) {
+        gemv::with_constant<gemv::kRowBlock>(int(M - m), [&](auto rb) {
+          q4x_group<decltype(rb)::value>(q, sc, nb, xq.data() + m * K, K, xd.data() + m * nb, xs.data() + m * nb,
+                                         nb, op + m * N + n0, N, n_out);
+        });
+      }
+    }
+  });
+  return out;
+}
+
 // The product for scales of type S: float, or at::Half (Q4 only: the Q8 branches exist for float scales alone).
 template <typename S>
 at::Tensor product(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t N, int64_t fmt, int64_t act) {
@@ -515,6 +680,7 @@ at::Tensor product(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t 
   const int64_t row_bytes = fmt == kQ4 ? K / 2 : K;
   const float* xp = x.data_ptr<float>();
   const int8_t* q8 = reinterpret_cast<const int8_t*>(qp);
+  if (fmt == kQ4X) return product_q4x(x, qp, sp, N);
   if (M > (act == 1 ? kMaxRowsQ8 : gemv::kMaxRows))
     return gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(fmt, qp, sp, K, n0, n1, dst); });
   at::Tensor out = at::empty({M, N}, x.options());
@@ -579,18 +745,21 @@ at::Tensor product(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t 
 
 at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t fmt, int64_t act) {
-  TORCH_CHECK(fmt == kQ4 || fmt == kQ8_0 || fmt == kQ8_16,
-              "linear_gguf: fmt 0 (Q4_0/Q4_1/Q4_K), 1 (Q8_0) or 2 (Q8_16: Q6_K), got ", fmt);
+  TORCH_CHECK(fmt == kQ4 || fmt == kQ8_0 || fmt == kQ8_16 || fmt == kQ4X,
+              "linear_gguf: fmt 0 (Q4_0/Q4_1/Q4_K), 1 (Q8_0), 2 (Q8_16: Q6_K) or 3 (Q4 rows interleaved), got ", fmt);
+  TORCH_CHECK(fmt != kQ4X || act == 1, "linear_gguf: interleaved Q4 rows take int8 activations (act 1)");
   TORCH_CHECK(act == 0 || act == 1, "linear_gguf: act 0 (float32) or 1 (int8), got ", act);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "linear_gguf: x [rows, in] float32 contiguous");
   const int64_t K = x.size(1), N = qs.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0, "linear_gguf: in features ", K, " not a multiple of 32");
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (fmt == kQ4 ? K / 2 : K) &&
-                  qs.scalar_type() == (fmt == kQ4 ? at::kByte : at::kChar),
+  const bool q4 = fmt == kQ4 || fmt == kQ4X;
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (q4 ? K / 2 : K) &&
+                  qs.scalar_type() == (q4 ? at::kByte : at::kChar),
               "linear_gguf: qs [out, in / 2] uint8 (Q4) or [out, in] int8 (Q8_0, Q8_16), contiguous");
+  TORCH_CHECK(fmt != kQ4X || N % kLanes == 0, "linear_gguf: interleaved Q4 rows come in groups of ", kLanes);
   const int64_t sc_per_row = fmt == kQ8_0 ? nb : 2 * nb;
-  const bool half = fmt == kQ4 && scales.scalar_type() == at::kHalf;
+  const bool half = q4 && scales.scalar_type() == at::kHalf;
   TORCH_CHECK((scales.scalar_type() == at::kFloat || half) && scales.is_contiguous() &&
                   scales.numel() == N * sc_per_row,
               "linear_gguf: scales float32 (Q4: or float16) [out, ", sc_per_row, " per row] contiguous");
@@ -601,9 +770,15 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   return out;
 }
 
+int64_t gguf_q4x_lanes() {
+  return kLanes;
+}
+
 TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
   m.def("linear_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? bias, int fmt, int act) -> Tensor");
   m.impl("linear_gguf", c10::DispatchKey::CPU, &linear_gguf);
+  // The rows a kQ4X group interleaves in this build (pack_q4x's lanes).
+  m.def("gguf_q4x_lanes() -> int", &gguf_q4x_lanes);
 }
 
 }  // namespace kvmesh

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 Q4, Q8_0, Q8_16 = 0, 1, 2  # fmt (Q8_16: int8 codes with a scale per 16, GGUF Q6_K's form)
+Q4X = 3  # Q4 with the rows interleaved in groups (pack_q4x): int8 activations only
 ACT_F32, ACT_Q8 = 0, 1
 FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q4_K": Q4, "Q8_0": Q8_0, "Q6_K": Q8_16}
 BLOCK = 32
@@ -36,6 +37,31 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torc
     return qs, half if torch.equal(half.float(), scales) else scales
 
 
+def q4x_lanes() -> int:
+    """The rows a Q4X group interleaves in the loaded extension's build (16 with AVX512-VNNI, else 8)."""
+    return int(torch.ops.kvmesh_cpu.gguf_q4x_lanes())
+
+
+def pack_q4x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_q4's (qs, scales) with each group of `lanes` rows interleaved, same shapes: for group g and block b,
+    4 chunks of lanes x 4 bytes (chunk c: bytes 4c .. 4c + 3 of each row's block), and the scales as [groups,
+    blocks, 2, lanes] (the rows' d, then their m), so one vector lane accumulates one row."""
+    n, half = qs.shape
+    assert n % lanes == 0, f"{n} rows are not groups of {lanes}"
+    nb = half // 16
+    x = qs.view(n // lanes, lanes, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n, half).contiguous()
+    sx = scales.view(n // lanes, lanes, nb, 2).permute(0, 2, 3, 1).reshape(n, nb, 2).contiguous()
+    return x, sx
+
+
+def unpack_q4x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, half = qs.shape
+    nb = half // 16
+    x = qs.view(n // lanes, nb, 4, lanes, 4).permute(0, 3, 1, 2, 4).reshape(n, half)
+    sx = scales.view(n // lanes, nb, 2, lanes).permute(0, 3, 1, 2).reshape(n, nb, 2)
+    return x, sx
+
+
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [out, in] int8 codes, d [out, in / 32] -> (qs int8 [out, in], scales float32 [out, in / 32])."""
     n, k = q.shape
@@ -52,15 +78,16 @@ def pack_q8_16(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def check(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
           act: int) -> None:
-    assert fmt in (Q4, Q8_0, Q8_16) and act in (ACT_F32, ACT_Q8), f"fmt {fmt}, act {act}"
+    assert fmt in (Q4, Q8_0, Q8_16, Q4X) and act in (ACT_F32, ACT_Q8), f"fmt {fmt}, act {act}"
+    assert fmt != Q4X or act == ACT_Q8, "interleaved Q4 rows take int8 activations"
     assert x.dim() == 2 and x.dtype == torch.float32, f"x [rows, in] float32, got {x.dtype} {tuple(x.shape)}"
     k = x.shape[1]
     assert k % BLOCK == 0, f"in features {k} not a multiple of {BLOCK}"
     n = qs.shape[0]
     want = {Q4: (torch.uint8, (n, k // 2), (n, k // BLOCK, 2)), Q8_0: (torch.int8, (n, k), (n, k // BLOCK)),
-            Q8_16: (torch.int8, (n, k), (n, k // SUB))}[fmt]
+            Q8_16: (torch.int8, (n, k), (n, k // SUB)), Q4X: (torch.uint8, (n, k // 2), (n, k // BLOCK, 2))}[fmt]
     assert qs.dtype == want[0] and tuple(qs.shape) == want[1], f"qs {qs.dtype} {tuple(qs.shape)}, want {want[:2]}"
-    dtypes = (torch.float32, torch.float16) if fmt == Q4 else (torch.float32,)
+    dtypes = (torch.float32, torch.float16) if fmt in (Q4, Q4X) else (torch.float32,)
     assert scales.dtype in dtypes and tuple(scales.shape) == want[2], f"scales {scales.dtype} {tuple(scales.shape)}"
     assert bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)), "bias [out] float32"
 
@@ -79,6 +106,9 @@ def linear_gguf_fake(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bi
 
 def dequantize_ref(qs: torch.Tensor, scales: torch.Tensor, fmt: int) -> torch.Tensor:
     """The weight [out, in] float32 the blocks stand for."""
+    if fmt == Q4X:
+        qs, scales = unpack_q4x(qs, scales, q4x_lanes())
+        fmt = Q4
     n, scales = qs.shape[0], scales.float()
     if fmt == Q4:
         b = qs.view(n, -1, 16)
@@ -92,7 +122,9 @@ def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
     """x rounded through int8 blocks of 32, as ACT_Q8 multiplies it (float32)."""
     b = x.reshape(x.shape[0], -1, BLOCK)
     amax = b.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A tensor over a tensor: torch computes `127.0 / amax` as 127 * (1 / amax), rounded twice (a code off by one
+    # where x * inv lands near a half), not the one division the kernel does.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(b * inv) * (amax / 127.0)).reshape(x.shape)
 
 

@@ -193,24 +193,30 @@ class GgufLinear(nn.Module):
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, fmt: int, act: int, bias: torch.Tensor | None,
                  gguf_type: str) -> None:
         super().__init__()
-        from kernels.cpu.gemv_gguf import Q4, check
+        from kernels.cpu.gemv_gguf import Q4, Q4X, check
 
         self.register_buffer("qs", qs)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.fmt, self.act, self.gguf_type = fmt, act, gguf_type
         self.out_features = qs.shape[0]
-        self.in_features = qs.shape[1] * 2 if fmt == Q4 else qs.shape[1]
+        self.in_features = qs.shape[1] * 2 if fmt in (Q4, Q4X) else qs.shape[1]
         check(torch.empty(0, self.in_features), qs, scales, self.bias, fmt, act)
         self.native = _cpu_kernels()
 
     @classmethod
     def from_q4(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, act: int,
                 gguf_type: str) -> GgufLinear:
-        """codes [out, in] in 0..15, d / m [out, in / 32]: w = codes * d + m (Q4_0: m = -8 d)."""
-        from kernels.cpu.gemv_gguf import Q4, pack_q4
+        """codes [out, in] in 0..15, d / m [out, in / 32]: w = codes * d + m (Q4_0: m = -8 d). With int8
+        activations and the C++ kernels the rows are interleaved in groups (Q4X, kernels/cpu/gemv_gguf.py's
+        pack_q4x) where their number allows: one vector lane per row, no sums across lanes (at 1 row 1.4x faster
+        on AVX-512 VNNI, 1.37x on AVX2, measured at Qwen3-0.6B's shapes; 1.05-1.6x at 2-8 rows)."""
+        from kernels.cpu.gemv_gguf import ACT_Q8, Q4, Q4X, pack_q4, pack_q4x, q4x_lanes
 
-        return cls(*pack_q4(codes, d, m), Q4, act, bias, gguf_type)
+        qs, scales = pack_q4(codes, d, m)
+        if act == ACT_Q8 and _cpu_kernels() and codes.shape[0] % q4x_lanes() == 0:
+            return cls(*pack_q4x(qs, scales, q4x_lanes()), Q4X, act, bias, gguf_type)
+        return cls(qs, scales, Q4, act, bias, gguf_type)
 
     @classmethod
     def from_q8_0(cls, weight: torch.Tensor, bias: torch.Tensor | None, act: int) -> tuple[GgufLinear, bool]:
