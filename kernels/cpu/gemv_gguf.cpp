@@ -611,11 +611,25 @@ void dequant_rows(int64_t fmt, const uint8_t* qs, const S* sc, int64_t K, int64_
         const uint8_t* qb = qs + g * kLanes * (K / 2) + b * 16 * kLanes;
         const S* sg = sc + (g * nb + b) * 2 * kLanes;
         const float d = sf(sg[i]), m = sf(sg[kLanes + i]);
-        for (int j = 0; j < 16; ++j) {
-          const uint8_t byte = qb[(j / 4) * 4 * kLanes + 4 * i + j % 4];
-          o[QK * b + j] = float(byte & 15) * d + m;
-          o[QK * b + j + 16] = float(byte >> 4) * d + m;
+        int32_t row[4];  // this row's 16 bytes of the block, gathered from the four chunks
+        for (int c = 0; c < 4; ++c) std::memcpy(row + c, qb + c * 4 * kLanes + 4 * i, 4);
+#ifdef KVMESH_GEMV_AVX2
+        // inserted lane by lane: a 16-byte load of the four 4-byte stores above would stall on store forwarding
+        const __m128i raw = _mm_setr_epi32(row[0], row[1], row[2], row[3]), m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+        const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int p = 0; p < 4; ++p) {
+          const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p]));
+          _mm256_storeu_ps(o + QK * b + 8 * p, _mm256_fmadd_ps(w, dv, mv));
         }
+#else
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+        for (int j = 0; j < 16; ++j) {
+          o[QK * b + j] = float(bytes[j] & 15) * d + m;
+          o[QK * b + j + 16] = float(bytes[j] >> 4) * d + m;
+        }
+#endif
       } else if (fmt == kQ4) {
         const uint8_t* q = qs + n * (K / 2) + 16 * b;
         const float d = sf(sc[2 * (n * nb + b)]), m = sf(sc[2 * (n * nb + b) + 1]);
