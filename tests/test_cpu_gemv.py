@@ -333,6 +333,29 @@ def test_interleaved_q4_rows_match_the_plain_layout_and_the_twin(half) -> None:
                                          sc[:lanes - 1, :2].contiguous(), None, G.Q4X, G.ACT_Q8)
 
 
+def test_interleaved_q8_0_rows_match_the_plain_layout_and_the_twin() -> None:
+    """Q8X (Q8_0 rows interleaved as Q4X): the plain blocks bit for bit when unpacked, every step size within
+    float32 summation of the twin (codes of both signs and zero, -127 and 127), a row's bits the same in any batch."""
+    lanes = G.q4x_lanes()
+    g = torch.Generator().manual_seed(22)
+    for n, k in ((lanes, 64), (3 * lanes, 576), (2 * lanes, 1056)):
+        q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+        q[0, :8] = torch.tensor([-127, 127, 0, -1, 1, 0, -127, 127], dtype=torch.int8)
+        qs, sc = G.pack_q8(q, torch.rand(n, k // 32, generator=g) * 0.02)
+        qx, sx = G.pack_q8x(qs, sc, lanes)
+        assert all(torch.equal(a, b) for a, b in zip(G.unpack_q8x(qx, sx, lanes), (qs, sc)))
+        w = G.dequantize_ref(qs, sc, G.Q8_0)
+        assert torch.equal(G.dequantize_ref(qx, sx, G.Q8X), w)
+        bias = torch.randn(n, generator=g)
+        for rows in (1, 2, 3, 4, 5, 9, 32, 33):
+            x = torch.randn(rows, k, generator=g)
+            out = G.linear_gguf(x, qx, sx, bias, G.Q8X, G.ACT_Q8)
+            _close(out, G.linear_gguf_ref(x, qs, sc, bias, G.Q8_0, G.ACT_Q8), x, w)
+            if rows <= G.MAX_ROWS_Q8:
+                for r in (0, rows - 1):
+                    assert torch.equal(G.linear_gguf(x[r:r + 1], qx, sx, bias, G.Q8X, G.ACT_Q8), out[r:r + 1])
+
+
 def test_gguf_linear_interleaves_q4_rows_where_it_can() -> None:
     lanes = G.q4x_lanes()
     g = torch.Generator().manual_seed(5)
@@ -343,3 +366,8 @@ def test_gguf_linear_interleaves_q4_rows_where_it_can() -> None:
         assert layer.fmt == want and layer.in_features == 64
         ref = (codes.float().view(n, 2, 32) * d[..., None] - 8 * d[..., None]).view(n, 64)
         assert torch.equal(layer.dequantized(), ref)
+    for n, act, want in ((2 * lanes, G.ACT_Q8, G.Q8X), (lanes + 1, G.ACT_Q8, G.Q8_0), (lanes, G.ACT_F32, G.Q8_0)):
+        w = torch.randint(-127, 128, (n, 64), generator=g).float() * 0.01
+        layer, _ = GgufLinear.from_q8_0(w, None, act)
+        assert layer.fmt == want
+        assert torch.equal(layer.dequantized(), GgufLinear.from_q8_0(w, None, G.ACT_F32)[0].dequantized())

@@ -31,7 +31,7 @@ struct Linear {
   at::Tensor a;                   // weight, packed weight, int4 packed, int8 weight, 16-bit weight or GGUF codes
   std::optional<at::Tensor> b;    // int4 scales_zeros / int8 scales / GGUF block scales
   std::optional<at::Tensor> bias;
-  int64_t group = 0;              // int4 group; kGguf: format + 4 * activation mode (linear_gguf's fmt, act);
+  int64_t group = 0;              // int4 group; kGguf: format + 8 * activation mode (linear_gguf's fmt, act);
                                   // kDp: out features
   int64_t quant = -1, dense = -1, max_rows = 0;  // kSplit: the quantized layer up to max_rows rows, else dense
 };
@@ -91,8 +91,8 @@ at::Tensor apply(const Stack& s, int64_t id, const at::Tensor& x) {
     case kW16:
       return linear_w16(x, l.a, l.bias);
     case kGguf:
-      if (x.scalar_type() == at::kFloat) return linear_gguf(x, l.a, *l.b, l.bias, l.group % 4, l.group / 4);
-      return linear_gguf(x.to(at::kFloat), l.a, *l.b, l.bias, l.group % 4, l.group / 4).to(x.scalar_type());
+      if (x.scalar_type() == at::kFloat) return linear_gguf(x, l.a, *l.b, l.bias, l.group % 8, l.group / 8);
+      return linear_gguf(x.to(at::kFloat), l.a, *l.b, l.bias, l.group % 8, l.group / 8).to(x.scalar_type());
     case kDp:
       return linear_dpbf16(x, l.a, l.group, l.bias);
   }
@@ -120,7 +120,7 @@ int64_t stack_linear(int64_t handle, int64_t kind, const at::Tensor& a, const st
               kind);
   TORCH_CHECK((kind == kInt4 || kind == kInt8 || kind == kGguf) == b.has_value(),
               "stack_linear: scales for quantized kinds only");
-  TORCH_CHECK(kind != kGguf || (group >= 0 && group < 8),
+  TORCH_CHECK(kind != kGguf || (group >= 0 && group < 16),
               "stack_linear: GGUF format/activation code ", group);
   auto s = get(handle);
   Linear l;

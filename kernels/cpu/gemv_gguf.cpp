@@ -28,7 +28,7 @@ namespace kvmesh {
 namespace {
 
 constexpr int64_t QK = 32;
-enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1, kQ8_16 = 2, kQ4X = 3 };
+enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1, kQ8_16 = 2, kQ4X = 3, kQ8X = 4 };
 
 // kQ4X: Q4 blocks of kLanes weight rows interleaved (int8 activations only), so that each vector lane accumulates
 // one output row: for group g (rows kLanes g ..) and block b, 4 chunks of kLanes x 4 bytes, chunk c holding bytes
@@ -36,6 +36,9 @@ enum Fmt : int64_t { kQ4 = 0, kQ8_0 = 1, kQ8_16 = 2, kQ4X = 3 };
 // scales as [groups, blocks, 2, kLanes] (each row's d, then each row's m). One vector load feeds kLanes rows, the
 // activations' four codes are broadcast, and no sum ever crosses lanes: a batch-1 step's block kernel was bound
 // by its horizontal sums and shuffles, not the weight traffic (llama.cpp's repacked Q4_0 does the same).
+// kQ8X: Q8_0 blocks interleaved the same way: for group g and block b, 8 chunks of kLanes x 4 codes (chunk c:
+// codes 4c .. 4c + 3 of each row's block); the scales as [groups, blocks, kLanes]. A batch-1 step through the
+// one-row Q8_0 kernel read 20 GB/s where Q4's reached 50 (Qwen3-0.6B's 151,936-row head: 8-9 ms a token).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kLanes = 16;
 #else
@@ -558,6 +561,81 @@ inline void q4x_group(const uint8_t* q, const S* sc, int64_t nb, const int8_t* x
 #endif
 }
 
+// Outputs of one group of kLanes Q8_0 rows for RB activation rows, as q4x_group: out = sum_b d_i d_x isum. The
+// byte products need an unsigned operand: |w| times the activation codes with w's signs.
+template <int RB>
+inline void q8x_group(const int8_t* q, const float* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
+                      int64_t ldb, float* out, int64_t ldo, int64_t n_out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* qb = q + b * QK * kLanes;
+    __m512i isum[RB];
+    for (int r = 0; r < RB; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i w = _mm512_loadu_si512(qb + c * 4 * kLanes);
+      const __m512i aw = _mm512_abs_epi8(w);
+      const __mmask64 neg = _mm512_movepi8_mask(w);
+      for (int r = 0; r < RB; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq + r * ldq + QK * b + 4 * c, 4);
+        const __m512i xb = _mm512_set1_epi32(x4);
+        isum[r] = _mm512_dpbusd_epi32(isum[r], aw, _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(sc + b * kLanes);
+    for (int r = 0; r < RB; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * ldb + b])),
+                               acc[r]);
+  }
+  const __mmask16 keep = n_out >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n_out) - 1);
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+#elif defined(KVMESH_GEMV_AVX2)
+  __m256 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* qb = q + b * QK * kLanes;
+    __m256i isum[RB];
+    for (int r = 0; r < RB; ++r) isum[r] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 4 * kLanes));
+      const __m256i aw = _mm256_abs_epi8(w);
+      for (int r = 0; r < RB; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq + r * ldq + QK * b + 4 * c, 4);
+        // |w| <= 127: each int16 of maddubs is at most 2 * 127 * 127, no saturation
+        isum[r] = _mm256_add_epi32(
+            isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_set1_epi32(x4), w)), ones));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(sc + b * kLanes);
+    for (int r = 0; r < RB; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * ldb + b])),
+                               acc[r]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, acc[r]);
+    for (int64_t i = 0; i < n_out; ++i) out[r * ldo + i] = v[i];
+  }
+#else
+  for (int r = 0; r < RB; ++r) {
+    for (int64_t i = 0; i < n_out; ++i) {
+      float a = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* qb = q + b * QK * kLanes;
+        int32_t isum = 0;
+        for (int j = 0; j < QK; ++j) isum += int32_t(qb[(j / 4) * 4 * kLanes + 4 * i + j % 4]) * xq[r * ldq + QK * b + j];
+        a = std::fma(float(isum), sc[b * kLanes + i] * xd[r * ldb + b], a);
+      }
+      out[r * ldo + i] = a;
+    }
+  }
+#endif
+}
+
 // Where quantize_rows puts each activation row's codes and block scales for the Q4 kernel (paired) or the Q8 ones.
 // Paired (AVX2 builds; the scalar kernels read the plain layout): within each whole group of eight blocks, the
 // codes of blocks 2j and 2j + 1 as 64 bytes, codes 0-15 of the first, 0-15 of the second, 16-31 of the first,
@@ -630,6 +708,12 @@ void dequant_rows(int64_t fmt, const uint8_t* qs, const S* sc, int64_t K, int64_
           o[QK * b + j + 16] = float(bytes[j] >> 4) * d + m;
         }
 #endif
+      } else if (fmt == kQ8X) {
+        const int64_t g = n / kLanes, i = n % kLanes;
+        const int8_t* qb = reinterpret_cast<const int8_t*>(qs) + g * kLanes * K + b * QK * kLanes;
+        const float d = sf(sc[(g * nb + b) * kLanes + i]);
+        for (int c = 0; c < 8; ++c)
+          for (int t = 0; t < 4; ++t) o[QK * b + 4 * c + t] = float(qb[c * 4 * kLanes + 4 * i + t]) * d;
       } else if (fmt == kQ4) {
         const uint8_t* q = qs + n * (K / 2) + 16 * b;
         const float d = sf(sc[2 * (n * nb + b)]), m = sf(sc[2 * (n * nb + b) + 1]);
@@ -650,36 +734,40 @@ void dequant_rows(int64_t fmt, const uint8_t* qs, const S* sc, int64_t K, int64_
   }
 }
 
-// kQ4X's product: int8 activations up to kMaxRowsQ8 rows (groups of kLanes outputs in parallel, passes of up to
-// four activation rows), dequantized float32 tiles above.
+// The interleaved formats' product (kQ4X, kQ8X): int8 activations up to kMaxRowsQ8 rows (groups of kLanes outputs
+// in parallel, passes of up to four activation rows), dequantized float32 tiles above.
 template <typename S>
-at::Tensor product_q4x(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t N) {
+at::Tensor product_x(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t N, int64_t fmt) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   if (M > kMaxRowsQ8)
-    return gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(kQ4X, qp, sp, K, n0, n1, dst); });
+    return gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(fmt, qp, sp, K, n0, n1, dst); });
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb), xs(M * nb);
   quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data(), false);
   at::Tensor out = at::empty({M, N}, x.options());
   float* op = out.data_ptr<float>();
-  const int64_t groups = (N + kLanes - 1) / kLanes, group_bytes = kLanes * (K / 2);
+  const bool q4 = fmt == kQ4X;
+  const int64_t groups = (N + kLanes - 1) / kLanes, group_bytes = kLanes * (q4 ? K / 2 : K);
+  const int64_t group_scales = nb * (q4 ? 2 : 1) * kLanes;
   const int64_t grain = std::max<int64_t>(1, (int64_t(32) << 10) / group_bytes);
   parallel_for(0, groups, grain, [&](int64_t a, int64_t e) {
     for (int64_t g = a; g < e; ++g) {
       const uint8_t* q = qp + g * group_bytes;
-      const S* sc = sp + g * nb * 2 * kLanes;
+      const S* sc = sp + g * group_scales;
       const int64_t n0 = g * kLanes, n_out = std::min(kLanes, N - n0);
+      auto pass = [&](auto rb, int64_t m) {
+        constexpr int RB = decltype(rb)::value;
+        if (q4) {
+          q4x_group<RB>(q, sc, nb, xq.data() + m * K, K, xd.data() + m * nb, xs.data() + m * nb, nb, op + m * N + n0,
+                        N, n_out);
+        } else if constexpr (std::is_same_v<S, float>) {
+          q8x_group<RB>(reinterpret_cast<const int8_t*>(q), sc, nb, xq.data() + m * K, K, xd.data() + m * nb, nb,
+                        op + m * N + n0, N, n_out);
+        }
+      };
       int64_t m = 0;
-      for (; m + gemv::kRowBlock <= M; m += gemv::kRowBlock) {
-        q4x_group<gemv::kRowBlock>(q, sc, nb, xq.data() + m * K, K, xd.data() + m * nb, xs.data() + m * nb, nb,
-                                   op + m * N + n0, N, n_out);
-      }
-      if (m < M) {
-        gemv::with_constant<gemv::kRowBlock>(int(M - m), [&](auto rb) {
-          q4x_group<decltype(rb)::value>(q, sc, nb, xq.data() + m * K, K, xd.data() + m * nb, xs.data() + m * nb,
-                                         nb, op + m * N + n0, N, n_out);
-        });
-      }
+      for (; m + gemv::kRowBlock <= M; m += gemv::kRowBlock) pass(std::integral_constant<int, gemv::kRowBlock>(), m);
+      if (m < M) gemv::with_constant<gemv::kRowBlock>(int(M - m), [&](auto rb) { pass(rb, m); });
     }
   });
   return out;
@@ -694,7 +782,7 @@ at::Tensor product(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t 
   const int64_t row_bytes = fmt == kQ4 ? K / 2 : K;
   const float* xp = x.data_ptr<float>();
   const int8_t* q8 = reinterpret_cast<const int8_t*>(qp);
-  if (fmt == kQ4X) return product_q4x(x, qp, sp, N);
+  if (fmt == kQ4X || fmt == kQ8X) return product_x(x, qp, sp, N, fmt);
   if (M > (act == 1 ? kMaxRowsQ8 : gemv::kMaxRows))
     return gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(fmt, qp, sp, K, n0, n1, dst); });
   at::Tensor out = at::empty({M, N}, x.options());
@@ -759,9 +847,11 @@ at::Tensor product(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t 
 
 at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t fmt, int64_t act) {
-  TORCH_CHECK(fmt == kQ4 || fmt == kQ8_0 || fmt == kQ8_16 || fmt == kQ4X,
-              "linear_gguf: fmt 0 (Q4_0/Q4_1/Q4_K), 1 (Q8_0), 2 (Q8_16: Q6_K) or 3 (Q4 rows interleaved), got ", fmt);
-  TORCH_CHECK(fmt != kQ4X || act == 1, "linear_gguf: interleaved Q4 rows take int8 activations (act 1)");
+  TORCH_CHECK(fmt >= kQ4 && fmt <= kQ8X,
+              "linear_gguf: fmt 0 (Q4_0/Q4_1/Q4_K), 1 (Q8_0), 2 (Q8_16: Q6_K), 3 / 4 (Q4 / Q8_0 rows interleaved), got ",
+              fmt);
+  const bool interleaved = fmt == kQ4X || fmt == kQ8X;
+  TORCH_CHECK(!interleaved || act == 1, "linear_gguf: interleaved rows take int8 activations (act 1)");
   TORCH_CHECK(act == 0 || act == 1, "linear_gguf: act 0 (float32) or 1 (int8), got ", act);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "linear_gguf: x [rows, in] float32 contiguous");
@@ -771,8 +861,8 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.size(1) == (q4 ? K / 2 : K) &&
                   qs.scalar_type() == (q4 ? at::kByte : at::kChar),
               "linear_gguf: qs [out, in / 2] uint8 (Q4) or [out, in] int8 (Q8_0, Q8_16), contiguous");
-  TORCH_CHECK(fmt != kQ4X || N % kLanes == 0, "linear_gguf: interleaved Q4 rows come in groups of ", kLanes);
-  const int64_t sc_per_row = fmt == kQ8_0 ? nb : 2 * nb;
+  TORCH_CHECK(!interleaved || N % kLanes == 0, "linear_gguf: interleaved rows come in groups of ", kLanes);
+  const int64_t sc_per_row = fmt == kQ8_0 || fmt == kQ8X ? nb : 2 * nb;
   const bool half = q4 && scales.scalar_type() == at::kHalf;
   TORCH_CHECK((scales.scalar_type() == at::kFloat || half) && scales.is_contiguous() &&
                   scales.numel() == N * sc_per_row,
@@ -791,7 +881,7 @@ int64_t gguf_q4x_lanes() {
 TORCH_LIBRARY_FRAGMENT(kvmesh_cpu, m) {
   m.def("linear_gguf(Tensor x, Tensor qs, Tensor scales, Tensor? bias, int fmt, int act) -> Tensor");
   m.impl("linear_gguf", c10::DispatchKey::CPU, &linear_gguf);
-  // The rows a kQ4X group interleaves in this build (pack_q4x's lanes).
+  // The rows a kQ4X / kQ8X group interleaves in this build (pack_q4x's and pack_q8x's lanes).
   m.def("gguf_q4x_lanes() -> int", &gguf_q4x_lanes);
 }
 

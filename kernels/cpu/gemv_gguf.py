@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 Q4, Q8_0, Q8_16 = 0, 1, 2  # fmt (Q8_16: int8 codes with a scale per 16, GGUF Q6_K's form)
-Q4X = 3  # Q4 with the rows interleaved in groups (pack_q4x): int8 activations only
+Q4X, Q8X = 3, 4  # Q4 / Q8_0 with the rows interleaved in groups (pack_q4x, pack_q8x): int8 activations only
 ACT_F32, ACT_Q8 = 0, 1
 FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q4_K": Q4, "Q8_0": Q8_0, "Q6_K": Q8_16}
 BLOCK = 32
@@ -38,7 +38,7 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torc
 
 
 def q4x_lanes() -> int:
-    """The rows a Q4X group interleaves in the loaded extension's build (16 with AVX512-VNNI, else 8)."""
+    """The rows a Q4X or Q8X group interleaves in the loaded extension's build (16 with AVX512-VNNI, else 8)."""
     return int(torch.ops.kvmesh_cpu.gguf_q4x_lanes())
 
 
@@ -62,6 +62,24 @@ def unpack_q4x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torc
     return x, sx
 
 
+def pack_q8x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_q8's (qs, scales) with each group of `lanes` rows interleaved, same shapes: for group g and block b,
+    8 chunks of lanes x 4 codes (chunk c: codes 4c .. 4c + 3 of each row's block), the scales as [groups, blocks,
+    lanes]."""
+    n, k = qs.shape
+    assert n % lanes == 0, f"{n} rows are not groups of {lanes}"
+    nb = k // BLOCK
+    x = qs.view(n // lanes, lanes, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(n, k).contiguous()
+    return x, scales.view(n // lanes, lanes, nb).permute(0, 2, 1).reshape(n, nb).contiguous()
+
+
+def unpack_q8x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = qs.shape
+    nb = k // BLOCK
+    x = qs.view(n // lanes, nb, 8, lanes, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
+    return x, scales.view(n // lanes, nb, lanes).permute(0, 2, 1).reshape(n, nb)
+
+
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [out, in] int8 codes, d [out, in / 32] -> (qs int8 [out, in], scales float32 [out, in / 32])."""
     n, k = q.shape
@@ -78,14 +96,15 @@ def pack_q8_16(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def check(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
           act: int) -> None:
-    assert fmt in (Q4, Q8_0, Q8_16, Q4X) and act in (ACT_F32, ACT_Q8), f"fmt {fmt}, act {act}"
-    assert fmt != Q4X or act == ACT_Q8, "interleaved Q4 rows take int8 activations"
+    assert fmt in (Q4, Q8_0, Q8_16, Q4X, Q8X) and act in (ACT_F32, ACT_Q8), f"fmt {fmt}, act {act}"
+    assert fmt not in (Q4X, Q8X) or act == ACT_Q8, "interleaved rows take int8 activations"
     assert x.dim() == 2 and x.dtype == torch.float32, f"x [rows, in] float32, got {x.dtype} {tuple(x.shape)}"
     k = x.shape[1]
     assert k % BLOCK == 0, f"in features {k} not a multiple of {BLOCK}"
     n = qs.shape[0]
     want = {Q4: (torch.uint8, (n, k // 2), (n, k // BLOCK, 2)), Q8_0: (torch.int8, (n, k), (n, k // BLOCK)),
-            Q8_16: (torch.int8, (n, k), (n, k // SUB)), Q4X: (torch.uint8, (n, k // 2), (n, k // BLOCK, 2))}[fmt]
+            Q8_16: (torch.int8, (n, k), (n, k // SUB)), Q4X: (torch.uint8, (n, k // 2), (n, k // BLOCK, 2)),
+            Q8X: (torch.int8, (n, k), (n, k // BLOCK))}[fmt]
     assert qs.dtype == want[0] and tuple(qs.shape) == want[1], f"qs {qs.dtype} {tuple(qs.shape)}, want {want[:2]}"
     dtypes = (torch.float32, torch.float16) if fmt in (Q4, Q4X) else (torch.float32,)
     assert scales.dtype in dtypes and tuple(scales.shape) == want[2], f"scales {scales.dtype} {tuple(scales.shape)}"
@@ -109,6 +128,9 @@ def dequantize_ref(qs: torch.Tensor, scales: torch.Tensor, fmt: int) -> torch.Te
     if fmt == Q4X:
         qs, scales = unpack_q4x(qs, scales, q4x_lanes())
         fmt = Q4
+    elif fmt == Q8X:
+        qs, scales = unpack_q8x(qs, scales, q4x_lanes())
+        fmt = Q8_0
     n, scales = qs.shape[0], scales.float()
     if fmt == Q4:
         b = qs.view(n, -1, 16)

@@ -54,7 +54,7 @@ def _linear(stack: DecoderStack, m: nn.Module) -> int:
     if isinstance(m, DpLinear):
         return stack.linear(DP, m.packed, bias=m.bias, group=m.out_features)
     if isinstance(m, GgufLinear):
-        return stack.linear(GGUF, m.qs, m.scales, m.bias, m.fmt + 4 * m.act)
+        return stack.linear(GGUF, m.qs, m.scales, m.bias, m.fmt + 8 * m.act)
     if type(m) is nn.Linear:
         return stack.linear(DENSE, m.weight, bias=m.bias)
     raise TypeError(f"no C++ path for a {type(m).__name__} layer")

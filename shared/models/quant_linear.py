@@ -223,7 +223,7 @@ class GgufLinear(nn.Module):
         """The Q8_0 blocks back from their exact float32 dequantization (w = q d, the block's largest |q| is 127 as
         GGUF's quantizer writes it, so d = max |w| / 127 and q = w / d recover the file's values); (layer, whether
         they did: otherwise the weight is requantized to Q8_0 blocks, as llama.cpp would)."""
-        from kernels.cpu.gemv_gguf import BLOCK, Q8_0, pack_q8
+        from kernels.cpu.gemv_gguf import ACT_Q8, BLOCK, Q8_0, Q8X, pack_q8, pack_q8x, q4x_lanes
 
         n, k = weight.shape
         w = weight.detach().float().view(n, k // BLOCK, BLOCK)
@@ -231,7 +231,10 @@ class GgufLinear(nn.Module):
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.round(w / safe[..., None]).clamp(-127, 127)
         exact = bool(torch.equal(q * d[..., None], w))
-        return cls(*pack_q8(q.to(torch.int8).view(n, k), d), Q8_0, act, bias, "Q8_0"), exact
+        qs, scales = pack_q8(q.to(torch.int8).view(n, k), d)
+        if act == ACT_Q8 and _cpu_kernels() and n % q4x_lanes() == 0:  # rows interleaved, as from_q4's
+            return cls(*pack_q8x(qs, scales, q4x_lanes()), Q8X, act, bias, "Q8_0"), exact
+        return cls(qs, scales, Q8_0, act, bias, "Q8_0"), exact
 
     @classmethod
     def from_q8_16(cls, codes: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None, act: int,
