@@ -6,6 +6,7 @@
 //   fmt 1, Q8_0: qs int8 [N, K], scales float32 [N, K / 32] = d: w = q d.
 //   fmt 2, Q8_16 (GGUF Q6_K: 6-bit codes minus 32, one scale per 16): qs int8 [N, K], scales float32 [N, K / 16]:
 //     w = q d, d of the column's 16.
+//   fmt 3 / 4, Q4 / Q8_0 with the rows interleaved in groups (kQ4X, kQ8X below), int8 activations only.
 // Two ways to multiply, chosen per format by the caller (kernels/cpu/gemv_gguf.py, measured):
 //   act 0: the weights widened to float32 and multiplied by the float32 activations (the sum of q x per block,
 //     times d, plus m times the block's sum of x): the exact dequantized product up to float32 summation order.

@@ -1,6 +1,7 @@
 """Wrapper of gemv_gguf.cpp: float32 activations times a weight kept in GGUF blocks of 32 (Q4_0 / Q4_1, and Q4_K's
 sub-blocks, as one format, w = q d + m; Q8_0, w = q d; Q8_16, Q6_K's codes minus 32 with a scale per 16), in the
-kernel's layout (pack_q4 / pack_q8 / pack_q8_16 build it from the file's blocks).
+kernel's layout (pack_q4 / pack_q8 / pack_q8_16 build it from the file's blocks; pack_q4x / pack_q8x interleave the
+rows of Q4 and Q8_0 in groups for the int8-activation kernels, one vector lane a row).
 
 act: ACT_F32 multiplies the float32 activations by the weights widened in registers; ACT_Q8 first rounds each
 activation row to int8 blocks of 32 (d_x = max |x| / 127, round half to even) and multiplies codes by integer dot
