@@ -300,60 +300,49 @@ def test_avx2_build_matches_twins() -> None:
     assert r.returncode == 0 and "avx2 ok" in r.stdout, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("half", [True, False])
-def test_interleaved_q4_rows_match_the_plain_layout_and_the_twin(half) -> None:
-    """Q4X (rows interleaved in groups of the build's lanes, one vector lane a row): the same weights as the plain
-    blocks (unpacked back bit for bit), every step size within float32 summation of the twin, past 32 rows the
-    dequantized tiles, and a row's bits the same alone as in any batch."""
+def _interleaved_case(fmt: int, n: int, k: int, half: bool, g: torch.Generator):
+    """(plain fmt, plain blocks, interleaved blocks) of random weights: Q4 with float16 or float32 scales, or Q8_0
+    with codes of both signs, zero and the extremes."""
+    lanes = G.q4x_lanes()
+    d = torch.rand(n, k // 32, generator=g) * 0.02
+    if fmt == G.Q4X:
+        m = -8 * d + torch.randn(n, k // 32, generator=g) * 0.01
+        codes = torch.randint(0, 16, (n, k), generator=g)
+        plain = G.pack_q4(codes, d.half().float() if half else d, m.half().float() if half else m)
+        assert (plain[1].dtype == torch.float16) == half
+        return G.Q4, plain, G.pack_q4x(*plain, lanes), G.unpack_q4x
+    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    q[0, :8] = torch.tensor([-127, 127, 0, -1, 1, 0, -127, 127], dtype=torch.int8)
+    plain = G.pack_q8(q, d)
+    return G.Q8_0, plain, G.pack_q8x(*plain, lanes), G.unpack_q8x
+
+
+@pytest.mark.parametrize("fmt,half", [(G.Q4X, True), (G.Q4X, False), (G.Q8X, False)])
+def test_interleaved_rows_match_the_plain_layout_and_the_twin(fmt, half) -> None:
+    """Q4X / Q8X (rows interleaved in groups of the build's lanes, one vector lane a row): the same weights as the
+    plain blocks (unpacked back bit for bit), every step size within float32 summation of the twin, past 32 rows
+    the dequantized tiles, and a row's bits the same alone as in any batch."""
     lanes = G.q4x_lanes()
     assert lanes in (8, 16)
-    g = torch.Generator().manual_seed(21)
+    g = torch.Generator().manual_seed(21 + fmt)
     for n, k in ((lanes, 64), (3 * lanes, 576), (2 * lanes, 1056)):
-        codes = torch.randint(0, 16, (n, k), generator=g)
-        d = torch.rand(n, k // 32, generator=g) * 0.02
-        m = -8 * d + torch.randn(n, k // 32, generator=g) * 0.01
-        qs, sc = G.pack_q4(codes, d.half().float() if half else d, m.half().float() if half else m)
-        assert (sc.dtype == torch.float16) == half
-        qx, sx = G.pack_q4x(qs, sc, lanes)
-        assert all(torch.equal(a, b) for a, b in zip(G.unpack_q4x(qx, sx, lanes), (qs, sc)))
-        w = G.dequantize_ref(qs, sc, G.Q4)
-        assert torch.equal(G.dequantize_ref(qx, sx, G.Q4X), w)
+        base, (qs, sc), (qx, sx), unpack = _interleaved_case(fmt, n, k, half, g)
+        assert all(torch.equal(a, b) for a, b in zip(unpack(qx, sx, lanes), (qs, sc)))
+        w = G.dequantize_ref(qs, sc, base)
+        assert torch.equal(G.dequantize_ref(qx, sx, fmt), w)
         bias = torch.randn(n, generator=g)
         for rows in (1, 2, 3, 4, 5, 9, 32, 33):
             x = torch.randn(rows, k, generator=g)
-            out = G.linear_gguf(x, qx, sx, bias, G.Q4X, G.ACT_Q8)
-            _close(out, G.linear_gguf_ref(x, qs, sc, bias, G.Q4, G.ACT_Q8), x, w)
+            out = G.linear_gguf(x, qx, sx, bias, fmt, G.ACT_Q8)
+            _close(out, G.linear_gguf_ref(x, qs, sc, bias, base, G.ACT_Q8), x, w)
             if rows <= G.MAX_ROWS_Q8:
                 for r in (0, rows - 1):
-                    assert torch.equal(G.linear_gguf(x[r:r + 1], qx, sx, bias, G.Q4X, G.ACT_Q8), out[r:r + 1])
+                    assert torch.equal(G.linear_gguf(x[r:r + 1], qx, sx, bias, fmt, G.ACT_Q8), out[r:r + 1])
     with pytest.raises(AssertionError, match="int8 activations"):
-        G.linear_gguf(x, qx, sx, None, G.Q4X, G.ACT_F32)
+        G.linear_gguf(x, qx, sx, None, fmt, G.ACT_F32)
     with pytest.raises(RuntimeError, match="groups of"):
-        torch.ops.kvmesh_cpu.linear_gguf(torch.randn(1, 64), qs[:lanes - 1, :32].contiguous(),
-                                         sc[:lanes - 1, :2].contiguous(), None, G.Q4X, G.ACT_Q8)
-
-
-def test_interleaved_q8_0_rows_match_the_plain_layout_and_the_twin() -> None:
-    """Q8X (Q8_0 rows interleaved as Q4X): the plain blocks bit for bit when unpacked, every step size within
-    float32 summation of the twin (codes of both signs and zero, -127 and 127), a row's bits the same in any batch."""
-    lanes = G.q4x_lanes()
-    g = torch.Generator().manual_seed(22)
-    for n, k in ((lanes, 64), (3 * lanes, 576), (2 * lanes, 1056)):
-        q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
-        q[0, :8] = torch.tensor([-127, 127, 0, -1, 1, 0, -127, 127], dtype=torch.int8)
-        qs, sc = G.pack_q8(q, torch.rand(n, k // 32, generator=g) * 0.02)
-        qx, sx = G.pack_q8x(qs, sc, lanes)
-        assert all(torch.equal(a, b) for a, b in zip(G.unpack_q8x(qx, sx, lanes), (qs, sc)))
-        w = G.dequantize_ref(qs, sc, G.Q8_0)
-        assert torch.equal(G.dequantize_ref(qx, sx, G.Q8X), w)
-        bias = torch.randn(n, generator=g)
-        for rows in (1, 2, 3, 4, 5, 9, 32, 33):
-            x = torch.randn(rows, k, generator=g)
-            out = G.linear_gguf(x, qx, sx, bias, G.Q8X, G.ACT_Q8)
-            _close(out, G.linear_gguf_ref(x, qs, sc, bias, G.Q8_0, G.ACT_Q8), x, w)
-            if rows <= G.MAX_ROWS_Q8:
-                for r in (0, rows - 1):
-                    assert torch.equal(G.linear_gguf(x[r:r + 1], qx, sx, bias, G.Q8X, G.ACT_Q8), out[r:r + 1])
+        torch.ops.kvmesh_cpu.linear_gguf(torch.randn(1, 64), qs[:lanes - 1, :qs.shape[1] * 64 // k].contiguous(),
+                                         sc[:lanes - 1, :2].contiguous(), None, fmt, G.ACT_Q8)
 
 
 def test_gguf_linear_interleaves_q4_rows_where_it_can() -> None:

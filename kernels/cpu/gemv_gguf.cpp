@@ -465,6 +465,28 @@ inline float q4x_scale(at::Half v) {
   return sf(v);
 }
 
+// The interleaved kernels' common steps: a block's integer sums into the lanes' float32 sums (acc + isum d d_x),
+// and a group's n_out real outputs stored.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+inline __m512 add_block(__m512 acc, __m512i isum, __m512 d, float dx) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
+}
+
+inline void store_lanes(float* out, __m512 acc, int64_t n_out) {
+  _mm512_mask_storeu_ps(out, n_out >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n_out) - 1), acc);
+}
+#elif defined(KVMESH_GEMV_AVX2)
+inline __m256 add_block(__m256 acc, __m256i isum, __m256 d, float dx) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
+}
+
+inline void store_lanes(float* out, __m256 acc, int64_t n_out) {
+  alignas(32) float v[8];
+  _mm256_store_ps(v, acc);
+  for (int64_t i = 0; i < n_out; ++i) out[i] = v[i];
+}
+#endif
+
 // Outputs of one group of kLanes weight rows (n_out of them real) for RB activation rows: out[r * ldo + i] =
 // sum_b (d_i d_x isum + m_i s_x), block by block in order, in float32, the same operations for every row (a
 // row's bits do not depend on its batch).
@@ -499,14 +521,10 @@ inline void q4x_group(const uint8_t* q, const S* sc, int64_t nb, const int8_t* x
       d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * 2 * kLanes)));
       m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * 2 * kLanes + kLanes)));
     }
-    for (int r = 0; r < RB; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * ldb + b])),
-                               acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldb + b]), acc[r]);
-    }
+    for (int r = 0; r < RB; ++r)
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ldb + b]), add_block(acc[r], isum[r], d, xd[r * ldb + b]));
   }
-  const __mmask16 keep = n_out >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n_out) - 1);
-  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+  for (int r = 0; r < RB; ++r) store_lanes(out + r * ldo, acc[r], n_out);
 #elif defined(KVMESH_GEMV_AVX2)
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -530,17 +548,10 @@ inline void q4x_group(const uint8_t* q, const S* sc, int64_t nb, const int8_t* x
       }
     }
     const __m256 d = load8(sc + b * 2 * kLanes), m = load8(sc + b * 2 * kLanes + kLanes);
-    for (int r = 0; r < RB; ++r) {
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * ldb + b])),
-                               acc[r]);
-      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * ldb + b]), acc[r]);
-    }
+    for (int r = 0; r < RB; ++r)
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * ldb + b]), add_block(acc[r], isum[r], d, xd[r * ldb + b]));
   }
-  for (int r = 0; r < RB; ++r) {
-    alignas(32) float v[8];
-    _mm256_store_ps(v, acc[r]);
-    for (int64_t i = 0; i < n_out; ++i) out[r * ldo + i] = v[i];
-  }
+  for (int r = 0; r < RB; ++r) store_lanes(out + r * ldo, acc[r], n_out);
 #else
   for (int r = 0; r < RB; ++r) {
     for (int64_t i = 0; i < n_out; ++i) {
@@ -586,12 +597,9 @@ inline void q8x_group(const int8_t* q, const float* sc, int64_t nb, const int8_t
       }
     }
     const __m512 d = _mm512_loadu_ps(sc + b * kLanes);
-    for (int r = 0; r < RB; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * ldb + b])),
-                               acc[r]);
+    for (int r = 0; r < RB; ++r) acc[r] = add_block(acc[r], isum[r], d, xd[r * ldb + b]);
   }
-  const __mmask16 keep = n_out >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n_out) - 1);
-  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+  for (int r = 0; r < RB; ++r) store_lanes(out + r * ldo, acc[r], n_out);
 #elif defined(KVMESH_GEMV_AVX2)
   __m256 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -612,15 +620,9 @@ inline void q8x_group(const int8_t* q, const float* sc, int64_t nb, const int8_t
       }
     }
     const __m256 d = _mm256_loadu_ps(sc + b * kLanes);
-    for (int r = 0; r < RB; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * ldb + b])),
-                               acc[r]);
+    for (int r = 0; r < RB; ++r) acc[r] = add_block(acc[r], isum[r], d, xd[r * ldb + b]);
   }
-  for (int r = 0; r < RB; ++r) {
-    alignas(32) float v[8];
-    _mm256_store_ps(v, acc[r]);
-    for (int64_t i = 0; i < n_out; ++i) out[r * ldo + i] = v[i];
-  }
+  for (int r = 0; r < RB; ++r) store_lanes(out + r * ldo, acc[r], n_out);
 #else
   for (int r = 0; r < RB; ++r) {
     for (int64_t i = 0; i < n_out; ++i) {
