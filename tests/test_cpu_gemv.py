@@ -345,6 +345,24 @@ def test_interleaved_rows_match_the_plain_layout_and_the_twin(fmt, half) -> None
                                          sc[:lanes - 1, :2].contiguous(), None, fmt, G.ACT_Q8)
 
 
+@pytest.mark.parametrize("fmt", [G.Q4X, G.Q8X, G.Q4, G.Q8_0])
+def test_bf16_activations_give_the_float32_paths_bits_rounded_once(fmt) -> None:
+    """A bf16 model's activations go in as they are (the interleaved kernels read and write bf16; the others
+    convert): the same bits as the float32 call on the same values, rounded to bf16 once, with or without a bias."""
+    lanes = G.q4x_lanes()
+    g = torch.Generator().manual_seed(31)
+    interleaved = fmt in (G.Q4X, G.Q8X)
+    _, plain, packed, _ = _interleaved_case(G.Q4X if fmt in (G.Q4X, G.Q4) else G.Q8X, 2 * lanes, 576, True, g)
+    qs, sc = packed if interleaved else plain
+    bias = torch.randn(2 * lanes, generator=g)
+    for rows in (1, 3, 4, 7, 33):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        for b in (None, bias):
+            got = G.linear_gguf(x, qs, sc, b, fmt, G.ACT_Q8)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, G.linear_gguf(x.float(), qs, sc, b, fmt, G.ACT_Q8).bfloat16()), (rows, b is None)
+
+
 def test_gguf_linear_interleaves_q4_rows_where_it_can() -> None:
     lanes = G.q4x_lanes()
     g = torch.Generator().manual_seed(5)

@@ -91,8 +91,7 @@ at::Tensor apply(const Stack& s, int64_t id, const at::Tensor& x) {
     case kW16:
       return linear_w16(x, l.a, l.bias);
     case kGguf:
-      if (x.scalar_type() == at::kFloat) return linear_gguf(x, l.a, *l.b, l.bias, l.group % 8, l.group / 8);
-      return linear_gguf(x.to(at::kFloat), l.a, *l.b, l.bias, l.group % 8, l.group / 8).to(x.scalar_type());
+      return linear_gguf(x, l.a, *l.b, l.bias, l.group % 8, l.group / 8);  // bf16 activations too
     case kDp:
       return linear_dpbf16(x, l.a, l.group, l.bias);
   }

@@ -475,24 +475,31 @@ inline __m512 add_block(__m512 acc, __m512i isum, __m512 d, float dx) {
 inline void store_lanes(float* out, __m512 acc, int64_t n_out) {
   _mm512_mask_storeu_ps(out, n_out >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n_out) - 1), acc);
 }
+
+inline void store_lanes(uint16_t* out, __m512 acc, int64_t n_out) {  // bf16 outputs, rounded to nearest even
+  alignas(64) float v[16];
+  _mm512_store_ps(v, acc);
+  for (int64_t i = 0; i < n_out; ++i) out[i] = float_to_bf16(v[i]);
+}
 #elif defined(KVMESH_GEMV_AVX2)
 inline __m256 add_block(__m256 acc, __m256i isum, __m256 d, float dx) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
 }
 
-inline void store_lanes(float* out, __m256 acc, int64_t n_out) {
+template <typename O>
+inline void store_lanes(O* out, __m256 acc, int64_t n_out) {
   alignas(32) float v[8];
   _mm256_store_ps(v, acc);
-  for (int64_t i = 0; i < n_out; ++i) out[i] = v[i];
+  for (int64_t i = 0; i < n_out; ++i) Act<O>::store(out + i, v[i]);
 }
 #endif
 
 // Outputs of one group of kLanes weight rows (n_out of them real) for RB activation rows: out[r * ldo + i] =
 // sum_b (d_i d_x isum + m_i s_x), block by block in order, in float32, the same operations for every row (a
 // row's bits do not depend on its batch).
-template <int RB, typename S>
+template <int RB, typename S, typename O>
 inline void q4x_group(const uint8_t* q, const S* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
-                      const float* xs, int64_t ldb, float* out, int64_t ldo, int64_t n_out) {
+                      const float* xs, int64_t ldb, O* out, int64_t ldo, int64_t n_out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
@@ -567,7 +574,7 @@ inline void q4x_group(const uint8_t* q, const S* sc, int64_t nb, const int8_t* x
         a = std::fma(float(isum), d * xd[r * ldb + b], a);
         a = std::fma(m, xs[r * ldb + b], a);
       }
-      out[r * ldo + i] = a;
+      Act<O>::store(out + r * ldo + i, a);
     }
   }
 #endif
@@ -575,9 +582,9 @@ inline void q4x_group(const uint8_t* q, const S* sc, int64_t nb, const int8_t* x
 
 // Outputs of one group of kLanes Q8_0 rows for RB activation rows, as q4x_group: out = sum_b d_i d_x isum. The
 // byte products need an unsigned operand: |w| times the activation codes with w's signs.
-template <int RB>
+template <int RB, typename O>
 inline void q8x_group(const int8_t* q, const float* sc, int64_t nb, const int8_t* xq, int64_t ldq, const float* xd,
-                      int64_t ldb, float* out, int64_t ldo, int64_t n_out) {
+                      int64_t ldb, O* out, int64_t ldo, int64_t n_out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   __m512 acc[RB];
   for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
@@ -633,7 +640,7 @@ inline void q8x_group(const int8_t* q, const float* sc, int64_t nb, const int8_t
         for (int j = 0; j < QK; ++j) isum += int32_t(qb[(j / 4) * 4 * kLanes + 4 * i + j % 4]) * xq[r * ldq + QK * b + j];
         a = std::fma(float(isum), sc[b * kLanes + i] * xd[r * ldb + b], a);
       }
-      out[r * ldo + i] = a;
+      Act<O>::store(out + r * ldo + i, a);
     }
   }
 #endif
@@ -651,11 +658,14 @@ constexpr bool kPairedQ4 = false;
 #endif
 
 // Each activation row in blocks of 32: d = max |x| / 127, q = round-half-even(x * 127 / max |x|), s = d * sum(q).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, bool paired) {
+// T: float, or uint16_t (bf16 activations, read as the float32 values they are).
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* xd, float* xs, bool paired) {
   const int64_t nb = K / QK, grouped = paired ? nb / 8 * 8 : 0;
   for (int64_t i = 0; i < M * nb; ++i) {
     const int64_t row = i / nb, b = i % nb;
-    const float* v = x + i * QK;
+    float v[QK];
+    for (int j = 0; j < QK; ++j) v[j] = Act<T>::load(x + i * QK + j);
     float amax = 0.f;
     for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
     const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
@@ -739,16 +749,21 @@ void dequant_rows(int64_t fmt, const uint8_t* qs, const S* sc, int64_t K, int64_
 
 // The interleaved formats' product (kQ4X, kQ8X): int8 activations up to kMaxRowsQ8 rows (groups of kLanes outputs
 // in parallel, passes of up to four activation rows), dequantized float32 tiles above.
-template <typename S>
+template <typename S, typename T>
 at::Tensor product_x(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t N, int64_t fmt) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  if (M > kMaxRowsQ8)
-    return gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(fmt, qp, sp, K, n0, n1, dst); });
+  if (M > kMaxRowsQ8) {
+    const at::Tensor xf = x.to(at::kFloat);
+    at::Tensor out = gemv::tiled(xf, N, K, [&](int64_t n0, int64_t n1, float* dst) {
+      dequant_rows(fmt, qp, sp, K, n0, n1, dst);
+    });
+    return out.to(x.scalar_type());
+  }
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * nb), xs(M * nb);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xs.data(), false);
+  quantize_rows(ptr<T>(x), M, K, xq.data(), xd.data(), xs.data(), false);
   at::Tensor out = at::empty({M, N}, x.options());
-  float* op = out.data_ptr<float>();
+  T* op = ptr<T>(out);
   const bool q4 = fmt == kQ4X;
   const int64_t groups = (N + kLanes - 1) / kLanes, group_bytes = kLanes * (q4 ? K / 2 : K);
   const int64_t group_scales = nb * (q4 ? 2 : 1) * kLanes;
@@ -785,7 +800,6 @@ at::Tensor product(const at::Tensor& x, const uint8_t* qp, const S* sp, int64_t 
   const int64_t row_bytes = fmt == kQ4 ? K / 2 : K;
   const float* xp = x.data_ptr<float>();
   const int8_t* q8 = reinterpret_cast<const int8_t*>(qp);
-  if (fmt == kQ4X || fmt == kQ8X) return product_x(x, qp, sp, N, fmt);
   if (M > (act == 1 ? kMaxRowsQ8 : gemv::kMaxRows))
     return gemv::tiled(x, N, K, [&](int64_t n0, int64_t n1, float* dst) { dequant_rows(fmt, qp, sp, K, n0, n1, dst); });
   at::Tensor out = at::empty({M, N}, x.options());
@@ -856,8 +870,9 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const bool interleaved = fmt == kQ4X || fmt == kQ8X;
   TORCH_CHECK(!interleaved || act == 1, "linear_gguf: interleaved rows take int8 activations (act 1)");
   TORCH_CHECK(act == 0 || act == 1, "linear_gguf: act 0 (float32) or 1 (int8), got ", act);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "linear_gguf: x [rows, in] float32 contiguous");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.is_contiguous(),
+              "linear_gguf: x [rows, in] float32 or bfloat16 contiguous");
   const int64_t K = x.size(1), N = qs.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0, "linear_gguf: in features ", K, " not a multiple of 32");
   const bool q4 = fmt == kQ4 || fmt == kQ4X;
@@ -871,10 +886,23 @@ at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                   scales.numel() == N * sc_per_row,
               "linear_gguf: scales float32 (Q4: or float16) [out, ", sc_per_row, " per row] contiguous");
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(qs.data_ptr());
-  at::Tensor out = half ? product(x, qp, scales.data_ptr<at::Half>(), N, fmt, act)
-                        : product(x, qp, scales.data_ptr<float>(), N, fmt, act);
+  if (interleaved && (x.scalar_type() == at::kFloat || !bias)) {
+    // bf16 activations (a bf16 model's) are read and written as they are: no conversion ops around a batch-1
+    // step's matmuls. With a bias they take the float32 path below, so the sum is rounded to bf16 once.
+    return KVMESH_DISPATCH_ACT(x.scalar_type(), "linear_gguf", [&] {
+      at::Tensor out = half ? product_x<at::Half, T>(x, qp, scales.data_ptr<at::Half>(), N, fmt)
+                            : product_x<float, T>(x, qp, scales.data_ptr<float>(), N, fmt);
+      gemv::add_bias(out, bias);
+      return out;
+    });
+  }
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor out = interleaved ? (half ? product_x<at::Half, float>(xf, qp, scales.data_ptr<at::Half>(), N, fmt)
+                                       : product_x<float, float>(xf, qp, scales.data_ptr<float>(), N, fmt))
+                 : half ? product(xf, qp, scales.data_ptr<at::Half>(), N, fmt, act)
+                        : product(xf, qp, scales.data_ptr<float>(), N, fmt, act);
   gemv::add_bias(out, bias);
-  return out;
+  return out.to(x.scalar_type());
 }
 
 int64_t gguf_q4x_lanes() {

@@ -99,7 +99,8 @@ def check(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.T
           act: int) -> None:
     assert fmt in (Q4, Q8_0, Q8_16, Q4X, Q8X) and act in (ACT_F32, ACT_Q8), f"fmt {fmt}, act {act}"
     assert fmt not in (Q4X, Q8X) or act == ACT_Q8, "interleaved rows take int8 activations"
-    assert x.dim() == 2 and x.dtype == torch.float32, f"x [rows, in] float32, got {x.dtype} {tuple(x.shape)}"
+    assert x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16), \
+        f"x [rows, in] float32 or bfloat16, got {x.dtype} {tuple(x.shape)}"
     k = x.shape[1]
     assert k % BLOCK == 0, f"in features {k} not a multiple of {BLOCK}"
     n = qs.shape[0]
@@ -120,7 +121,7 @@ def linear_gguf(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: t
 
 def linear_gguf_fake(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
                      act: int) -> torch.Tensor:
-    """The op's output for tracing (torch.compile of a step through GgufLinear): [rows, out] float32."""
+    """The op's output for tracing (torch.compile of a step through GgufLinear): [rows, out] in x's dtype."""
     return x.new_empty((x.shape[0], qs.shape[0]))
 
 
@@ -154,5 +155,6 @@ def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
 def linear_gguf_ref(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fmt: int,
                     act: int) -> torch.Tensor:
     check(x, qs, scales, bias, fmt, act)
-    xa = quantize_act_ref(x) if act == ACT_Q8 and x.shape[0] <= MAX_ROWS_Q8 else x
-    return F.linear(xa, dequantize_ref(qs, scales, fmt), bias)
+    xf = x.float()
+    xa = quantize_act_ref(xf) if act == ACT_Q8 and xf.shape[0] <= MAX_ROWS_Q8 else xf
+    return F.linear(xa, dequantize_ref(qs, scales, fmt), bias).to(x.dtype)

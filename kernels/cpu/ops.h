@@ -36,8 +36,9 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& w, const std::optio
 at::Tensor linear_dpbf16(const at::Tensor& x, const at::Tensor& w, int64_t out_features,
                          const std::optional<at::Tensor>& bias);
 
-// x [rows, in] float32 times a weight in GGUF blocks (gemv_gguf.cpp: fmt 0 Q4_0/Q4_1, 1 Q8_0; act 0 float32
-// activations, 1 int8 activations), plus bias: [rows, out] float32.
+// x [rows, in] float32 or bfloat16 times a weight in GGUF blocks (gemv_gguf.cpp: fmt 0 Q4_0/Q4_1, 1 Q8_0, 2 Q6_K,
+// 3 / 4 Q4 / Q8_0 rows interleaved; act 0 float32 activations, 1 int8 activations), plus bias: [rows, out] in x's
+// dtype.
 at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias, int64_t fmt, int64_t act);
 

@@ -252,10 +252,11 @@ class GgufLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from kernels.cpu.gemv_gguf import linear_gguf, linear_gguf_ref
 
-        # A bf16 model's activations (a CPU whose bf16 matmuls are the kernels' own) are widened to float32 here.
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        # A bf16 model's activations (a CPU whose bf16 matmuls are the kernels' own) go in as they are: the kernel
+        # reads bf16 and returns the activations' dtype.
+        x2 = x.reshape(-1, self.in_features).contiguous()
         out = (linear_gguf if self.native else linear_gguf_ref)(x2, self.qs, self.scales, self.bias, self.fmt, self.act)
-        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.gguf_type}, "
