@@ -133,7 +133,8 @@ class ModelRunner:
         self.native, why = native_decode_for(model, device)
         self.own_loops = False
         if device == "cpu":
-            log.info("CPU step path: %s", f"C++ decoder stack for steps of chunks <= {MAX_CHUNK} rows ({why})"
+            log.info("CPU step path: %s", f"C++ decoder stack for steps of chunks <= {MAX_CHUNK} rows or whole "
+                     f"prompts <= {self.native.short_prompt} tokens ({why})"
                      if self.native is not None else f"Python, torch twins ({why})")
             if native_available():
                 log.info("%s", choose_kernel_threads(model))

@@ -187,8 +187,9 @@ class WeightLinear(nn.Module):
 
 
 class GgufLinear(nn.Module):
-    """float32 activations times a weight in GGUF blocks (Q4_0/Q4_1/Q4_K, Q8_0 or Q6_K; kernels/cpu/gemv_gguf.py),
-    with the activations rounded to int8 blocks (act ACT_Q8) or not (ACT_F32) in steps of at most 16 rows."""
+    """float32 (or bf16) activations times a weight in GGUF blocks (Q4_0/Q4_1/Q4_K, Q8_0 or Q6_K;
+    kernels/cpu/gemv_gguf.py), with the activations rounded to int8 blocks (act ACT_Q8) or not (ACT_F32) in the
+    block kernels' steps; the output in the activations' dtype."""
 
     def __init__(self, qs: torch.Tensor, scales: torch.Tensor, fmt: int, act: int, bias: torch.Tensor | None,
                  gguf_type: str) -> None:
