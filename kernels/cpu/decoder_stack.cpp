@@ -10,7 +10,7 @@
 // kernels of this folder. On CPUs without native bf16 the float32 model's weights can stay compact: 16-bit weights
 // (kW16, gemv_bf16.cpp) or GGUF blocks (kGguf, gemv_gguf.cpp), the kernels WeightLinear / GgufLinear call; on
 // CPUs with AVX512-BF16 a bf16 model's weights are DpLinear's (kDp, gemv_dpbf16.cpp), and its GGUF layers take
-// the bf16 activations widened to float32.
+// the bf16 activations as they are.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

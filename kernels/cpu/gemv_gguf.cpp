@@ -457,14 +457,6 @@ inline void q8_q8_rows(const int8_t* q, int64_t row_bytes, const float* sc, int6
 
 // ---- kQ4X: interleaved Q4 rows, int8 activations -----------------------------------------------------------
 
-inline float q4x_scale(float v) {
-  return v;
-}
-
-inline float q4x_scale(at::Half v) {
-  return sf(v);
-}
-
 // The interleaved kernels' common steps: a block's integer sums into the lanes' float32 sums (acc + isum d d_x),
 // and a group's n_out real outputs stored.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -570,7 +562,7 @@ inline void q4x_group(const uint8_t* q, const S* sc, int64_t nb, const int8_t* x
           const uint8_t byte = qb[(j / 4) * 4 * kLanes + 4 * i + j % 4];
           isum += int32_t(byte & 15) * xq[r * ldq + QK * b + j] + int32_t(byte >> 4) * xq[r * ldq + QK * b + 16 + j];
         }
-        const float d = q4x_scale(sc[b * 2 * kLanes + i]), m = q4x_scale(sc[b * 2 * kLanes + kLanes + i]);
+        const float d = sf(sc[b * 2 * kLanes + i]), m = sf(sc[b * 2 * kLanes + kLanes + i]);
         a = std::fma(float(isum), d * xd[r * ldb + b], a);
         a = std::fma(m, xs[r * ldb + b], a);
       }

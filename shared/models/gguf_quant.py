@@ -22,7 +22,7 @@ with float32 d and m, Q8_0 codes with float32 d (recovered exactly from the dequ
 `--dtype auto` chose float32 for lack of native bf16; `--quantization gguf` picks it for any float32 serving.
 
 In bf16 on a CPU whose bf16 matmuls are the kernels' own (AVX512-BF16 without AMX, shared/models/dp_linear.py) the
-blocks go to the same GgufLinear kernels, the bf16 activations widened to float32 (Q8_0 blocks rebuilt from the
+blocks go to the same GgufLinear kernels, which take the bf16 activations as they are (Q8_0 blocks rebuilt from the
 bf16 weights: d within a bf16 rounding of the file's), and the hybrid's twin is a DpLinear: every matmul is then on
 the kernels' own threads. The int4/int8 layers above serve bf16 elsewhere (AMX CPUs, KVMESH_CPU_BF16_LINEAR=onednn).
 """
@@ -203,7 +203,7 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
     types = gguf_types(model_dir)
     float32 = model.norm.weight.dtype == torch.float32
     # bf16 on a CPU whose bf16 matmuls are the kernels' own (shared/models/dp_linear.py): the blocks go to the
-    # GGUF kernels too (the bf16 activations widened to float32), so every matmul is on the kernels' threads.
+    # GGUF kernels too (they take bf16 activations), so every matmul is on the kernels' threads.
     own = not float32 and model.norm.weight.dtype == torch.bfloat16 and dp_linear_choice()[0]
     if own and dense_above is not None:
         dense_above = OWN_HYBRID_MAX_ROWS
@@ -243,7 +243,7 @@ def apply_gguf_blocks(model: nn.Module, model_dir: str | Path, tie_word_embeddin
         return served
     if own:
         log.info("GGUF weights served as stored on CPU, bf16 compute: %s; C++ block kernels (kernels/cpu/gemv_gguf.cpp, "
-                 "the activations widened to float32; Q8_0 blocks rebuilt from the bf16 weights)%s; kept "
+                 "bf16 activations in; Q8_0 blocks rebuilt from the bf16 weights)%s; kept "
                  "dequantized: %s", served_text, "" if dense_above is None else
                  f"; a bf16 twin on the AVX512-BF16 kernel serves steps of more than {dense_above} rows", kept_text)
         return served
