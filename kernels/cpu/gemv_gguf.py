@@ -1,4 +1,4 @@
-"""Wrapper of gemv_gguf.cpp: float32 activations times a weight kept in GGUF blocks of 32 (Q4_0 / Q4_1, and Q4_K's
+"""Wrapper of gemv_gguf.cpp: float32 (or bf16) activations times a weight kept in GGUF blocks of 32 (Q4_0 / Q4_1, and Q4_K's
 sub-blocks, as one format, w = q d + m; Q8_0, w = q d; Q8_16, Q6_K's codes minus 32 with a scale per 16), in the
 kernel's layout (pack_q4 / pack_q8 / pack_q8_16 build it from the file's blocks; pack_q4x / pack_q8x interleave the
 rows of Q4 and Q8_0 in groups for the int8-activation kernels, one vector lane a row).
@@ -43,42 +43,44 @@ def q4x_lanes() -> int:
     return int(torch.ops.kvmesh_cpu.gguf_q4x_lanes())
 
 
+def _interleave(qs: torch.Tensor, scales: torch.Tensor, lanes: int, chunks: int, unpack: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of each group of `lanes` interleaved (or, unpack, back): per block, `chunks` chunks of lanes x 4
+    bytes (chunk c: bytes 4c .. 4c + 3 of each row's block), and the block's scales (per row: 2 for Q4, 1 for
+    Q8_0) as [scales a row, lanes]. Same shapes as the plain layout."""
+    n, row_bytes = qs.shape
+    assert n % lanes == 0, f"{n} rows are not groups of {lanes}"
+    g, nb = n // lanes, row_bytes // (4 * chunks)
+    per = scales.numel() // (n * nb)
+    if unpack:
+        x = qs.view(g, nb, chunks, lanes, 4).permute(0, 3, 1, 2, 4)
+        sx = scales.reshape(g, nb, per, lanes).permute(0, 3, 1, 2)
+    else:
+        x = qs.view(g, lanes, nb, chunks, 4).permute(0, 2, 3, 1, 4)
+        sx = scales.reshape(g, lanes, nb, per).permute(0, 2, 3, 1)
+    return x.reshape(qs.shape).contiguous(), sx.reshape(scales.shape).contiguous()
+
+
 def pack_q4x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pack_q4's (qs, scales) with each group of `lanes` rows interleaved, same shapes: for group g and block b,
     4 chunks of lanes x 4 bytes (chunk c: bytes 4c .. 4c + 3 of each row's block), and the scales as [groups,
     blocks, 2, lanes] (the rows' d, then their m), so one vector lane accumulates one row."""
-    n, half = qs.shape
-    assert n % lanes == 0, f"{n} rows are not groups of {lanes}"
-    nb = half // 16
-    x = qs.view(n // lanes, lanes, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(n, half).contiguous()
-    sx = scales.view(n // lanes, lanes, nb, 2).permute(0, 2, 3, 1).reshape(n, nb, 2).contiguous()
-    return x, sx
+    return _interleave(qs, scales, lanes, 4)
 
 
 def unpack_q4x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n, half = qs.shape
-    nb = half // 16
-    x = qs.view(n // lanes, nb, 4, lanes, 4).permute(0, 3, 1, 2, 4).reshape(n, half)
-    sx = scales.view(n // lanes, nb, 2, lanes).permute(0, 3, 1, 2).reshape(n, nb, 2)
-    return x, sx
+    return _interleave(qs, scales, lanes, 4, unpack=True)
 
 
 def pack_q8x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """pack_q8's (qs, scales) with each group of `lanes` rows interleaved, same shapes: for group g and block b,
     8 chunks of lanes x 4 codes (chunk c: codes 4c .. 4c + 3 of each row's block), the scales as [groups, blocks,
     lanes]."""
-    n, k = qs.shape
-    assert n % lanes == 0, f"{n} rows are not groups of {lanes}"
-    nb = k // BLOCK
-    x = qs.view(n // lanes, lanes, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(n, k).contiguous()
-    return x, scales.view(n // lanes, lanes, nb).permute(0, 2, 1).reshape(n, nb).contiguous()
+    return _interleave(qs, scales, lanes, 8)
 
 
 def unpack_q8x(qs: torch.Tensor, scales: torch.Tensor, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n, k = qs.shape
-    nb = k // BLOCK
-    x = qs.view(n // lanes, nb, 8, lanes, 4).permute(0, 3, 1, 2, 4).reshape(n, k)
-    return x, scales.view(n // lanes, nb, lanes).permute(0, 2, 1).reshape(n, nb)
+    return _interleave(qs, scales, lanes, 8, unpack=True)
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,6 +159,17 @@ def _cpu_kernels() -> bool:
     return native_available()
 
 
+def _interleaved_lanes(rows: int, act: int) -> int | None:
+    """The group size GgufLinear interleaves rows by (kernels/cpu/gemv_gguf.py's pack_q4x / pack_q8x), or None: int8
+    activations on the C++ kernels and a whole number of groups."""
+    from kernels.cpu.gemv_gguf import ACT_Q8, q4x_lanes
+
+    if act != ACT_Q8 or not _cpu_kernels():
+        return None
+    lanes = q4x_lanes()
+    return lanes if rows % lanes == 0 else None
+
+
 class WeightLinear(nn.Module):
     """float32 activations times a bfloat16 / float16 weight (kernels/cpu/gemv_bf16.py)."""
 
@@ -212,11 +223,12 @@ class GgufLinear(nn.Module):
         activations and the C++ kernels the rows are interleaved in groups (Q4X, kernels/cpu/gemv_gguf.py's
         pack_q4x) where their number allows: one vector lane per row, no sums across lanes (at 1 row 1.4x faster
         on AVX-512 VNNI, 1.37x on AVX2, measured at Qwen3-0.6B's shapes; 1.05-1.6x at 2-8 rows)."""
-        from kernels.cpu.gemv_gguf import ACT_Q8, Q4, Q4X, pack_q4, pack_q4x, q4x_lanes
+        from kernels.cpu.gemv_gguf import Q4, Q4X, pack_q4, pack_q4x
 
         qs, scales = pack_q4(codes, d, m)
-        if act == ACT_Q8 and _cpu_kernels() and codes.shape[0] % q4x_lanes() == 0:
-            return cls(*pack_q4x(qs, scales, q4x_lanes()), Q4X, act, bias, gguf_type)
+        lanes = _interleaved_lanes(codes.shape[0], act)
+        if lanes:
+            return cls(*pack_q4x(qs, scales, lanes), Q4X, act, bias, gguf_type)
         return cls(qs, scales, Q4, act, bias, gguf_type)
 
     @classmethod
@@ -224,7 +236,7 @@ class GgufLinear(nn.Module):
         """The Q8_0 blocks back from their exact float32 dequantization (w = q d, the block's largest |q| is 127 as
         GGUF's quantizer writes it, so d = max |w| / 127 and q = w / d recover the file's values); (layer, whether
         they did: otherwise the weight is requantized to Q8_0 blocks, as llama.cpp would)."""
-        from kernels.cpu.gemv_gguf import ACT_Q8, BLOCK, Q8_0, Q8X, pack_q8, pack_q8x, q4x_lanes
+        from kernels.cpu.gemv_gguf import BLOCK, Q8_0, Q8X, pack_q8, pack_q8x
 
         n, k = weight.shape
         w = weight.detach().float().view(n, k // BLOCK, BLOCK)
@@ -233,8 +245,9 @@ class GgufLinear(nn.Module):
         q = torch.round(w / safe[..., None]).clamp(-127, 127)
         exact = bool(torch.equal(q * d[..., None], w))
         qs, scales = pack_q8(q.to(torch.int8).view(n, k), d)
-        if act == ACT_Q8 and _cpu_kernels() and n % q4x_lanes() == 0:  # rows interleaved, as from_q4's
-            return cls(*pack_q8x(qs, scales, q4x_lanes()), Q8X, act, bias, "Q8_0"), exact
+        lanes = _interleaved_lanes(n, act)  # rows interleaved, as from_q4's
+        if lanes:
+            return cls(*pack_q8x(qs, scales, lanes), Q8X, act, bias, "Q8_0"), exact
         return cls(qs, scales, Q8_0, act, bias, "Q8_0"), exact
 
     @classmethod
